@@ -1,0 +1,50 @@
+"""The thin front: ``kvsim <command> ...``. Each command lives in ``kvsim/commands/<name>.py``
+with ``add_parser(subparsers)`` and ``run(args) -> int``; the logic lives in the library.
+
+User errors (:class:`KvsimError`) print one line on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import kvsim.commands
+from kvsim import __version__
+from kvsim.errors import KvsimError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, like every other user error
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvsim", description=__doc__.split("\n\n")[0].replace("\n", " "),
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvsim {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for mod in sorted(pkgutil.iter_modules(kvsim.commands.__path__), key=lambda m: m.name):
+        if not mod.name.startswith("_"):
+            importlib.import_module(f"kvsim.commands.{mod.name}").add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except KvsimError as e:
+        print(f"kvsim {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"kvsim {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Printing helpers for commands: aligned tables and JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+
+def _jsonable(x):
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if hasattr(x, "tolist"):
+        return _jsonable(x.tolist())
+    return x
+
+
+def print_json(obj) -> None:
+    json.dump(_jsonable(obj), sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def fmt(x) -> str:
+    if isinstance(x, float):
+        if x == 0 or not math.isfinite(x):
+            return f"{x:g}"
+        return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
+    return str(x)
+
+
+def table(rows: list[dict], columns: list[str] | None = None, file=None) -> None:
+    """Rows as an aligned text table (numbers right-aligned)."""
+    file = file or sys.stdout
+    if not rows:
+        print("(no rows)", file=file)
+        return
+    columns = columns or list(rows[0])
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    numeric = [all(isinstance(r.get(c), (int, float)) for r in rows) for c in columns]
+    line = lambda vals: "  ".join(v.rjust(w) if n else v.ljust(w)  # noqa: E731
+                                  for v, w, n in zip(vals, widths, numeric)).rstrip()
+    print(line(columns), file=file)
+    print("  ".join("-" * w for w in widths), file=file)
+    for row in cells:
+        print(line(row), file=file)

@@ -1,0 +1,1 @@
+"""Hardware: spec catalogs and the cost functions the simulator charges."""

@@ -1,0 +1,126 @@
+"""Spec catalogs: GPUs (from public datasheets and measurements) and model shapes (from configs).
+
+Every entry carries its public source; reports quote it as the provenance of the figure used.
+A profiled trace (``kvsim profile``) replaces these numbers with measured ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvsim.errors import KvsimError
+
+GiB = 1024**3
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    hbm_gib: float  # usable HBM as reported by the driver
+    hbm_gbps: float  # spec HBM bandwidth, GB/s
+    bf16_tflops: float  # dense bf16 tensor-core TFLOP/s
+    link: str  # host link kind
+    link_theoretical_gbps: float  # per direction
+    h2d_gbps: float  # measured H2D, pinned, large copies
+    copy_alpha_us: float  # per-copy submission latency
+    source: str
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.hbm_gib} GiB HBM at {self.hbm_gbps:.0f} GB/s, "
+                f"{self.bf16_tflops:.0f} bf16 TFLOP/s, {self.link} (H2D {self.h2d_gbps} GB/s)")
+
+
+_DESIGN = "kvsim design note (NVIDIA datasheets; nvbandwidth issue threads; vLLM KV-offloading blog)"
+GPUS: dict[str, GPUSpec] = {g.name: g for g in [
+    GPUSpec("a100-40gb", 39.5, 1555, 312, "PCIe Gen4 x16", 31.5, 25.0, 5.0,
+            f"NVIDIA A100 datasheet (40GB HBM2, 1,555 GB/s, 312 TFLOP/s bf16); {_DESIGN}"),
+    GPUSpec("a100-80gb", 79.2, 2039, 312, "PCIe Gen4 x16", 31.5, 25.0, 5.0,
+            f"NVIDIA A100 datasheet (80GB HBM2e SXM, 2,039 GB/s, 312 TFLOP/s bf16); {_DESIGN}"),
+    GPUSpec("h100-pcie", 79.6, 2000, 756, "PCIe Gen5 x16", 63.0, 50.0, 5.0,
+            "NVIDIA H100 datasheet (PCIe: 80GB HBM2e, 2.0 TB/s, 756 TFLOP/s bf16 dense); "
+            "H2D assumed as H100 SXM (same Gen5 x16 link)"),
+    GPUSpec("h100-sxm", 79.6, 3350, 989, "PCIe Gen5 x16", 63.0, 52.0, 5.0,
+            f"NVIDIA H100 datasheet (SXM: 80GB HBM3, 3.35 TB/s, 989 TFLOP/s bf16 dense); "
+            f"H2D ~50-57 GB/s measured, 52 used; {_DESIGN}"),
+    GPUSpec("h200", 140.4, 4800, 989, "PCIe Gen5 x16", 63.0, 52.0, 5.0,
+            "NVIDIA H200 datasheet (SXM: 141GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense); "
+            "H2D not published, assumed equal to H100 SXM (same Gen5 x16 link)"),
+    GPUSpec("gh200", 95.6, 4000, 989, "NVLink-C2C", 450.0, 360.0, 5.0,
+            f"NVIDIA GH200 datasheet (96GB HBM3, 4 TB/s, NVLink-C2C 450 GB/s per direction); "
+            f"H2D ~346-375 GB/s measured, 360 used; {_DESIGN}"),
+]}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hf_id: str
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    rope_theta: float
+    max_context: int
+    dtype_bytes: int = 2  # bf16 weights and KV cache
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer and KV head for one token."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def layer_params(self) -> int:
+        attn = self.hidden * self.head_dim * (2 * self.q_heads + 2 * self.kv_heads)
+        return attn + 3 * self.hidden * self.intermediate  # gated MLP: gate, up, down
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * self.layer_params + embed
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def source(self) -> str:
+        return f"config.json of {self.hf_id}"
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.params / 1e9:.2f}B params, {self.layers} layers, "
+                f"{self.q_heads}q/{self.kv_heads}kv heads x {self.head_dim}, "
+                f"{self.kv_bytes_per_token / 1024:.0f} KiB KV per token")
+
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in [
+    ModelSpec("qwen3-4b", "Qwen/Qwen3-4B", 36, 32, 8, 128, 2560, 9728, 151936, True, 1e6, 40960),
+    ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", 36, 32, 8, 128, 4096, 12288, 151936, False, 1e6, 40960),
+    ModelSpec("ministral-3-8b", "mistralai/Ministral-3-8B-Instruct-2512 (text model)", 34, 32, 8,
+              128, 4096, 14336, 131072, False, 1e6, 262144),
+    ModelSpec("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 32, 32, 8, 128, 4096, 14336, 128256,
+              False, 5e5, 131072),
+    ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B", 28, 28, 4, 128, 3584, 18944, 152064, False, 1e6,
+              131072),
+    ModelSpec("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", 30, 9, 3, 64, 576, 1536,
+              49152, True, 1e5, 8192),
+]}
+
+
+def _lookup(table: dict, name: str, what: str):
+    key = name.strip().lower()
+    if key not in table:
+        raise KvsimError(f"unknown {what} {name!r}; known: {', '.join(table)}")
+    return table[key]
+
+
+def gpu(name: str) -> GPUSpec:
+    return _lookup(GPUS, name, "GPU")
+
+
+def model(name: str) -> ModelSpec:
+    return _lookup(MODELS, name, "model")

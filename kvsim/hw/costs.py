@@ -1,0 +1,216 @@
+"""Cost functions of one GPU: host-link transfers, HBM-bound kernels, GEMMs, the VerKV decide step.
+
+Built from a catalog spec (roofline with efficiency factors) or, when a trace carries a measured
+hardware section, from its tables: measured points are interpolated (log-log, piecewise linear);
+a query outside the measured range falls back to the fitted ``alpha + n / beta`` line (links) or to
+proportional scaling from the nearest end (kernels), and is recorded in ``extrapolations`` so the
+report can say so. Every figure used is named in ``provenance``.
+
+All functions take numpy arrays or scalars and are vectorised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvsim.errors import KvsimError
+from kvsim.hw.catalog import GB, GiB, GPUSpec, ModelSpec
+
+HBM_EFFICIENCY = 0.85  # achievable / spec HBM bandwidth (design note, public measurements)
+FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-size GEMMs
+GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA (design note)
+
+
+def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
+    """Least-squares fit of ``t = alpha + n / beta``, weighted by 1/t so small copies count."""
+    n, t = np.asarray(nbytes, float), np.asarray(seconds, float)
+    w = 1.0 / t
+    A = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
+    (alpha, inv_beta), *_ = np.linalg.lstsq(A, t * w, rcond=None)
+    if inv_beta <= 0:
+        raise KvsimError("measured link times do not grow with size; cannot fit a bandwidth")
+    return max(float(alpha), 0.0), 1.0 / float(inv_beta)
+
+
+@dataclass
+class Curve:
+    """A measured y(x) > 0, interpolated in log-log space; outside the range ``outside`` decides."""
+    name: str
+    x: np.ndarray
+    y: np.ndarray
+    extrapolations: set = field(default_factory=set)
+
+    def __post_init__(self):
+        x, y = np.asarray(self.x, float), np.asarray(self.y, float)
+        if (x <= 0).any() or (y <= 0).any():
+            raise KvsimError(f"measured table {self.name} holds non-positive values")
+        ux = np.unique(x)
+        self.x = ux
+        self.y = np.array([np.median(y[x == v]) for v in ux])  # repeated sizes: take the median
+
+    def __call__(self, q, outside) -> np.ndarray:
+        q = np.asarray(q, float)
+        out = np.exp(np.interp(np.log(np.maximum(q, 1e-300)), np.log(self.x), np.log(self.y)))
+        beyond = (q > self.x[-1]) | ((q < self.x[0]) & (q > 0))
+        if beyond.any():
+            self.extrapolations.add(
+                f"{self.name}: queried {q[beyond].min():.4g}..{q[beyond].max():.4g}, "
+                f"measured {self.x[0]:.4g}..{self.x[-1]:.4g}")
+            out = np.where(beyond, outside(q), out)
+        return np.where(q > 0, out, 0.0)
+
+
+@dataclass
+class LinkPath:
+    """Transfer time of one path: ``t(n) = alpha + n / beta``, or a measured curve."""
+    alpha: float  # seconds per copy
+    beta: float  # bytes per second
+    source: str
+    curve: Curve | None = None
+
+    def time(self, nbytes, copies=1) -> np.ndarray:
+        """Seconds to move ``nbytes`` in ``copies`` copies (each pays alpha)."""
+        nbytes = np.asarray(nbytes, float)
+        copies = np.maximum(np.asarray(copies, float), 1.0)
+        line = lambda n: self.alpha + n / self.beta  # noqa: E731
+        per = nbytes / copies
+        t = line(per) if self.curve is None else self.curve(per, line)
+        return np.where(nbytes > 0, copies * t, 0.0)
+
+
+class CostModel:
+    """Costs for one GPU and one model. Build with :meth:`from_spec` or :meth:`from_hardware`."""
+
+    def __init__(self, gpu_name: str, hbm_bytes: float, hbm_bw: float, flops: float,
+                 links: dict[str, LinkPath], provenance: dict[str, str]):
+        self.gpu_name = gpu_name
+        self.hbm_bytes = hbm_bytes
+        self.hbm_bw = hbm_bw  # achievable bytes/s
+        self.flops = flops  # achievable FLOP/s
+        self.links = links
+        self.provenance = provenance
+        self.extrapolations: set[str] = set()
+        self.attn_curve: Curve | None = None  # seconds per layer vs KV tokens read (batch total)
+        self.gemm_curve: Curve | None = None  # seconds per layer vs batch
+        self.decide_curve: Curve | None = None  # seconds per layer and sequence vs context
+
+    # ------------------------------------------------------------------------ construction
+    @classmethod
+    def from_spec(cls, g: GPUSpec) -> "CostModel":
+        src = f"catalog {g.name} ({g.source})"
+        h2d = LinkPath(g.copy_alpha_us * 1e-6, g.h2d_gbps * GB, src)
+        links = {
+            "h2d": h2d,
+            "d2h": LinkPath(h2d.alpha, h2d.beta, src),
+            "gather": LinkPath(h2d.alpha, h2d.beta * GATHER_EFFICIENCY,
+                               f"{src}; gather at {GATHER_EFFICIENCY:.0%} of the link "
+                               "(design note: UVA gathers of sorted 128-byte-aligned rows)"),
+        }
+        prov = {
+            "gpu": src,
+            "hbm_capacity": f"{g.hbm_gib} GiB, {src}",
+            "hbm_bandwidth": f"{g.hbm_gbps:.0f} GB/s x {HBM_EFFICIENCY} achievable (default), {src}",
+            "compute": f"{g.bf16_tflops:.0f} TFLOP/s bf16 x {FLOP_EFFICIENCY} (default), {src}",
+            "link_h2d": f"alpha {h2d.alpha * 1e6:.1f} us, beta {h2d.beta / GB:.1f} GB/s, {src}",
+            "link_gather": links["gather"].source,
+            "decode_attention": "roofline: KV bytes / achievable HBM bandwidth",
+            "gemm": "roofline: max(FLOPs / achievable compute, weight bytes / achievable HBM)",
+        }
+        return cls(g.name, g.hbm_gib * GiB, g.hbm_gbps * GB * HBM_EFFICIENCY,
+                   g.bf16_tflops * 1e12 * FLOP_EFFICIENCY, links, prov)
+
+    @classmethod
+    def from_hardware(cls, hw, base: GPUSpec | None = None) -> "CostModel":
+        """Costs from a trace's measured hardware section (``kvsim profile``).
+
+        Tables used when present: ``link_h2d_pinned``, ``link_d2h_pinned``, ``link_gather_gpu``
+        (bytes, seconds), ``kernel_decode_attn`` (tokens, seconds), ``kernel_gemm`` (batch, seconds),
+        ``kernel_decide`` (context, seconds). Capacity, HBM bandwidth and compute come from
+        ``hw.extra`` (measured) or, failing that, from ``base`` (a catalog spec).
+        """
+        dev = hw.device.get("name", "measured device")
+        where = f"profiled {dev} ({hw.provenance})"
+        if base is not None:
+            cm = cls.from_spec(base)
+        else:
+            extra = hw.extra
+            missing = [k for k in ("hbm_bytes", "hbm_bw", "flops") if k not in extra]
+            if missing:
+                raise KvsimError(f"the trace's hardware section lacks {', '.join(missing)} and "
+                                 "no catalog GPU was named to fill them (--gpu)")
+            cm = cls(dev, float(extra["hbm_bytes"]), float(extra["hbm_bw"]),
+                     float(extra["flops"]), {}, {})
+            for k, what in (("hbm_bytes", "hbm_capacity"), ("hbm_bw", "hbm_bandwidth"),
+                            ("flops", "compute")):
+                cm.provenance[what] = f"{float(extra[k]):.4g}, measured: {where}"
+        cm.gpu_name = dev
+        cm.provenance["gpu"] = where
+        for path, table in (("h2d", "link_h2d_pinned"), ("d2h", "link_d2h_pinned"),
+                            ("gather", "link_gather_gpu")):
+            t = hw.tables.get(table)
+            if t is None:
+                if path not in cm.links:
+                    raise KvsimError(f"the trace's hardware section lacks table {table}")
+                continue
+            alpha, beta = fit_alpha_beta(t["bytes"], t["seconds"])
+            curve = Curve(f"{table}", t["bytes"], t["seconds"], cm.extrapolations)
+            cm.links[path] = LinkPath(alpha, beta, f"measured table {table}: {where}", curve)
+            cm.provenance[f"link_{path}"] = (f"measured {table} (fit alpha {alpha * 1e6:.1f} us, "
+                                             f"beta {beta / GB:.2f} GB/s): {where}")
+        for attr, table, xcol, what in (("attn_curve", "kernel_decode_attn", "tokens",
+                                         "decode_attention"),
+                                        ("gemm_curve", "kernel_gemm", "batch", "gemm"),
+                                        ("decide_curve", "kernel_decide", "context", "decide")):
+            t = hw.tables.get(table)
+            if t is not None:
+                setattr(cm, attr, Curve(table, t[xcol], t["seconds"], cm.extrapolations))
+                cm.provenance[what] = f"measured table {table}: {where}"
+        return cm
+
+    # ------------------------------------------------------------------------- cost functions
+    def link_time(self, nbytes, path: str = "h2d", copies=1) -> np.ndarray:
+        return self.links[path].time(nbytes, copies)
+
+    def attention_time(self, kv_bytes_read, kv_tokens_read=None) -> np.ndarray:
+        """One layer's decode attention over the batch: HBM-bound on the KV bytes it reads."""
+        roofline = np.asarray(kv_bytes_read, float) / self.hbm_bw
+        if self.attn_curve is None or kv_tokens_read is None:
+            return roofline
+        c = self.attn_curve
+        return c(kv_tokens_read, lambda n: c.y[-1] * n / c.x[-1])
+
+    def gemm_time(self, batch, m: ModelSpec) -> np.ndarray:
+        """One layer's projections and MLP for ``batch`` decode tokens."""
+        batch = np.asarray(batch, float)
+        if self.gemm_curve is not None:
+            c = self.gemm_curve
+            return c(batch, lambda b: np.maximum(c.y[-1] * b / c.x[-1], c.y[0]))
+        flops = 2.0 * m.layer_params * batch
+        return np.maximum(flops / self.flops, m.layer_params * m.dtype_bytes / self.hbm_bw)
+
+    def head_time(self, batch, m: ModelSpec) -> np.ndarray:
+        """The LM head (vocab projection) once per step."""
+        p = m.vocab * m.hidden
+        return np.maximum(2.0 * p * np.asarray(batch, float) / self.flops,
+                          p * m.dtype_bytes / self.hbm_bw)
+
+    def prefill_time(self, tokens, sum_sq_tokens, m: ModelSpec) -> np.ndarray:
+        """Compute-bound prefill of ``tokens`` prompt tokens (``sum_sq`` for causal attention)."""
+        dense = 2.0 * m.params * np.asarray(tokens, float)
+        attn = 2.0 * m.layers * m.q_heads * m.head_dim * np.asarray(sum_sq_tokens, float)
+        return (dense + attn) / self.flops
+
+    def decide_time(self, context, m: ModelSpec, work_per_token: float) -> np.ndarray:
+        """VerKV's per-layer, per-sequence decide step (sketch scoring, top-k, certificate).
+
+        Measured when the trace has ``kernel_decide``; otherwise an HBM-bound estimate: the
+        decide pass reads ``work_per_token`` bytes per context token and KV head (the sketch and
+        the per-token state) about four times (score, select, sort, suffix scan).
+        """
+        context = np.asarray(context, float)
+        if self.decide_curve is not None:
+            c = self.decide_curve
+            return c(context, lambda n: c.y[-1] * n / c.x[-1])
+        return 4.0 * context * m.kv_heads * work_per_token / self.hbm_bw
