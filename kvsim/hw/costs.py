@@ -99,7 +99,7 @@ class CostModel:
     # ------------------------------------------------------------------------ construction
     @classmethod
     def from_spec(cls, g: GPUSpec) -> "CostModel":
-        src = f"catalog {g.name} ({g.source})"
+        src = f"catalog {g.name}"
         h2d = LinkPath(g.copy_alpha_us * 1e-6, g.h2d_gbps * GB, src)
         links = {
             "h2d": h2d,
@@ -109,7 +109,7 @@ class CostModel:
                                "(design note: UVA gathers of sorted 128-byte-aligned rows)"),
         }
         prov = {
-            "gpu": src,
+            "gpu": f"{src}: {g.source}",
             "hbm_capacity": f"{g.hbm_gib} GiB, {src}",
             "hbm_bandwidth": f"{g.hbm_gbps:.0f} GB/s x {HBM_EFFICIENCY} achievable (default), {src}",
             "compute": f"{g.bf16_tflops:.0f} TFLOP/s bf16 x {FLOP_EFFICIENCY} (default), {src}",
@@ -151,8 +151,15 @@ class CostModel:
                             ("gather", "link_gather_gpu")):
             t = hw.tables.get(table)
             if t is None:
-                if path not in cm.links:
+                if path in cm.links:
+                    continue
+                if path == "h2d":
                     raise KvsimError(f"the trace's hardware section lacks table {table}")
+                h2d = cm.links["h2d"]  # derived from the measured H2D path, and said so
+                eff = 1.0 if path == "d2h" else GATHER_EFFICIENCY
+                cm.links[path] = LinkPath(h2d.alpha, h2d.beta * eff,
+                                          f"no {table} measured: H2D x {eff:g}: {where}")
+                cm.provenance[f"link_{path}"] = cm.links[path].source
                 continue
             alpha, beta = fit_alpha_beta(t["bytes"], t["seconds"])
             curve = Curve(f"{table}", t["bytes"], t["seconds"], cm.extrapolations)

@@ -1,0 +1,51 @@
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvsim import trace as T
+
+
+def tiny_attention(n=64, n_kv=2, n_q=4, d=16, seed=0) -> T.Attention:
+    rng = np.random.default_rng(seed)
+    f16 = lambda *s: rng.standard_normal(s).astype(np.float16)  # noqa: E731
+    layers = [T.LayerAttention(l, f16(n_kv, n, d), f16(n_kv, n, d), f16(n_q, 4, d),
+                               f16(n_q, 2, d), {"kvzip": rng.random((n_kv, n)).astype(np.float32)})
+              for l in (0, 3)]
+    return T.Attention(layers, n - 8, np.arange(n - 8, n - 4), np.arange(n - 2, n),
+                       {"theta": 1e4, "type": "default"}, "random test tensors")
+
+
+def tiny_hardware() -> T.Hardware:
+    sizes = np.array([4096, 65536, 1 << 20, 16 << 20, 256 << 20], dtype=np.int64)
+    link = {"bytes": sizes, "seconds": 5e-6 + sizes / 50e9}
+    tokens = np.array([1024, 8192, 65536, 131072])
+    return T.Hardware(
+        device={"name": "FakeGPU", "kind": "cuda"},
+        tables={"link_h2d_pinned": link, "link_d2h_pinned": dict(link),
+                "kernel_decode_attn": {"tokens": tokens, "seconds": 4e-6 + tokens * 4096 / 2.5e12}},
+        units={"link_h2d_pinned": {"bytes": "B", "seconds": "s"}},
+        provenance="fake table written by tests", missing=["nvml.power"],
+        extra={"hbm_bytes": 80 * 1024**3, "hbm_bw": 2.8e12, "flops": 6e14})
+
+
+@pytest.fixture
+def attn_trace(tmp_path):
+    path = tmp_path / "attn.npz"
+    T.save(T.Trace(T.new_meta("tests", model="random", context=56), None, tiny_attention()), path)
+    return path
+
+
+@pytest.fixture
+def hw_trace(tmp_path):
+    path = tmp_path / "hw.npz"
+    T.save(T.Trace(T.new_meta("tests"), tiny_hardware(), None), path)
+    return path
+
+
+def run_cli(*args):
+    """Run ``kvsim ARGS`` in a subprocess; return (exit status, stdout, stderr)."""
+    p = subprocess.run([sys.executable, "-m", "kvsim.cli", *map(str, args)],
+                       capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr

@@ -1,0 +1,71 @@
+"""`kvsim replay` from the command line: JSON keys, and one-line errors with exit status 2."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+
+KEYS = ["policy", "gpu", "model", "context", "batch", "tpot_ms", "throughput_tok_s", "ttft_ms",
+        "e2e_s", "hbm_gib", "host_gib", "link_util", "kv_read_frac", "provenance"]
+
+
+def test_json_has_the_interface_keys(attn_trace):
+    code, out, err = run_cli("replay", attn_trace, "--policy", "dense-offload", "--gpu",
+                             "h100-sxm", "--model", "qwen3-4b", "--context", 32768, "--batch", 1,
+                             "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert all(k in r for k in KEYS)
+    assert r["policy"] == "dense-offload" and r["gpu"] == "h100-sxm" and r["context"] == 32768
+    assert "catalog h100-sxm" in r["provenance"]["hw.gpu"]
+
+
+def test_human_output_is_a_table(attn_trace):
+    code, out, _ = run_cli("replay", attn_trace, "--policy", "dense-resident", "--context", 4096)
+    assert code == 0
+    header = out.splitlines()[1]
+    assert header.split()[0] == "tpot_ms" and "provenance" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "nope"], "invalid choice"),
+    (["--gpu", "b999"], "unknown GPU"),
+    (["--model", "gpt-9"], "unknown model"),
+    (["--context", "0"], "--context must be positive"),
+    (["--batch", "-3"], "--batch must be positive"),
+    (["--qps", "0"], "--qps must be positive"),
+    (["--qps", "1", "--concurrency", "2"], "not allowed with"),
+    (["--eps", "0.1", "--policy", "dense-offload"], "does not apply to policy dense-offload"),
+    (["--policy", "dense-resident", "--gpu", "a100-40gb", "--context", "300000"], "infeasible"),
+    (["--workload", "/nonexistent.csv"], "cannot read"),
+])
+def test_bad_arguments_one_line_exit_2(attn_trace, args, message):
+    code, out, err = run_cli("replay", attn_trace, *args)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert out == ""
+
+
+def test_bad_trace_files_one_line_exit_2(attn_trace, tmp_path):
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(attn_trace.read_bytes()[:300])
+    nan = tmp_path / "nan.npz"
+    with np.load(attn_trace) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["attn/L0/v"] = arrays["attn/L0/v"].copy()
+    arrays["attn/L0/v"][0, 0, 0] = np.inf
+    np.savez(nan, **arrays)
+    foreign = tmp_path / "foreign.npz"
+    np.savez(foreign, weights=np.ones(4))
+    for path, message in ((cut, "not a readable"), (nan, "NaN or Inf"),
+                          (foreign, "not a kvsim trace"), (tmp_path / "none.npz", "no such")):
+        code, out, err = run_cli("replay", path, "--policy", "dense-resident")
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_help_teaches():
+    code, out, _ = run_cli("replay", "--help")
+    assert code == 0 and "examples:" in out and "provenance" in out
+    assert "dense-offload:" in out  # each policy explains itself
