@@ -6,6 +6,7 @@ catalog entry and its public source, a default, or a command-line override.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import CostModel
 from kvsim.policies import make
 from kvsim.sim import workload as wl
+from kvsim.io import atomic_write, check_destination
+from kvsim.sim import timeline
 from kvsim.sim.engine import Memory, SimResult, Simulator
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "traces" / "default.npz"
@@ -43,6 +46,9 @@ class ReplayConfig:
     seed: int = 0
     host_gib: float | None = None
     workspace_gib: float | None = None
+    timeline: str | Path | None = None  # write a Chrome/Perfetto trace of the first steps here
+    timeline_steps: int = 16
+    force: bool = False  # overwrite an existing timeline file
 
 
 def _check(cfg: ReplayConfig) -> None:
@@ -51,6 +57,8 @@ def _check(cfg: ReplayConfig) -> None:
             raise KvsimError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
     if cfg.qps is not None and cfg.concurrency is not None:
         raise KvsimError("give either --qps (open loop) or --concurrency (closed loop), not both")
+    if cfg.timeline_steps < 1:
+        raise KvsimError(f"--timeline-steps must be positive, got {cfg.timeline_steps}")
     for name in ("host_gib", "workspace_gib"):
         v = getattr(cfg, name)
         if v is not None and v < 0:
@@ -82,6 +90,8 @@ def build_workload(cfg: ReplayConfig) -> wl.Workload:
 
 def run_replay(cfg: ReplayConfig) -> dict:
     _check(cfg)
+    if cfg.timeline is not None:
+        check_destination(cfg.timeline, cfg.force)  # fail before the work, write nothing
     trace_path = Path(cfg.trace) if cfg.trace is not None else DEFAULT_TRACE
     tr = tracefile.load(trace_path)
     model = cfg.model if isinstance(cfg.model, ModelSpec) else catalog.model(cfg.model)
@@ -120,6 +130,10 @@ def run_replay(cfg: ReplayConfig) -> dict:
         warnings += [f"extrapolated beyond measured table: {e}"
                      for e in sorted(costs.extrapolations)]
     report["warnings"] = warnings
+    if cfg.timeline is not None:
+        events = timeline.build(sim, res, cfg.timeline_steps)
+        atomic_write(cfg.timeline, lambda f: f.write(json.dumps(events).encode()), cfg.force)
+        report["timeline"] = str(cfg.timeline)
     report["provenance"] = provenance(cfg, trace_path, tr, model, costs, cost_source, analysis,
                                       host_gib, ws_gib, work)
     return report

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsim.errors import KvsimError
+from kvsim.io import atomic_write, check_destination
 
 FORMAT = "kvsim-trace"
 SCHEMA_VERSION = 1
@@ -104,25 +104,11 @@ def save(trace: Trace, path: str | os.PathLike, force: bool = False) -> Path:
     path = Path(path)
     if path.suffix != ".npz":
         raise KvsimError(f"{path}: a trace file must end in .npz")
-    if path.exists() and not force:
-        raise KvsimError(f"{path} exists; pass --force to overwrite it")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise KvsimError(f"{path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise KvsimError(f"{path}: directory {parent} is not writable")
+    check_destination(path, force)
     arrays, meta = _to_arrays(trace)
     _validate(meta, arrays, str(path))
     arrays["meta"] = np.array(json.dumps(meta, sort_keys=True))
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp.npz", dir=parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda f: np.savez_compressed(f, **arrays), force)
 
 
 def new_meta(recorded_by: str, machine: dict | None = None, model: str | None = None,

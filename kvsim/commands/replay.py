@@ -47,6 +47,10 @@ def add_parser(sub) -> None:
                    help="requests to simulate (default: 2 x concurrency, or 64 with --qps)")
     p.add_argument("--host-gib", type=float, help="host memory for the KV cache (default 256)")
     p.add_argument("--workspace-gib", type=float, help="HBM for activations etc. (default 4)")
+    p.add_argument("--timeline", metavar="JSON",
+                   help="write a Chrome/Perfetto trace of the first decode steps, layer by layer")
+    p.add_argument("--timeline-steps", type=int, default=16, help="decode steps in the timeline")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --timeline file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_policy_flags(p)
@@ -58,7 +62,9 @@ def run(args) -> int:
                        gpu=args.gpu, model=args.model, context=args.context, batch=args.batch,
                        qps=args.qps, concurrency=args.concurrency, requests=args.requests,
                        output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
-                       host_gib=args.host_gib, workspace_gib=args.workspace_gib)
+                       host_gib=args.host_gib, workspace_gib=args.workspace_gib,
+                       timeline=args.timeline, timeline_steps=args.timeline_steps,
+                       force=args.force)
     r = run_replay(cfg)
     if args.json:
         print_json(r)

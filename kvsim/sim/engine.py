@@ -58,6 +58,7 @@ class Chunk:
     gpu_busy: float
     link_busy: float
     kind: str  # "decode" | "prefill"
+    ctx: np.ndarray | None = None  # tokens per sequence at the chunk's first step (decode)
 
 
 @dataclass
@@ -116,16 +117,16 @@ class Simulator:
         return int(min(fit_hbm, fit_host, 1e9))
 
     # ------------------------------------------------------------------------ costs
-    def decode_steps(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Times of the next ``k`` decode steps of a batch whose sequences hold ``ctx`` tokens.
+    def layer_costs(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-layer (compute, decide, link) seconds of the next ``k`` decode steps, each (k,).
 
-        Returns (step seconds, GPU-busy seconds, link-busy seconds), each of shape (k,).
+        ``ctx``: tokens held by each sequence of the batch; each step adds one per sequence.
         """
         m, c, p = self.model, self.costs, self.policy
-        B, L = len(ctx), m.layers
+        B = len(ctx)
         j = np.arange(k, dtype=float)
         tokens = float(ctx.sum()) + B * j  # KV tokens of the batch at each step
-        kv_layer = m.kv_bytes_per_token / L * tokens  # bytes of one layer's KV
+        kv_layer = m.kv_bytes_per_token / m.layers * tokens  # bytes of one layer's KV
         compute = c.gemm_time(B, m) + c.attention_time(p.hbm_read_frac * kv_layer,
                                                        p.hbm_read_frac * tokens)
         link = c.link_time(p.host_read_frac * kv_layer, p.path, copies=p.copies_per_layer * B) \
@@ -134,11 +135,17 @@ class Simulator:
         if p.decide_bytes_per_token > 0:
             per_seq = c.decide_time(ctx[None, :] + j[:, None], m, p.decide_bytes_per_token)
             decide = per_seq.sum(axis=1)
-        if p.overlap:
+        return compute + np.zeros(k), decide, link
+
+    def decode_steps(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Times of the next ``k`` decode steps: (step, GPU-busy, link-busy) seconds, each (k,)."""
+        L = self.model.layers
+        compute, decide, link = self.layer_costs(ctx, k)
+        if self.policy.overlap:
             layer_total = link + compute + (L - 1) * np.maximum(compute, link)
         else:
             layer_total = L * (compute + decide + link)
-        head = c.head_time(B, m)
+        head = self.costs.head_time(len(ctx), self.model)
         return layer_total + head, L * (compute + decide) + head, L * link
 
     def prefill(self, prompts: np.ndarray) -> tuple[float, float]:
@@ -239,7 +246,7 @@ class Simulator:
                         k = min(k, int(np.searchsorted(ends, arrival[nxt] - env.now)) + 1)
                     self.chunks.append(Chunk(env.now, float(ends[k - 1]), k, len(run_ids),
                                              float(gpu_s[:k].sum()), float(link_s[:k].sum()),
-                                             "decode"))
+                                             "decode", ctx.copy()))
                     if link_s[:k].sum() > 0:
                         env.process(hold(link, float(link_s[:k].sum())))
                     yield env.process(hold(gpu, float(ends[k - 1])))

@@ -1,0 +1,40 @@
+"""Safe output files: check the destination first, write to a temporary name, then rename."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, IO
+
+from kvsim.errors import KvsimError
+
+
+def check_destination(path: str | os.PathLike, force: bool = False) -> Path:
+    """Raise a one-line :class:`KvsimError` unless ``path`` may be written."""
+    path = Path(path)
+    if path.exists() and not force:
+        raise KvsimError(f"{path} exists; pass --force to overwrite it")
+    if path.is_dir():
+        raise KvsimError(f"{path} is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        raise KvsimError(f"{path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise KvsimError(f"{path}: directory {parent} is not writable")
+    return path
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
+                 force: bool = False) -> Path:
+    """Write ``path`` through ``write(file)`` into a temporary file renamed into place."""
+    path = check_destination(path, force)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

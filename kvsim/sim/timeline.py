@@ -1,0 +1,88 @@
+"""A Chrome-trace / Perfetto timeline of a window of a simulated run, layer by layer.
+
+The simulator works a batch-change at a time; this module re-expands the first decode steps of
+the run (and the prefills between them) into per-layer events on two resources, the GPU stream
+(compute, decide, LM head, prefill) and the host link (KV copies and fetches), placed by the same
+pipeline rules the step times come from:
+
+* overlapped (double buffering): layer l's copy starts when layer l-1's copy is done and the
+  buffer of layer l-2 is free; its compute starts when both its copy and layer l-1 are done;
+* serial: decide, then fetch, then compute, layer after layer.
+
+Open the JSON in https://ui.perfetto.dev or chrome://tracing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvsim.sim.engine import SimResult, Simulator
+
+GPU, LINK = 1, 2
+
+
+def _event(name, tid, start, dur, **args) -> dict:
+    return {"name": name, "ph": "X", "pid": 1, "tid": tid, "ts": start * 1e6, "dur": dur * 1e6,
+            "args": args}
+
+
+def step_events(sim: Simulator, start: float, compute: float, decide: float, link: float,
+                batch: int, step: int) -> tuple[list[dict], float]:
+    """Per-layer events of one decode step starting at ``start``; returns (events, end)."""
+    L, ev = sim.model.layers, []
+    if sim.policy.overlap:
+        copy_end = np.zeros(L)
+        comp_end = np.zeros(L)
+        for l in range(L):
+            copy_start = max(copy_end[l - 1] if l else start, comp_end[l - 2] if l >= 2 else start)
+            copy_end[l] = copy_start + link
+            comp_start = max(comp_end[l - 1] if l else start, copy_end[l])
+            comp_end[l] = comp_start + compute
+            if link > 0:
+                ev.append(_event(f"L{l} KV copy", LINK, copy_start, link, step=step))
+            ev.append(_event(f"L{l} compute", GPU, comp_start, compute, step=step, batch=batch))
+        t = comp_end[-1]
+    else:
+        t = start
+        for l in range(L):
+            if decide > 0:
+                ev.append(_event(f"L{l} decide", GPU, t, decide, step=step))
+                t += decide
+            if link > 0:
+                ev.append(_event(f"L{l} fetch", LINK, t, link, step=step))
+                t += link
+            ev.append(_event(f"L{l} compute", GPU, t, compute, step=step, batch=batch))
+            t += compute
+    head = float(sim.costs.head_time(batch, sim.model))
+    ev.append(_event("LM head", GPU, t, head, step=step, batch=batch))
+    return ev, t + head
+
+
+def build(sim: Simulator, res: SimResult, max_steps: int = 16) -> dict:
+    """The timeline of the run's first ``max_steps`` decode steps (and prefills among them)."""
+    events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": GPU, "args": {"name": "GPU"}},
+              {"name": "thread_name", "ph": "M", "pid": 1, "tid": LINK,
+               "args": {"name": "host link"}},
+              {"name": "process_name", "ph": "M", "pid": 1, "args": {
+                  "name": f"{sim.model.name} on {sim.costs.gpu_name}"}}]
+    steps = 0
+    for ch in res.chunks:
+        if steps >= max_steps:
+            break
+        if ch.kind == "prefill":
+            events.append(_event(f"prefill x{ch.batch}", GPU, ch.start, ch.duration,
+                                 batch=ch.batch))
+            if ch.link_busy > 0:
+                events.append(_event("KV write to host", LINK, ch.start, ch.link_busy))
+            continue
+        k = min(ch.steps, max_steps - steps)
+        compute, decide, link = sim.layer_costs(ch.ctx, k)
+        t = ch.start
+        for i in range(k):
+            ev, t = step_events(sim, t, float(compute[i]), float(decide[i]), float(link[i]),
+                                ch.batch, steps + i)
+            events += ev
+        steps += k
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"decode_steps": steps, "model": sim.model.name,
+                          "gpu": sim.costs.gpu_name}}
