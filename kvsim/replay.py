@@ -6,6 +6,7 @@ catalog entry and its public source, a default, or a command-line override.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,13 +94,10 @@ def run_replay(cfg: ReplayConfig) -> dict:
     if cfg.timeline is not None:
         check_destination(cfg.timeline, cfg.force)  # fail before the work, write nothing
     trace_path = Path(cfg.trace) if cfg.trace is not None else DEFAULT_TRACE
-    tr = tracefile.load(trace_path)
+    tr = _load_trace(str(trace_path.resolve()), _mtime(trace_path))
     model = cfg.model if isinstance(cfg.model, ModelSpec) else catalog.model(cfg.model)
-    policy = make(cfg.policy, cfg.policy_options)
-    if policy.needs_attention and tr.attention is None:
-        raise KvsimError(f"policy {cfg.policy} needs a trace with an attention section "
-                         f"(kvsim capture); {trace_path} has none")
-    analysis = policy.analyze(tr, seed=cfg.seed)
+    analysis = _analyze(str(trace_path.resolve()), _mtime(trace_path), cfg.policy,
+                        json.dumps(cfg.policy_options, sort_keys=True), cfg.seed)
     costs, cost_source = build_costs(cfg, tr)
     host_gib = DEFAULT_HOST_GIB if cfg.host_gib is None else cfg.host_gib
     ws_gib = DEFAULT_WORKSPACE_GIB if cfg.workspace_gib is None else cfg.workspace_gib
@@ -115,10 +113,17 @@ def run_replay(cfg: ReplayConfig) -> dict:
         "kv_read_frac": analysis.cost.host_read_frac,
         "resident_frac": analysis.cost.resident_frac,
         "hbm_limited": res.max_batch_fit < cfg.batch,
+        "hbm_weights_gib": memory.weights_bytes / GiB,
+        "hbm_workspace_gib": memory.workspace_bytes / GiB,
         "policy_stats": analysis.stats,
     })
     for k, v in analysis.stats.items():  # policy statistics also at top level (Table-2 keys)
         report.setdefault(k, v)
+    kv_gib = report["hbm_gib"] - report["hbm_weights_gib"] - report["hbm_workspace_gib"]
+    meta_share = (analysis.stats.get("sketch_frac", 0.0) / analysis.cost.resident_frac
+                  if analysis.cost.resident_frac > 0 else 0.0)
+    report["hbm_meta_gib"] = kv_gib * meta_share  # sketch and per-token metadata
+    report["hbm_kv_gib"] = kv_gib - report["hbm_meta_gib"]
     warnings = []
     if res.max_batch_fit < cfg.batch:
         warnings.append(f"memory admits at most {res.max_batch_fit} requests at once, "
@@ -139,6 +144,27 @@ def run_replay(cfg: ReplayConfig) -> dict:
     return report
 
 
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime if path.exists() else 0.0
+
+
+@functools.lru_cache(maxsize=8)
+def _load_trace(path: str, mtime: float) -> tracefile.Trace:
+    return tracefile.load(path)
+
+
+@functools.lru_cache(maxsize=256)
+def _analyze(path: str, mtime: float, policy_name: str, options_json: str, seed: int):
+    """A policy's analysis of a trace; it does not depend on GPU, model, context or batch, so a
+    sweep computes it once per (trace, policy, options, seed)."""
+    tr = _load_trace(path, mtime)
+    policy = make(policy_name, json.loads(options_json))
+    if policy.needs_attention and tr.attention is None:
+        raise KvsimError(f"policy {policy_name} needs a trace with an attention section "
+                         f"(kvsim capture); {path} has none")
+    return policy.analyze(tr, seed=seed)
+
+
 def summarize(res: SimResult, work: wl.Workload) -> dict:
     ttft = res.first_token - res.arrival
     e2e = res.finish - res.arrival
@@ -157,6 +183,8 @@ def summarize(res: SimResult, work: wl.Workload) -> dict:
         "ttft_p99_ms": pct(ttft, 99),
         "e2e_s": float(e2e.mean()),
         "throughput_tok_s": float(res.output.sum()) / makespan if makespan > 0 else float("nan"),
+        "decode_tok_s": (sum(c.batch * c.steps for c in decode) / decode_time
+                         if decode_time else float("nan")),
         "requests_per_s": work.n / makespan if makespan > 0 else float("nan"),
         "requests": work.n,
         "makespan_s": makespan,

@@ -8,28 +8,55 @@ import dataclasses
 from kvsim.policies import load_all
 
 
-def add_policy_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "policy options", "each applies to the policies that name it; defaults are the policy's")
-    seen: dict[str, str] = {}
+def _fields():
+    """(field, policies that take it) for every option of every registered policy."""
+    seen: dict[str, tuple[dataclasses.Field, list[str]]] = {}
     for name, cls in sorted(load_all().items()):
         for f in dataclasses.fields(cls.Params):
-            if f.name in seen:
-                seen[f.name] += f", {name}"
-                continue
-            seen[f.name] = name
-            default = f.default if f.default is not dataclasses.MISSING else None
-            kind = type(default) if default is not None else str
-            kw = {"type": kind, "default": None, "dest": f"opt_{f.name}",
-                  "help": f.metadata.get("help", "")}
-            if kind is bool:
-                kw = {"action": argparse.BooleanOptionalAction, "default": None,
-                      "dest": f"opt_{f.name}", "help": f.metadata.get("help", "")}
+            seen.setdefault(f.name, (f, []))[1].append(name)
+    return seen.values()
+
+
+def _kind(f: dataclasses.Field):
+    return type(f.default) if f.default not in (dataclasses.MISSING, None) else str
+
+
+def parse_list(kind, text: str) -> list:
+    """``"8,16,32"`` -> [8.0, 16.0, 32.0] for a float option (bools: true/false)."""
+    def one(v: str):
+        if kind is bool:
+            if v.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise argparse.ArgumentTypeError(f"expected true/false, got {v!r}")
+            return v.lower() in ("true", "1", "yes")
+        try:
+            return kind(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {v!r}") from None
+    return [one(v.strip()) for v in text.split(",") if v.strip()]
+
+
+def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> None:
+    """One flag per policy option; with ``lists`` each takes comma-separated values to sweep."""
+    group = parser.add_argument_group(
+        "policy options", "each applies to the policies named in its help; defaults are the "
+                          "policy's" + ("; give comma-separated values to sweep" if lists else ""))
+    for f, owners in _fields():
+        kind = _kind(f)
+        helptext = f.metadata.get("help", "")
+        if f.default is not dataclasses.MISSING:
+            helptext += f" (default {f.default})"
+        helptext += f" [{', '.join(owners)}]"
+        kw = {"default": None, "dest": f"opt_{f.name}", "help": helptext}
+        if lists:
+            kw["type"] = lambda text, kind=kind: parse_list(kind, text)
+            kw["metavar"] = "V[,V...]"
+        elif kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = kind
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
-            if default is not None:
-                kw["help"] += f" (default {default})"
-            group.add_argument("--" + f.name.replace("_", "-"), **kw)
+        group.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 
 def policy_options(args: argparse.Namespace) -> dict:

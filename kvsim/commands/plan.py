@@ -1,0 +1,79 @@
+"""kvsim plan: sweep GPUs x models x contexts x policies x batches; table, plots and a report."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from kvsim.commands._out import print_json, table
+from kvsim.commands._policy_flags import add_policy_flags, parse_list, policy_options
+from kvsim.plan.executors import make_executor
+from kvsim.plan.planner import SUMMARY, plan
+from kvsim.plan.sweep import SweepSpec
+
+EPILOG = """example:
+  kvsim plan --gpu h100-sxm,h200 --model qwen3-4b --context 8192,32768,131072 \\
+      --policy dense-offload,verkv --compression 16 --batch 1,4,16 --out plan/
+
+Writes DIR/results.csv and DIR/results.parquet (one row per configuration, every metric of
+kvsim replay and its provenance), PNG and SVG plots, and DIR/report.md. Re-running with the same
+DIR skips configurations already done (failed ones are retried). --gpu also takes profiled traces
+(.npz from kvsim profile) in place of catalog names.
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="sweep configurations; write a table, plots and a report",
+                       description=__doc__, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    lst = lambda kind: (lambda text: parse_list(kind, text))  # noqa: E731
+    p.add_argument("--gpu", type=lst(str), required=True, help="catalog GPUs or profiled traces")
+    p.add_argument("--model", type=lst(str), required=True, help="model shapes")
+    p.add_argument("--context", type=lst(int), required=True, help="prompt lengths (tokens)")
+    p.add_argument("--policy", type=lst(str), required=True, help="policies")
+    p.add_argument("--batch", type=lst(int), default=[1], help="max batch sizes (default 1)")
+    p.add_argument("--qps", type=lst(float),
+                   help="Poisson rates instead of closed loops (max batch: largest --batch)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--requests", type=int, help="requests per run (default as kvsim replay)")
+    p.add_argument("--trace", help="trace with attention (for policies that need one) and/or "
+                                   "hardware; default: the shipped default trace")
+    p.add_argument("--slo-tpot-ms", type=float, help="find the highest QPS with p99 TPOT <= this")
+    p.add_argument("--slo-ttft-ms", type=float, help="... and p99 TTFT <= this")
+    p.add_argument("--slo-requests", type=int, default=200, help="requests per SLO probe")
+    p.add_argument("--quality", nargs="+", metavar="JSON",
+                   help="kvsim eval --json results for the quality-vs-throughput plot")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local")
+    p.add_argument("--jobs", type=int, help="parallel workers (default: all cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    add_policy_flags(p, lists=True)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context,
+                     policies=args.policy, batches=args.batch, qps=args.qps,
+                     option_grid=policy_options(args), output_len=args.output_len,
+                     requests=args.requests, seed=args.seed, trace=args.trace,
+                     slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms,
+                     slo_requests=args.slo_requests)
+    spec.validate()
+    executor = make_executor(args.executor, args.jobs)
+    command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    summary = plan(spec, args.out, executor, args.quality, progress=not args.json,
+                   command=command)
+    if args.json:
+        print_json(summary)
+        return 0
+    import pandas as pd
+    df = pd.read_csv(f"{args.out}/results.csv")
+    cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
+    table(df[cols].to_dict("records"))
+    print(f"\n{summary['rows']} rows ({summary['new_runs']} run now, {summary['skipped']} "
+          f"already done; {summary['infeasible']} infeasible, {summary['failed']} failed)")
+    print(f"wrote {args.out}/results.csv, results.parquet, report.md and "
+          f"{len(summary['plots'])} plots")
+    return 0

@@ -1,0 +1,1 @@
+"""Capacity planning: sweeps of many simulations, SLO search, plots and a report."""

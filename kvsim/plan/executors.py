@@ -1,0 +1,92 @@
+"""Where sweep tasks run: a local process pool (default) or a Ray cluster; same results either way.
+
+An executor maps a picklable function over tasks and yields ``(task, result)`` as each finishes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+from typing import Callable, Iterable, Iterator
+
+from kvsim.errors import KvsimError
+
+
+class LocalExecutor:
+    name = "local"
+
+    def __init__(self, jobs: int | None = None):
+        self.jobs = max(1, jobs or os.cpu_count() or 1)
+
+    def map(self, fn: Callable, tasks: list) -> Iterator[tuple[object, object]]:
+        if self.jobs == 1 or len(tasks) <= 1:
+            for t in tasks:
+                yield t, fn(t)
+            return
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")  # fork is unsafe once torch has started threads
+        with cf.ProcessPoolExecutor(self.jobs, mp_context=ctx) as pool:
+            futures = {pool.submit(fn, t): t for t in tasks}
+            for fut in cf.as_completed(futures):
+                yield futures[fut], fut.result()
+
+
+class RayExecutor:
+    name = "ray"
+
+    def __init__(self, jobs: int | None = None, address: str | None = None):
+        try:
+            import ray
+        except ImportError:
+            raise KvsimError("--executor ray needs Ray: pip install 'kvsim[ray]'") from None
+        self.ray = ray
+        if not ray.is_initialized():
+            kw = {"address": address} if address else {"num_cpus": jobs or os.cpu_count()}
+            ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+                     **kw)
+
+    def map(self, fn: Callable, tasks: list) -> Iterator[tuple[object, object]]:
+        remote = self.ray.remote(_apply)
+        refs = {remote.remote(fn, t): t for t in tasks}
+        pending = list(refs)
+        while pending:
+            done, pending = self.ray.wait(pending, num_returns=1)
+            yield refs[done[0]], self.ray.get(done[0])
+
+
+def make_executor(name: str, jobs: int | None = None) -> LocalExecutor | RayExecutor:
+    if jobs is not None and jobs < 1:
+        raise KvsimError(f"--jobs must be positive, got {jobs}")
+    if name == "local":
+        return LocalExecutor(jobs)
+    if name == "ray":
+        return RayExecutor(jobs, address=os.environ.get("RAY_ADDRESS"))
+    raise KvsimError(f"unknown executor {name!r}; use local or ray")
+
+
+def run_all(executor, fn: Callable, tasks: Iterable, progress: bool = True,
+            desc: str = "runs") -> list:
+    """All results, in task order, with a progress bar on stderr."""
+    tasks = list(tasks)
+    results: dict[int, object] = {}
+    indexed = list(enumerate(tasks))
+    from tqdm import tqdm
+    with tqdm(total=len(tasks), desc=desc, disable=not progress, unit="task") as bar:
+        for (i, _), res in executor.map(_Indexed(fn), indexed):
+            results[i] = res
+            bar.update(1)
+    return [results[i] for i in range(len(tasks))]
+
+
+def _apply(fn: Callable, task):
+    return fn(task)
+
+
+class _Indexed:
+    """Carries a task's index through an executor (picklable, unlike a lambda)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, item):
+        return self.fn(item[1])

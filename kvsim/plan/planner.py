@@ -1,0 +1,169 @@
+"""``kvsim plan``: run a sweep into DIR (resuming), write the table, the plots and a report."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import platform
+from pathlib import Path
+
+import pandas as pd
+
+from kvsim import __version__
+from kvsim.errors import KvsimError
+from kvsim.io import atomic_write
+from kvsim.plan import plots
+from kvsim.plan.sweep import SweepSpec, label, sweep
+
+DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
+SUMMARY = ["gpu", "model", "context", "label", "batch", "qps", "tpot_ms", "decode_tok_s",
+           "ttft_ms", "hbm_gib", "max_batch_fit", "link_util", "kv_read_frac", "slo_max_qps",
+           "status"]
+
+
+def load_quality(paths: list[str], df: pd.DataFrame) -> pd.DataFrame | None:
+    """Results of ``kvsim eval --json`` (JSON objects, one per file or one per line), labelled
+    like the sweep's rows: the options the sweep varies for that policy, taken from the eval."""
+    if not paths:
+        return None
+    records = []
+    for p in paths:
+        try:
+            text = Path(p).read_text()
+        except OSError as e:
+            raise KvsimError(f"--quality {p}: {e.strerror}") from None
+        try:  # one JSON document (object or list), else JSON lines
+            whole = json.loads(text)
+            objs = whole if isinstance(whole, list) else [whole]
+        except json.JSONDecodeError:
+            try:
+                objs = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as e:
+                raise KvsimError(f"--quality {p}: not JSON ({e})") from None
+        for o in objs:
+            if not isinstance(o, dict) or "policy" not in o or "relative_accuracy" not in o:
+                raise KvsimError(f"--quality {p}: each record needs 'policy' and "
+                                 "'relative_accuracy' (the output of kvsim eval --json)")
+            records.append(o)
+    varied = {pol: set().union(*(json.loads(o).keys() for o in g.options))
+              for pol, g in df.groupby("policy")}
+    rows = []
+    for o in records:
+        opts = o.get("policy_options") or o.get("options") or {}
+        keep = {k: v for k, v in opts.items() if k in varied.get(o["policy"], set())}
+        rows.append({"label": label(o["policy"], keep), "policy": o["policy"],
+                     "relative_accuracy": float(o["relative_accuracy"])})
+    return pd.DataFrame(rows).groupby("label", as_index=False).agg(
+        {"policy": "first", "relative_accuracy": "mean"})
+
+
+def _write_table(df: pd.DataFrame, out: Path) -> None:
+    atomic_write(out / "results.csv", lambda f: f.write(df.to_csv(index=False).encode()),
+                 force=True)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise KvsimError("writing results.parquet needs pyarrow: pip install 'kvsim[parquet]'") \
+            from None
+    buf = io.BytesIO()
+    df.to_parquet(buf, index=False)
+    atomic_write(out / "results.parquet", lambda f: f.write(buf.getvalue()), force=True)
+
+
+def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None = None,
+         progress: bool = True, command: str = "") -> dict:
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise KvsimError(f"--out {out} exists and is not a directory")
+    if not out.parent.is_dir():
+        raise KvsimError(f"--out {out}: directory {out.parent} does not exist")
+    out.mkdir(exist_ok=True)
+    old = pd.DataFrame()
+    if (out / "results.csv").exists():
+        try:
+            old = pd.read_csv(out / "results.csv")
+        except (ValueError, OSError) as e:
+            raise KvsimError(f"{out / 'results.csv'}: cannot resume from it ({e})") from None
+        if "key" not in old or "status" not in old:
+            raise KvsimError(f"{out / 'results.csv'} is not a kvsim plan table")
+        old = old[old.status.isin(DONE)]
+    new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress)
+    df = pd.concat([old, new], ignore_index=True) if len(old) else new
+    if df.empty:
+        raise KvsimError("the sweep has no configurations")
+    df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
+    _write_table(df, out)
+    quality_df = load_quality(quality or [], df)
+    series = plots.draw_all(df, out, quality_df)
+    _write_report(df, series, out, command, spec, quality)
+    return {"out": str(out), "rows": len(df), "new_runs": len(new), "skipped": len(old),
+            "failed": int((df.status == "failed").sum()),
+            "infeasible": int((df.status == "infeasible").sum()),
+            "plots": sorted(p.name for p in out.glob("*.png")),
+            "crossings": series.get("crossover", {}).get("_crossings", {})}
+
+
+def _md_table(df: pd.DataFrame) -> str:
+    cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for _, r in df.iterrows()]
+    return "\n".join(lines)
+
+
+PLOT_TEXT = {
+    "throughput_vs_batch": "Decode throughput vs max batch, per policy; a flat tail means memory "
+                           "stopped admission.",
+    "tpot_vs_context": "Time per output token vs context at the smallest batch.",
+    "max_batch_fit": "How many requests fit in HBM and host memory at once, at the longest "
+                     "context.",
+    "hbm_breakdown": "What occupies HBM in the largest-batch run of each policy.",
+    "link_utilisation": "Share of time the host link is busy.",
+    "crossover": "TPOT ratio VerKV / dense offload; where a line crosses 1, VerKV stops winning.",
+    "pareto": "Task accuracy (kvsim eval, % of dense) vs decode throughput.",
+}
+
+
+def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality) -> None:
+    ok = df[df.status == "ok"]
+    lines = [f"# kvsim capacity plan", "",
+             f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by "
+             f"kvsim {__version__} on {platform.node()} ({platform.machine()}).", "",
+             f"Command: `{command}`" if command else "", "",
+             f"{len(df)} configurations: {len(ok)} ran, "
+             f"{(df.status == 'infeasible').sum()} infeasible, "
+             f"{(df.status == 'failed').sum()} failed. Table: `results.csv`, `results.parquet`.",
+             "", "## Where the inputs came from", ""]
+    prov: dict[str, set] = {}
+    for p in ok.get("provenance", pd.Series(dtype=str)).dropna():
+        for k, v in json.loads(p).items():
+            if k not in ("workload", "trace"):
+                prov.setdefault(k, set()).add(v)
+    for k in sorted(prov):
+        for v in sorted(prov[k]):
+            lines.append(f"- **{k}**: {v}")
+    if quality:
+        lines.append(f"- **quality**: kvsim eval results from {', '.join(quality)}")
+    lines += ["", "## Plots", ""]
+    for name, text in PLOT_TEXT.items():
+        if (out / f"{name}.png").exists() and series.get(name):
+            lines += [f"### {name.replace('_', ' ')}", "", text, "",
+                      f"![{name}]({name}.png)", ""]
+    crossings = series.get("crossover", {}).get("_crossings", {})
+    if crossings:
+        lines += ["## Crossovers", ""]
+        lines += [f"- {k}: ratio crosses 1 at about {v:,.0f} tokens" for k, v in crossings.items()]
+        lines.append("")
+    if spec.slo_tpot_ms or spec.slo_ttft_ms:
+        lines += ["## SLO", "", f"Highest Poisson rate with p99 TPOT <= {spec.slo_tpot_ms} ms and "
+                  f"p99 TTFT <= {spec.slo_ttft_ms} ms ({spec.slo_requests} requests per probe): "
+                  "column `slo_max_qps`.", ""]
+    lines += ["## Runs", "", _md_table(df), ""]
+    bad = df[df.status != "ok"]
+    if len(bad):
+        lines += ["## Not run", ""]
+        lines += [f"- {r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: {r.error}"
+                  for r in bad.itertuples()]
+    text = "\n".join(lines) + "\n"
+    atomic_write(out / "report.md", lambda f: f.write(text.encode()), force=True)

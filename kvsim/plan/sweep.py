@@ -1,0 +1,178 @@
+"""A sweep: the cross product of GPUs, models, contexts, policies (with their option grids) and
+batch sizes or arrival rates, each simulated by :func:`kvsim.replay.run_replay`.
+
+Configurations that share a policy analysis (trace, policy, options, seed) run in one task, so the
+policy runs on the trace's tensors once per group. A failed run becomes a row with its error and
+the sweep goes on; a re-run skips configurations already in the output table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from kvsim.errors import Infeasible, KvsimError
+from kvsim.hw import catalog
+from kvsim.plan import slo
+from kvsim.policies import load_all
+from kvsim.replay import ReplayConfig, run_replay
+
+CONFIG_COLUMNS = ["gpu", "model", "context", "policy", "options", "batch", "qps", "output_len",
+                  "requests", "seed", "trace"]
+
+
+@dataclass
+class SweepSpec:
+    gpus: list[str]
+    models: list[str]
+    contexts: list[int]
+    policies: list[str]
+    batches: list[int] = field(default_factory=lambda: [1])
+    qps: list[float] | None = None  # open loop at these rates (batch = max batch)
+    option_grid: dict[str, list] = field(default_factory=dict)  # option -> values to sweep
+    output_len: int = 128
+    requests: int | None = None
+    seed: int = 0
+    trace: str | None = None
+    slo_tpot_ms: float | None = None
+    slo_ttft_ms: float | None = None
+    slo_requests: int = 200
+
+    def validate(self) -> None:
+        for g in self.gpus:
+            if not Path(g).suffix == ".npz":
+                catalog.gpu(g)
+        for m in self.models:
+            catalog.model(m)
+        registry = load_all()
+        for p in self.policies:
+            if p not in registry:
+                raise KvsimError(f"unknown policy {p!r}; known: {', '.join(sorted(registry))}")
+        unused = set(self.option_grid) - {f.name for p in self.policies
+                                          for f in dataclasses.fields(registry[p].Params)}
+        if unused:
+            raise KvsimError(f"options {sorted(unused)} apply to none of the policies "
+                             f"{', '.join(self.policies)}")
+        for name, values in (("--context", self.contexts), ("--batch", self.batches),
+                             ("--qps", self.qps or [1])):
+            if not values or min(values) <= 0:
+                raise KvsimError(f"{name} needs positive values")
+        for name in ("slo_tpot_ms", "slo_ttft_ms"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise KvsimError(f"--{name.replace('_', '-')} must be positive")
+
+
+def option_sets(policy: str, grid: dict[str, list]) -> list[dict]:
+    """The cross product of the grid's values for the options this policy takes."""
+    fields = {f.name for f in dataclasses.fields(load_all()[policy].Params)}
+    names = sorted(n for n in grid if n in fields)
+    return [dict(zip(names, vals)) for vals in itertools.product(*(grid[n] for n in names))]
+
+
+def expand(spec: SweepSpec) -> list[dict]:
+    spec.validate()
+    configs = []
+    loads = [("batch", b) for b in spec.batches] if not spec.qps else \
+        [("qps", q) for q in spec.qps]
+    for gpu, model, ctx, policy in itertools.product(spec.gpus, spec.models, spec.contexts,
+                                                     spec.policies):
+        for opts in option_sets(policy, spec.option_grid):
+            for kind, value in loads:
+                configs.append({
+                    "gpu": gpu, "model": model, "context": int(ctx), "policy": policy,
+                    "options": json.dumps(opts, sort_keys=True),
+                    "batch": int(value) if kind == "batch" else int(max(spec.batches)),
+                    "qps": float(value) if kind == "qps" else None,
+                    "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
+                    "trace": spec.trace})
+    return configs
+
+
+def config_key(c: dict) -> str:
+    return json.dumps({k: c[k] for k in CONFIG_COLUMNS}, sort_keys=True, default=str)
+
+
+def label(policy: str, options: str | dict) -> str:
+    """Short legend label: ``verkv c16 eps0.05 2bit``."""
+    opts = json.loads(options) if isinstance(options, str) else options
+    short = {"compression": "c", "eps": "eps", "delta": "d", "coef_bits": "b"}
+    parts = [f"{short[k]}{v:g}" if k in short and isinstance(v, (int, float)) else str(v)
+             for k, v in sorted(opts.items())]
+    return " ".join([policy, *parts])
+
+
+def _replay_config(c: dict, **over) -> ReplayConfig:
+    gpu, trace = c["gpu"], c["trace"]
+    if str(gpu).endswith(".npz"):  # a profiled trace stands for its GPU
+        gpu, trace = None, gpu
+    kw = dict(trace=trace, policy=c["policy"], policy_options=json.loads(c["options"]), gpu=gpu,
+              model=c["model"], context=c["context"], batch=c["batch"], qps=c["qps"],
+              requests=c["requests"], output_len=c["output_len"], seed=c["seed"])
+    kw.update(over)
+    return ReplayConfig(**kw)
+
+
+def run_config(c: dict, spec_slo: tuple | None) -> dict:
+    row = {**c, "label": label(c["policy"], c["options"]), "key": config_key(c)}
+    try:
+        r = run_replay(_replay_config(c))
+        for k, v in r.items():
+            if isinstance(v, (int, float, str, bool)) or v is None:
+                row.setdefault(k, v)
+        row["warnings"] = " | ".join(r["warnings"])
+        row["provenance"] = json.dumps(r["provenance"], sort_keys=True)
+        row["status"], row["error"] = "ok", ""
+        if spec_slo is not None:
+            tpot, ttft, n = spec_slo
+            found = slo.max_qps(lambda q: run_replay(_replay_config(c, qps=q, requests=n)),
+                                tpot, ttft)
+            row.update({"slo_max_qps": found.qps, "slo_qps_fails": found.fails_at,
+                        "slo_evaluations": found.evaluations})
+    except Infeasible as e:
+        row["status"], row["error"] = "infeasible", str(e)
+    except KvsimError as e:
+        row["status"], row["error"] = "failed", str(e)
+    except Exception as e:  # a bug in one run must not end a long sweep; it is recorded
+        row["status"], row["error"] = "failed", f"{type(e).__name__}: {e}"
+    return row
+
+
+@dataclass
+class GroupTask:
+    configs: list[dict]
+    slo: tuple | None  # (TPOT ms, TTFT ms, requests per probe) or None
+
+
+def run_group(task: GroupTask) -> list[dict]:
+    return [run_config(c, task.slo) for c in task.configs]
+
+
+def groups(configs: list[dict], spec: SweepSpec) -> list[GroupTask]:
+    """Configurations sharing one policy analysis, in chunks that keep every worker busy."""
+    by: dict[tuple, list[dict]] = {}
+    for c in configs:
+        by.setdefault((c["trace"], c["gpu"] if str(c["gpu"]).endswith(".npz") else None,
+                       c["policy"], c["options"], c["seed"]), []).append(c)
+    slo_args = ((spec.slo_tpot_ms or float("inf")), (spec.slo_ttft_ms or float("inf")),
+                spec.slo_requests) if (spec.slo_tpot_ms or spec.slo_ttft_ms) else None
+    tasks = []
+    for cs in by.values():
+        for i in range(0, len(cs), 16):
+            tasks.append(GroupTask(cs[i:i + 16], slo_args))
+    return tasks
+
+
+def sweep(spec: SweepSpec, executor, done_keys: set[str] = frozenset(),
+          progress: bool = True) -> pd.DataFrame:
+    """Run every configuration not in ``done_keys``; one row per configuration."""
+    from kvsim.plan.executors import run_all
+    todo = [c for c in expand(spec) if config_key(c) not in done_keys]
+    results = run_all(executor, run_group, groups(todo, spec), progress, desc="plan")
+    rows = [row for group in results for row in group]
+    return pd.DataFrame(rows)

@@ -1,0 +1,123 @@
+"""kvsim plan: one row per configuration, resumable, plots with the expected series, SLO search,
+and the same results on the local pool and on Ray."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from conftest import run_cli
+from kvsim.plan import plots, slo
+from kvsim.plan.executors import LocalExecutor
+from kvsim.plan.planner import plan
+from kvsim.plan.sweep import SweepSpec, sweep
+from kvsim.replay import ReplayConfig, run_replay
+
+
+def spec(trace, **kw):
+    base = dict(gpus=["h100-sxm", "a100-40gb"], models=["qwen3-4b"], contexts=[8192, 250000],
+                policies=["dense-resident", "dense-offload"], batches=[1, 4], output_len=16,
+                trace=str(trace))
+    base.update(kw)
+    return SweepSpec(**base)
+
+
+def test_plan_writes_one_row_per_configuration_and_resumes(attn_trace, tmp_path):
+    out = tmp_path / "plan"
+    s = plan(spec(attn_trace), out, LocalExecutor(1), progress=False)
+    df = pd.read_csv(out / "results.csv")
+    assert len(df) == 2 * 2 * 2 * 2 == s["rows"] and df.key.is_unique
+    assert pd.read_parquet(out / "results.parquet").shape[0] == len(df)
+    # 250K tokens of Qwen3-4B do not fit an A100-40GB without offloading: recorded, not fatal
+    bad = df[(df.gpu == "a100-40gb") & (df.context == 250000) & (df.policy == "dense-resident")]
+    assert (bad.status == "infeasible").all() and bad.error.str.contains("HBM").all()
+    assert (df[df.policy == "dense-offload"].status == "ok").all()
+    assert json.loads(df.provenance.dropna().iloc[0])["hw.gpu"].startswith("catalog")
+    for name in ("throughput_vs_batch", "tpot_vs_context", "max_batch_fit", "hbm_breakdown",
+                 "link_utilisation"):
+        assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.svg").exists()
+    report = (out / "report.md").read_text()
+    assert "![tpot_vs_context](tpot_vs_context.png)" in report and "infeasible" in report
+    again = plan(spec(attn_trace), out, LocalExecutor(1), progress=False)
+    assert again["new_runs"] == 0 and again["rows"] == len(df)
+    more = plan(spec(attn_trace, batches=[1, 4, 8]), out, LocalExecutor(1), progress=False)
+    assert more["new_runs"] == 8 and more["rows"] == 24
+
+
+def test_plots_draw_the_expected_series(attn_trace, tmp_path):
+    df = sweep(spec(attn_trace, gpus=["h100-sxm"], contexts=[4096, 16384, 65536]),
+               LocalExecutor(1), progress=False)
+    tput = plots.throughput_vs_batch(df, tmp_path)
+    assert set(tput) == {f"h100-sxm|qwen3-4b|{c}|{p}" for c in (4096, 16384, 65536)
+                         for p in ("dense-resident", "dense-offload")}
+    xs, ys = tput["h100-sxm|qwen3-4b|4096|dense-resident"]
+    assert xs == [1, 4] and ys[1] > ys[0]
+    tpot = plots.tpot_vs_context(df, tmp_path)
+    ctx, ms = tpot["h100-sxm|qwen3-4b|dense-offload"]
+    assert ctx == [4096, 16384, 65536] and ms[0] < ms[1] < ms[2]
+    hbm = plots.hbm_breakdown(df, tmp_path)
+    assert set(hbm) == {"weights", "resident KV", "sketch / metadata", "workspace"}
+    quality = pd.DataFrame({"label": ["dense-resident", "dense-offload"], "policy": ["a", "b"],
+                            "relative_accuracy": [1.0, 1.0]})
+    par = plots.pareto(df, quality, tmp_path)
+    assert len(par["points"][0]) == 2 and (tmp_path / "pareto.png").exists()
+
+
+def test_crossover_is_found_where_the_ratio_crosses_one(tmp_path):
+    rows = []
+    for ctx, fast, base in ((1024, 2.0, 1.0), (8192, 1.5, 3.0), (65536, 4.0, 20.0)):
+        for pol, t in (("verkv", fast), ("dense-offload", base)):
+            rows.append(dict(status="ok", qps=None, gpu="g", model="m", batch=1, context=ctx,
+                             policy=pol, label=pol, tpot_ms=t))
+    s = plots.crossover(pd.DataFrame(rows), tmp_path)
+    (name, x), = s["_crossings"].items()
+    assert 1024 < x < 8192 and "verkv" in name
+
+
+def _probe(q):
+    return run_replay(ReplayConfig(trace=None, policy="dense-resident", gpu="h100-sxm",
+                                   model="qwen3-4b", context=4096, output_len=32, batch=16,
+                                   qps=q, requests=80, seed=3))
+
+
+@pytest.fixture
+def default_trace_ok(attn_trace, monkeypatch):
+    import kvsim.replay as r
+    monkeypatch.setattr(r, "DEFAULT_TRACE", attn_trace)
+
+
+def test_slo_search_brackets_the_answer_and_is_monotone(default_trace_ok):
+    loose = slo.max_qps(_probe, tpot_ms=20, ttft_ms=2000)
+    tight = slo.max_qps(_probe, tpot_ms=9, ttft_ms=2000)
+    assert 0 < tight.qps <= loose.qps
+    for res, tpot in ((loose, 20), (tight, 9)):
+        assert slo.meets(_probe(res.qps), tpot, 2000)
+        assert not slo.meets(_probe(res.fails_at), tpot, 2000)
+        assert res.fails_at / res.qps <= 1.02 + 1e-9
+    assert slo.max_qps(_probe, tpot_ms=0.001, ttft_ms=1).qps == 0.0
+
+
+def test_ray_and_local_give_identical_results(attn_trace):
+    pytest.importorskip("ray")
+    import ray
+    from kvsim.plan.executors import RayExecutor
+    s = spec(attn_trace, gpus=["h200"], contexts=[8192])
+    local = sweep(s, LocalExecutor(2), progress=False).sort_values("key").reset_index(drop=True)
+    try:
+        remote = sweep(s, RayExecutor(jobs=2), progress=False)
+    finally:
+        ray.shutdown()
+    remote = remote.sort_values("key").reset_index(drop=True)
+    pd.testing.assert_frame_equal(local, remote[local.columns])
+
+
+def test_plan_cli_errors(attn_trace, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    for args, msg in ((["--out", f], "not a directory"),
+                      (["--out", tmp_path / "o", "--batch", "0"], "positive"),
+                      (["--out", tmp_path / "o", "--eps", "0.1"], "apply to none"),
+                      (["--out", tmp_path / "o", "--executor", "spark"], "invalid choice")):
+        code, _, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context",
+                               "8192", "--policy", "dense-offload", "--trace", attn_trace, *args)
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
