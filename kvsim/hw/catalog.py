@@ -87,9 +87,11 @@ class ModelSpec:
     def weight_bytes(self) -> int:
         return self.params * self.dtype_bytes
 
+    note: str = ""
+
     @property
     def source(self) -> str:
-        return f"config.json of {self.hf_id}"
+        return f"config.json of {self.hf_id}" + (f" ({self.note})" if self.note else "")
 
     def describe(self) -> str:
         return (f"{self.name}: {self.params / 1e9:.2f}B params, {self.layers} layers, "
@@ -100,8 +102,10 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {m.name: m for m in [
     ModelSpec("qwen3-4b", "Qwen/Qwen3-4B", 36, 32, 8, 128, 2560, 9728, 151936, True, 1e6, 40960),
     ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", 36, 32, 8, 128, 4096, 12288, 151936, False, 1e6, 40960),
-    ModelSpec("ministral-3-8b", "mistralai/Ministral-3-8B-Instruct-2512 (text model)", 34, 32, 8,
-              128, 4096, 14336, 131072, False, 1e6, 262144),
+    ModelSpec("ministral-3-8b", "mistralai/Ministral-3-8B-Instruct-2512", 34, 32, 8,
+              128, 4096, 14336, 131072, False, 1e6, 262144,
+              note="text model; layers, hidden and heads per the Megatron-Bridge model docs; "
+                   "intermediate size and vocabulary not re-verified against the config"),
     ModelSpec("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 32, 32, 8, 128, 4096, 14336, 128256,
               False, 5e5, 131072),
     ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B", 28, 28, 4, 128, 3584, 18944, 152064, False, 1e6,
