@@ -1,0 +1,202 @@
+"""VerKV per forward pass: sketch -> shortlist -> estimated weights -> shrinkage -> certificate ->
+fetch set (GQA union), then the reweighted attention.
+
+Two variants of what the certificate may look at (spec point 2):
+
+* ``independent`` (default): lambda, the order g, k* and the certificate's D come only from
+  quantities that do not depend on which tokens were sampled: exact weights for H and for the
+  shortlist, sketch weights for every other token of L (sampled or not); the shortlist is chosen
+  among all of L. Theorem 2's precondition (lambda and the order fixed before the sample is
+  looked at) then holds whenever the sketch is exact, and the fetch-exact set does not depend on
+  the sample. Sampled tokens are resident, so a shortlisted sampled token costs no host read.
+* ``paper``: the deployed algorithm: resident tokens (H and the sample S) get exact weights, the
+  shortlist is chosen among the non-resident tokens L \\ S; lambda, the order and D then depend
+  on the sample.
+
+GQA: each query head orders and cuts its own L; its KV head fetches the union of the heads'
+selections, and every head of the group then treats the whole union as exact (more exact tokens
+only lower a head's certificate, and the union is as sample-independent as its parts).
+Tokens after the context (question and decoded tokens) are always exact and never in L.
+All of it is vectorised over query heads and rows; the only sorts are ``torch.topk`` heads of
+``FETCH_HEAD`` / ``SHRINK_HEAD`` tokens with a full-sort fallback (see certificate.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvsim.kernels import certificate as C
+from kvsim.kernels.poisson import PoissonSample
+from kvsim.kernels.sketch import KeySketch, shortlist, sketch_logits
+
+VARIANTS = ("independent", "paper")
+WEIGHT_FLOOR = {torch.float32: 1e-15, torch.float16: 1e-3, torch.bfloat16: 1e-15,
+                torch.float64: 1e-150}
+
+
+@dataclass
+class DecideConfig:
+    eps: float = 0.05
+    delta: float = 0.1
+    shrinkage: str = "binary"  # "binary" | "bounded"
+    shortlist: int = 128
+    variant: str = "independent"
+    fetch_head: int | None = C.FETCH_HEAD
+    shrink_head: int | None = C.SHRINK_HEAD
+    report_after: bool = True  # compute eps_hat after the GQA union (a statistic, not a decision)
+
+
+@dataclass
+class VerKVLayer:
+    """What VerKV holds for one layer after compress (context tokens only)."""
+    sample: PoissonSample  # r, H, L, S per KV head (n_kv, n_ctx)
+    sketch: KeySketch | None  # None: the perfect sketch (exact weights everywhere)
+    k_host: torch.Tensor  # (n_kv, n_ctx, d) the full keys in host memory (shortlist, fetch)
+    known_idx: torch.Tensor  # (n_kv, R) context tokens with exact weights before any read
+    factors: C.Factors  # per-token constants of r, (n_kv, 1, n_ctx), zero outside L
+
+
+def make_layer(sample: PoissonSample, sketch: KeySketch | None, k_host: torch.Tensor,
+               variant: str) -> VerKVLayer:
+    known = sample.in_h if variant == "independent" else sample.resident
+    count = known.sum(-1)
+    width = int(count.max())
+    # pad each head's index list with its first index (a duplicate scatter of the same value)
+    order = torch.sort((~known).to(torch.int8), dim=-1, stable=True).indices[:, :max(width, 1)]
+    pos = torch.arange(order.shape[-1], device=order.device)[None, :]
+    known_idx = torch.where(pos < count[:, None], order, order[:, :1])
+    f = C.token_factors(sample.r.to(k_host.dtype), sample.in_l)
+    f = C.Factors(*(x[:, None, :] for x in (f.r, f.odds, f.one_minus_r, f.bfac)))
+    return VerKVLayer(sample, sketch, k_host, known_idx, f)
+
+
+@dataclass
+class Decision:
+    """One forward pass; per-decision tensors are (n_q, m), masks (n_q, m, n) or (n_kv, m, n)."""
+    k_star: torch.Tensor  # (n_q, m) tokens made exact by each decision
+    own_exact: torch.Tensor  # (n_q, m, n) bool
+    exact_kv: torch.Tensor  # (n_kv, m, n) bool, union over the query heads of each KV head
+    shortlisted: torch.Tensor  # (n_kv, m, n) bool
+    eps_before: torch.Tensor  # (n_q, m) eps_hat(L)
+    eps_after: torch.Tensor  # (n_q, m) eps_hat(L \ exact_kv), after the union
+    denom_est: torch.Tensor  # (n_q, m) the certificate's D, shifted by ``shift``
+    shift: torch.Tensor  # (n_q, m) the logit shift of the weights (log of the largest weight)
+    shrink: C.BinaryShrink | torch.Tensor  # lambda: sparse binary form or dense (n_kv, g*m, n)
+
+    def lam(self, f: C.Factors) -> torch.Tensor:
+        """Dense lambda (n_q, m, n) (1 outside L)."""
+        lam = self.shrink.lam(f) if isinstance(self.shrink, C.BinaryShrink) else self.shrink
+        return lam.reshape(self.own_exact.shape)
+
+
+def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | None,
+                     candidates: torch.Tensor, shortlist_size: int):
+    """Grouped logits (n_kv, g*m, n) the certificate plans with (-inf where not visible), their
+    row maximum (n_kv, g*m), and the shortlist (n_kv, m, n).
+
+    Perfect sketch: exact logits everywhere, no shortlist. 2-bit sketch: sketch logits, exact
+    ones at ``known_idx`` and at the shortlist: per KV head and row, the ``shortlist_size``
+    candidates with the largest sketch log-weight relative to their head's largest estimated
+    logit (``s_i - max_j s_j``, a log-probability up to the head's normaliser), max over the
+    group's query heads (spec point 4).
+    """
+    n_q, m, d = q.shape
+    n_kv, n, _ = layer.k_host.shape
+    g = n_q // n_kv
+    qg = q.reshape(n_kv, g * m, d)
+    none = torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
+    if layer.sketch is None:
+        s = torch.matmul(qg, layer.k_host.transpose(1, 2)) / math.sqrt(d)
+        if visible is not None:
+            s.masked_fill_(~visible.repeat(g, 1)[None], float("-inf"))
+        return s, s.amax(-1), none
+    s = sketch_logits(layer.sketch, q).view(n_kv, g * m, n)
+    idx = layer.known_idx  # (n_kv, R)
+    keys = layer.k_host.gather(1, idx[:, :, None].expand(-1, -1, d))
+    exact_known = torch.matmul(qg, keys.transpose(1, 2)) / math.sqrt(d)  # (n_kv, g*m, R)
+    s.scatter_(-1, idx[:, None, :].expand(-1, g * m, -1), exact_known)
+    if visible is not None:
+        s.masked_fill_(~visible.repeat(g, 1)[None], float("-inf"))
+    shift = s.amax(-1)
+    if shortlist_size <= 0:
+        return s, shift, none
+    score = (s - shift[..., None]).view(n_kv, g, m, n).amax(dim=1)  # (n_kv, m, n)
+    cand = candidates if visible is None else candidates & visible[None]
+    sidx, valid, short = shortlist(score, cand, shortlist_size)
+    kk = sidx.shape[-1]
+    skeys = layer.k_host.gather(1, sidx.reshape(n_kv, m * kk, 1).expand(-1, -1, d))
+    skeys = skeys.view(n_kv, m, kk, d)
+    exact_short = torch.einsum("kgmd,kmjd->kgmj", q.view(n_kv, g, m, d), skeys) / math.sqrt(d)
+    sv = s.view(n_kv, g, m, n)
+    gidx = sidx[:, None].expand(-1, g, -1, -1)
+    vv = valid[:, None].expand(-1, g, -1, -1)
+    sv.scatter_(-1, gidx, torch.where(vv, exact_short, sv.gather(-1, gidx)))
+    short_max = exact_short.masked_fill(~vv, float("-inf")).amax(-1).reshape(n_kv, g * m)
+    return s, torch.maximum(shift, short_max), short
+
+
+def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideConfig,
+           extra_logits: torch.Tensor | None = None) -> Decision:
+    """One forward pass of VerKV's decide step for query rows ``q`` (n_q, m, d) at ``q_pos``.
+
+    ``extra_logits`` (n_q, m, n_extra): exact logits of the tokens after the context (-inf where
+    masked); they count in D and never in L.
+    """
+    n_q, m, d = q.shape
+    n_kv, n, _ = layer.k_host.shape
+    g = n_q // n_kv
+    smp, f = layer.sample, layer.factors
+    visible = None
+    if not bool((q_pos >= n - 1).all()):
+        visible = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]  # (m, n)
+    candidates = smp.in_l if cfg.variant == "independent" else smp.in_l & ~smp.sampled
+    s, shift, short = estimated_logits(q, layer, visible, candidates[:, None, :], cfg.shortlist)
+    extra = None
+    if extra_logits is not None and extra_logits.shape[-1]:
+        extra = extra_logits.reshape(n_kv, g * m, -1)
+        shift = torch.maximum(shift, extra.amax(-1))
+    w = torch.exp(s - shift[..., None])  # (n_kv, g*m, n)
+    # weights under a tiny floor move D by < n * floor (the largest weight is 1): flush them to 0
+    # so that squares stay out of subnormal arithmetic, which is ~100x slower on CPUs
+    w.masked_fill_(w < WEIGHT_FLOOR.get(w.dtype, 0.0), 0.0)
+    denom = w.sum(-1)
+    if extra is not None:
+        denom = denom + torch.exp(extra - shift[..., None]).sum(-1)
+    if cfg.shrinkage == "binary":
+        shrink = C.binary_shrink(w, f, head=cfg.shrink_head)
+    else:
+        shrink = C.bounded_shrinkage(w, f.r, f.odds > 0)
+    beta_i, var_i, b_i = C.terms(w, f, shrink)
+    plan = C.fetch_plan_terms(beta_i, var_i, b_i, denom, cfg.eps, cfg.delta, head=cfg.fetch_head)
+    exact_kv = plan.exact.view(n_kv, g, m, n).any(dim=1)  # GQA union
+    eps_after = plan.eps_after  # before the union; lowered by it, computed below if asked
+    if cfg.report_after:  # eps_hat after the union: remove the union's contributions
+        ex = exact_kv[:, None]
+        view = lambda x: x.view(n_kv, g, m, n)  # noqa: E731
+        beta_a = beta_i.sum(-1) - (view(beta_i) * ex).sum(-1).reshape(n_kv, g * m)
+        var_a = var_i.sum(-1) - (view(var_i) * ex).sum(-1).reshape(n_kv, g * m)
+        b_a = view(b_i).masked_fill(ex, 0.0).amax(-1).reshape(n_kv, g * m)
+        eps_after = C.bernstein_eps(beta_a.clamp_min(0), var_a, b_a, denom,
+                                    C.log_term(cfg.delta))
+    lead = (n_q, m)
+    return Decision(plan.k_star.reshape(lead), plan.exact.reshape(n_q, m, n), exact_kv, short,
+                    plan.eps_before.reshape(lead), eps_after.reshape(lead), denom.reshape(lead),
+                    shift.reshape(lead), shrink)
+
+
+def reweighted_log_factor(layer: VerKVLayer, dec: Decision, n_q: int) -> torch.Tensor:
+    """(n_q, m, n) additive log-weights on the exact context logits: 0 on H and on the tokens
+    made exact, ``log(lambda_i / r_i)`` on sampled tokens still in L', -inf elsewhere."""
+    n_kv = layer.k_host.shape[0]
+    g = n_q // n_kv
+    smp = layer.sample
+    exact = (smp.in_h[:, None, :] | dec.exact_kv).repeat_interleave(g, dim=0)
+    sampled = smp.sampled.repeat_interleave(g, dim=0)[:, None, :] & ~exact
+    r = smp.r.to(dec.denom_est.dtype).repeat_interleave(g, dim=0)[:, None, :]
+    lam = dec.lam(layer.factors)
+    log_f = torch.where(sampled, torch.log(lam) - torch.log(r),
+                        torch.full_like(lam, float("-inf")))
+    return torch.where(exact, torch.zeros_like(log_f), log_f)

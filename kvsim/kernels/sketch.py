@@ -1,0 +1,123 @@
+"""The 2-bit key sketch (VerKV Appendix A.1) and the per-KV-head shortlist.
+
+Per KV head: keep the ``d / 8`` RoPE channel pairs (a quarter of the channels; 16 pairs at head
+dim 128) with the largest mean key energy; RoPE rotates within a pair, so the choice needs no
+queries. Each kept channel is quantized to 2 bits, uniformly between its min and max over each
+group of 128 tokens, with an fp16 zero point and scale per group and channel. Cost per token and
+KV head: ``c * 2 + c * 2 * 16 / 128`` bits for ``c = d / 4`` kept channels, i.e. 1.76% of a
+16-bit K+V cache at any head dim.
+
+Sketch logits: ``q`` restricted to the kept channels against the dequantized keys, scaled by
+``1 / sqrt(d)`` like the exact logits. They drop three quarters of the channels, so they are
+biased, not only noisy (spec point 3); the certificate that uses them inherits that bias.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 128
+BITS = 2
+META_BITS = 16  # fp16 zero point and scale, per group and channel
+
+
+def rope_pairs(d: int, rope_type: str | None = None) -> torch.Tensor:
+    """(d/2, 2) channel indices of the RoPE pairs.
+
+    Hugging Face models rotate channel j with j + d/2 ("rotate_half", the default); GPT-J /
+    interleaved RoPE rotates 2j with 2j+1 (pass a type containing "interleav" or "gptj").
+    """
+    half = d // 2
+    j = torch.arange(half)
+    t = (rope_type or "").lower()
+    if "interleav" in t or "gptj" in t or "gpt-j" in t:
+        return torch.stack([2 * j, 2 * j + 1], dim=-1)
+    return torch.stack([j, j + half], dim=-1)
+
+
+def sketch_bits_per_token(d: int, group: int = GROUP) -> float:
+    c = kept_channels(d)
+    return c * BITS + c * 2 * META_BITS / group
+
+
+def kept_channels(d: int) -> int:
+    return 2 * max(1, d // 8)
+
+
+def sketch_bytes(n: int, d: int, group: int = GROUP) -> float:
+    """Bytes of the sketch of ``n`` tokens for one KV head (partial last group paid in full)."""
+    c = kept_channels(d)
+    return n * c * BITS / 8 + math.ceil(n / group) * c * 2 * META_BITS / 8
+
+
+@dataclass
+class KeySketch:
+    channels: torch.Tensor  # (n_kv, c) kept channel indices per KV head
+    codes: torch.Tensor  # (n_kv, n, c) uint8 in 0..3
+    zero: torch.Tensor  # (n_kv, groups, c) fp16-representable
+    scale: torch.Tensor  # (n_kv, groups, c) fp16-representable
+    keys: torch.Tensor  # (n_kv, n, c) dequantized keys (kept for speed; costed as 2 bits)
+    head_dim: int
+    group: int = GROUP
+
+    @property
+    def n_tokens(self) -> int:
+        return self.codes.shape[1]
+
+    def nbytes_per_head(self) -> float:
+        return sketch_bytes(self.n_tokens, self.head_dim, self.group)
+
+
+def build_sketch(k: torch.Tensor, pairs: torch.Tensor | None = None,
+                 group: int = GROUP) -> KeySketch:
+    """Sketch of keys ``k`` (n_kv, n, d); ``pairs`` from :func:`rope_pairs`."""
+    n_kv, n, d = k.shape
+    pairs = rope_pairs(d) if pairs is None else pairs
+    pairs = pairs.to(k.device)
+    kf = k.to(torch.float32)
+    energy = kf.pow(2).mean(dim=1)  # (n_kv, d)
+    pair_energy = energy[:, pairs[:, 0]] + energy[:, pairs[:, 1]]  # (n_kv, d/2)
+    n_pairs = kept_channels(d) // 2
+    top = torch.topk(pair_energy, n_pairs, dim=-1).indices.sort(dim=-1).values
+    channels = pairs[top].reshape(n_kv, -1)  # (n_kv, c)
+    sel = kf.gather(-1, channels[:, None, :].expand(n_kv, n, channels.shape[-1]))
+    n_groups = math.ceil(n / group)
+    pad = n_groups * group - n
+    padded = torch.cat([sel, sel[:, -1:].expand(n_kv, pad, -1)], dim=1) if pad else sel
+    g = padded.view(n_kv, n_groups, group, -1)
+    lo = g.amin(dim=2).half().float()
+    hi = g.amax(dim=2)
+    levels = 2 ** BITS - 1
+    scale = ((hi - lo) / levels).half().float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((g - lo[:, :, None]) / safe[:, :, None]).round().clamp(0, levels)
+    deq = lo[:, :, None] + codes * scale[:, :, None]
+    deq = deq.reshape(n_kv, n_groups * group, -1)[:, :n]
+    codes = codes.reshape(n_kv, n_groups * group, -1)[:, :n].to(torch.uint8)
+    return KeySketch(channels, codes, lo, scale, deq.to(k.dtype), d, group)
+
+
+def sketch_logits(sk: KeySketch, q: torch.Tensor) -> torch.Tensor:
+    """(n_q, m, n) sketch logits of the query rows ``q`` (n_q, m, d) against every token."""
+    n_q, m, d = q.shape
+    n_kv, c = sk.channels.shape
+    g = n_q // n_kv
+    ch = sk.channels.repeat_interleave(g, dim=0)  # (n_q, c)
+    q_sel = q.gather(-1, ch[:, None, :].expand(n_q, m, c))
+    s = torch.matmul(q_sel.reshape(n_kv, g * m, c), sk.keys.transpose(1, 2).to(q.dtype))
+    return s.view(n_q, m, -1) / math.sqrt(d)
+
+
+def shortlist(score: torch.Tensor, candidates: torch.Tensor, size: int):
+    """Per KV head and query row, the ``size`` candidates with the largest ``score``
+    (n_kv, m, n). Returns indices (n_kv, m, k), which of them are real candidates (fewer where
+    there are fewer candidates) and the same set as a (n_kv, m, n) bool mask."""
+    s = score.masked_fill(~candidates, float("-inf"))
+    kk = min(size, s.shape[-1])
+    vals, idx = torch.topk(s, kk, dim=-1)
+    valid = vals > float("-inf")
+    mask = torch.zeros(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, idx, valid)
+    return idx, valid, mask

@@ -1,0 +1,27 @@
+"""Causal attention with additive log-weights on the context logits (eviction, sampling and
+reweighting all reduce to it: -inf drops a token, log(lambda_i / r_i) reweights a sampled one)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvsim.kernels.attention import expand_kv, logits
+
+
+def weighted_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       log_w_ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output (n_q, m, d) and log-denominator (n_q, m) of attention over all keys ``k``, ``v``
+    (n_kv, n, d), with ``log_w_ctx`` (broadcastable to (n_q, m, n_ctx)) added to the logits of
+    the first n_ctx (context) tokens; later tokens keep weight 1. Causal as ``logits``."""
+    s = logits(q, k, q_pos)
+    n_ctx = log_w_ctx.shape[-1]
+    s = torch.cat([s[..., :n_ctx] + log_w_ctx, s[..., n_ctx:]], dim=-1)
+    log_d = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - log_d[..., None])
+    return torch.einsum("hmn,hnd->hmd", p, expand_kv(v, q.shape[0])), log_d
+
+
+def row_chunks(n_q: int, m: int, n: int, budget: int = 1 << 21):
+    """Slices over query rows so that one chunk holds about ``budget`` (head, row, token) cells."""
+    step = max(1, budget // max(1, n_q * n))
+    return [slice(s, min(m, s + step)) for s in range(0, m, step)]

@@ -1,0 +1,88 @@
+"""PoissonComp (Algorithm 1 of the VerKV paper) without fetching: attention from the sample.
+
+Per layer and KV head: sink + local tokens always kept, ``r_i = min(1, c tau_i)`` for the others
+with ``c`` solved so that the expected kept count equals the whole budget
+``n_ctx / compression`` (no sketch is held, so none is paid: spec point 6), an independent
+Bernoulli sample. Attention uses the unbiased estimator (lambda = 1): weight ``w_i`` on H and
+``w_i / r_i`` on sampled tokens; unsampled tokens are gone (host_frac 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsim.kernels.poisson import PoissonSample, poisson_compress
+from kvsim.kernels.scoring import to_tau
+from kvsim.kernels.weighted import row_chunks, weighted_attention
+from kvsim.policies import _measure as M
+from kvsim.policies.base import DecodeCost, Policy, register
+from kvsim.trace import Trace
+
+R_BYTES = 2  # an fp16 inclusion probability per sampled token
+
+
+@dataclass
+class PoissonCompParams:
+    compression: float = M.compression_field()
+    eps: float = M.eps_field(" (only reported: the share of decisions whose true error exceeds "
+                             "it; PoissonComp does not fetch)")
+    scorer: str = M.scorer_field()
+    sink: int = M.sink_field()
+    local: int = M.local_field()
+
+    def validate(self) -> None:
+        M.check_common(self)
+
+
+@dataclass
+class PoissonState:
+    sample: PoissonSample
+    expected_tokens: float  # per KV head: sum of r
+    held_tokens: float  # per KV head: |H| + |S| of this draw
+    held_bytes: float
+
+
+@register
+class PoissonComp(Policy):
+    name = "poissoncomp"
+    Params = PoissonCompParams
+    needs_attention = True
+    summary = ("Poisson sample of the cache by token scores (expected size 1/compression), "
+               "unbiased reweighting, no fetch")
+
+    def compress(self, k, v, scores, obs_q, obs_pos, generator):
+        p = self.params
+        n_kv, n_ctx, d = k.shape
+        sample_budget = M.check_budget(self.name, n_ctx, p.compression, p.sink, p.local)
+        tau = to_tau(M.context_scores(scores, p.scorer, k, obs_q, obs_pos))
+        smp = poisson_compress(tau, p.sink, p.local, sample_budget, generator)
+        held = float(smp.resident.sum(-1).to(torch.float64).mean())
+        n_s = float(smp.sampled.sum(-1).to(torch.float64).mean())
+        return PoissonState(smp, float(smp.expected_kept().mean()), held,
+                            held * 2 * d * M.KV_ELEM_BYTES + n_s * R_BYTES)
+
+    @staticmethod
+    def log_weights(smp: PoissonSample, n_q: int) -> torch.Tensor:
+        """(n_q, 1, n_ctx): 0 on H, -log r on S, -inf elsewhere."""
+        lw = torch.where(smp.sampled, -torch.log(smp.r), torch.zeros_like(smp.r))
+        lw = lw.masked_fill(~smp.resident, float("-inf"))
+        return lw.repeat_interleave(n_q // smp.r.shape[0], dim=0)[:, None, :]
+
+    def attend(self, state, q, q_pos, k, v):
+        log_w = self.log_weights(state.sample, q.shape[0]).to(q.dtype)
+        outs, logds = [], []
+        for sl in row_chunks(q.shape[0], q.shape[1], k.shape[1]):
+            o, ld = weighted_attention(q[:, sl], q_pos[sl], k, v, log_w)
+            outs.append(o)
+            logds.append(ld)
+        return torch.cat(outs, 1), {"log_denominator": torch.cat(logds, 1)}
+
+    def analyze(self, trace: Trace | None, seed: int = 0):
+        M.require_attention(trace, self.name)
+        stats = M.measure(self, trace, seed)
+        res = stats["resident_frac"]
+        cost = DecodeCost(resident_frac=res, hbm_read_frac=res, host_read_frac=0.0,
+                          host_frac=0.0, overlap=False, copies_per_layer=0.0)
+        return self.result(cost, stats, M.provenance(trace, self.name, seed))

@@ -1,0 +1,180 @@
+"""The attention-path policies (topk, poissoncomp, verkv) replayed on a synthetic trace."""
+
+import math
+
+import pytest
+import torch
+
+from kvsim.errors import KvsimError
+from kvsim.kernels.attention import dense_attention
+from kvsim.policies import make
+from kvsim.policies._measure import measure
+from kvsim.synthetic import synthetic_attention_trace
+from kvsim.trace import Trace, new_meta
+
+REQUIRED = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_frac",
+            "kv_read_frac", "violation_rate", "output_rel_err_mean")
+SMALL = {"sink": 4, "local": 4}
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return synthetic_attention_trace(n_layers=1, n_q=4, n_kv=2, d=32, context=1024,
+                                     question=8, decode=4, seed=0)
+
+
+@pytest.mark.parametrize("name,opts", [
+    ("topk", {}), ("topk", {"scorer": "kvzip"}), ("topk", {"scorer": "oracle"}),
+    ("poissoncomp", {}), ("verkv", {}), ("verkv", {"sketch": "perfect"}),
+    ("verkv", {"variant": "paper"}), ("verkv", {"shrinkage": "bounded"}),
+])
+def test_analyze_reports_the_required_statistics(trace, name, opts):
+    res = make(name, {**SMALL, **opts}).analyze(trace, seed=0)
+    for key in REQUIRED:
+        assert key in res.stats, key
+        assert 0.0 <= res.stats[key] <= 1.0, (key, res.stats[key])
+    assert "synthetic" in res.provenance and "1024 context tokens" in res.provenance
+    assert res.stats["held_tokens"] > 0 and 0 < res.cost.resident_frac < 0.1
+    if name == "verkv":
+        assert res.cost.host_frac == 1.0 and res.cost.path == "gather"
+        assert res.cost.overlap is False
+        assert res.cost.host_read_frac == pytest.approx(res.stats["kv_read_frac"])
+        assert res.stats["eps_hat_after_mean"] <= res.stats["eps_hat_mean"]
+        if opts.get("sketch") == "perfect":
+            assert res.stats["violation_rate"] <= 0.1  # adherence with exact weights
+    else:
+        assert res.cost.host_frac == 0.0 and res.cost.host_read_frac == 0.0
+        assert res.stats["kv_read_frac"] == 0.0
+
+
+def test_budgets_held(trace):
+    n_ctx = trace.attention.context_len
+    topk = make("topk", {**SMALL}).analyze(trace)
+    assert topk.stats["held_tokens"] == n_ctx // 16
+    assert topk.cost.resident_frac == pytest.approx(1 / 16)
+    pc = make("poissoncomp", SMALL)
+    layer = trace.attention.layers[0]
+    k = torch.as_tensor(layer.k, dtype=torch.float64)[:, :n_ctx]
+    q = torch.as_tensor(layer.q_question, dtype=torch.float64)
+    pos = torch.as_tensor(trace.attention.question_pos)
+    st = pc.compress(k, k, {}, q, pos, torch.Generator().manual_seed(0))
+    assert st.expected_tokens == pytest.approx(n_ctx / 16, rel=1e-9)
+    vk = make("verkv", SMALL)
+    sv = vk.compress(k, k, {}, q, pos, torch.Generator().manual_seed(0))
+    sketch_tokens = (n_ctx * 8 * 2 / 8 + math.ceil(n_ctx / 128) * 8 * 2 * 2) / (4 * 32)
+    assert sv.expected_tokens == pytest.approx(n_ctx / 16 - sketch_tokens, rel=1e-9)
+
+
+@pytest.mark.parametrize("sketch", ["perfect", "2bit"])
+def test_eps_to_zero_gives_dense(trace, sketch):
+    pol = make("verkv", {**SMALL, "sketch": sketch, "eps": 1e-12})
+    a = trace.attention
+    layer = a.layers[0]
+    t = lambda x: torch.as_tensor(x, dtype=torch.float64)  # noqa: E731
+    k, v = t(layer.k), t(layer.v)
+    n_ctx = a.context_len
+    st = pol.compress(k[:, :n_ctx], v[:, :n_ctx], {}, t(layer.q_question),
+                      torch.as_tensor(a.question_pos), torch.Generator().manual_seed(0))
+    for q, pos in ((t(layer.q_question), a.question_pos), (t(layer.q_decode), a.decode_pos)):
+        pos = torch.as_tensor(pos)
+        out, stats = pol.attend(st, q, pos, k, v)
+        ref, logd = dense_attention(q, k, v, pos)
+        torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(stats["log_denominator"], logd, rtol=1e-9, atol=1e-9)
+        assert bool((stats["eps_hat_after"] < 1e-12).all())
+
+
+def test_fetching_beats_no_fetch_and_eviction(trace):
+    runs = {name: make(name, SMALL).analyze(trace).stats for name in ("topk", "poissoncomp")}
+    runs["verkv"] = make("verkv", {**SMALL, "sketch": "perfect"}).analyze(trace).stats
+    den = {name: s["denominator_rel_err_mean"] for name, s in runs.items()}
+    assert den["verkv"] < den["poissoncomp"] and den["verkv"] < den["topk"]
+    assert runs["verkv"]["violation_rate"] < runs["poissoncomp"]["violation_rate"]
+    # a looser tolerance fetches less
+    loose = make("verkv", {**SMALL, "sketch": "perfect", "eps": 0.3}).analyze(trace).stats
+    assert loose["kv_read_frac"] < runs["verkv"]["kv_read_frac"]
+
+
+def test_deterministic_under_a_seed(trace):
+    a = make("verkv", SMALL).analyze(trace, seed=3).stats
+    b = make("verkv", SMALL).analyze(trace, seed=3).stats
+    c = make("poissoncomp", SMALL).analyze(trace, seed=3).stats
+    d = make("poissoncomp", SMALL).analyze(trace, seed=4).stats
+    assert a == b
+    assert c["output_rel_err_mean"] != d["output_rel_err_mean"]
+
+
+@pytest.mark.parametrize("name,opts,match", [
+    ("verkv", {"eps": 0.0}, "--eps must be > 0"),
+    ("verkv", {"eps": -0.1}, "--eps must be > 0"),
+    ("topk", {"eps": float("nan")}, "--eps must be > 0"),
+    ("verkv", {"delta": 0.0}, "--delta must lie strictly between 0 and 1"),
+    ("verkv", {"delta": 1.0}, "--delta must lie strictly between 0 and 1"),
+    ("verkv", {"compression": 0.5}, "--compression must be >= 1"),
+    ("poissoncomp", {"compression": 0.99}, "--compression must be >= 1"),
+    ("verkv", {"sketch": "3bit"}, "--sketch must be one of"),
+    ("topk", {"scorer": "h2o"}, "--scorer must be one of"),
+    ("verkv", {"sink": -1}, "--sink must be"),
+    ("verkv", {"delta": 0.1, "sketch": "2bit", "shortlist": -5}, "--shortlist"),
+    ("topk", {"delta": 0.1}, "does not apply to policy topk"),
+])
+def test_bad_parameters(name, opts, match):
+    with pytest.raises(KvsimError, match=match):
+        make(name, opts)
+
+
+def test_budget_too_small_names_sizes_that_fit(trace):
+    # 16x of 1024 tokens = 64 tokens, all taken by the default sink 64 + local 64
+    with pytest.raises(KvsimError) as e:
+        make("verkv", {"compression": 16}).analyze(trace)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "sink 64 + local 64 + sketch" in msg and "--sink" in msg and "--local" in msg
+    # the suggested sizes do fit
+    sizes = [int(s) for s in msg.split("--sink ")[1].split()[0:1]]
+    make("verkv", {"compression": 16, "sink": sizes[0], "local": sizes[0]}).analyze(trace)
+    for name in ("topk", "poissoncomp"):
+        with pytest.raises(KvsimError, match="--sink"):
+            make(name, {"compression": 32}).analyze(trace)
+
+
+def test_needs_an_attention_section():
+    for name in ("topk", "poissoncomp", "verkv"):
+        with pytest.raises(KvsimError, match=f"policy {name} needs a trace with an attention "
+                                             "section"):
+            make(name, SMALL).analyze(Trace(new_meta("tests"), None, None))
+
+
+def test_missing_kvzip_scores(trace):
+    layer = trace.attention.layers[0]
+    saved = layer.scores
+    layer.scores = {}
+    try:
+        with pytest.raises(KvsimError, match="no 'kvzip' scores"):
+            make("verkv", {**SMALL, "scorer": "kvzip"}).analyze(trace)
+    finally:
+        layer.scores = saved
+
+
+def test_measure_is_generic_dense_policy_has_zero_error(trace):
+    stats = measure(make("dense-resident"), trace)
+    assert stats["output_rel_err_mean"] < 1e-12
+    assert stats["kv_read_frac"] == 0.0 and stats["decisions_fetch_frac"] == 0.0
+    assert "violation_rate" not in stats  # dense returns no denominator and has no eps
+
+
+def test_kv_read_never_exceeds_the_cache(trace):
+    stats = make("verkv", {**SMALL, "eps": 1e-6}).analyze(trace).stats
+    assert stats["kv_read_frac"] <= 1.0 and stats["question_kv_read_frac"] <= 1.0
+    assert stats["decisions_fetch_frac"] == 1.0
+
+
+def test_synthetic_trace_signature_and_meta():
+    tr = synthetic_attention_trace()
+    a = tr.attention
+    assert len(a.layers) == 2 and a.n_q_heads == 8 and a.n_kv_heads == 2 and a.head_dim == 64
+    assert a.context_len == 2048 and a.n_tokens == 2048 + 16 + 8
+    assert tr.meta["synthetic"] is True and "synthetic" in tr.meta["notes"]
+    assert a.layers[0].scores["kvzip"].shape == (2, a.n_tokens)
+    again = synthetic_attention_trace()
+    assert (again.attention.layers[1].k == a.layers[1].k).all()
