@@ -131,6 +131,11 @@ def run_replay(cfg: ReplayConfig) -> dict:
     if cfg.context + cfg.output_len > model.max_context:
         warnings.append(f"{cfg.context + cfg.output_len} tokens exceed {model.name}'s trained "
                         f"context of {model.max_context}")
+    profiled = (tr.hardware.extra.get("model") or {}) if tr.hardware is not None else {}
+    if cost_source.startswith("trace") and profiled.get("dtype_bytes", model.dtype_bytes) \
+            != model.dtype_bytes:
+        warnings.append(f"kernel tables were profiled with {profiled['dtype_bytes']}-byte values; "
+                        f"{model.name} is planned with {model.dtype_bytes}-byte values")
     if costs.extrapolations:
         warnings += [f"extrapolated beyond measured table: {e}"
                      for e in sorted(costs.extrapolations)]

@@ -37,7 +37,6 @@ def test_human_output_is_a_table(attn_trace):
     (["--batch", "-3"], "--batch must be positive"),
     (["--qps", "0"], "--qps must be positive"),
     (["--qps", "1", "--concurrency", "2"], "not allowed with"),
-    (["--eps", "0.1", "--policy", "dense-offload"], "does not apply to policy dense-offload"),
     (["--policy", "dense-resident", "--gpu", "a100-40gb", "--context", "300000"], "infeasible"),
     (["--workload", "/nonexistent.csv"], "cannot read"),
 ])
@@ -69,3 +68,12 @@ def test_help_teaches():
     code, out, _ = run_cli("replay", "--help")
     assert code == 0 and "examples:" in out and "provenance" in out
     assert "dense-offload:" in out  # each policy explains itself
+
+
+def test_flags_of_other_policies_are_ignored_with_a_warning(attn_trace):
+    code, out, err = run_cli("replay", attn_trace, "--policy", "dense-offload", "--context", 4096,
+                             "--eps", "0.1", "--sketch", "perfect", "--json")
+    assert code == 0
+    r = json.loads(out)
+    assert "--eps, --sketch ignored: not options of dense-offload" in r["warnings"][0]
+    assert "ignored" in err and r["policy_options"] == {}

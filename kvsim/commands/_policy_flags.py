@@ -62,3 +62,14 @@ def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> No
 def policy_options(args: argparse.Namespace) -> dict:
     """The policy flags the user gave (only those), as Params keyword arguments."""
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+
+
+def split_options(policy: str, options: dict) -> tuple[dict, list[str]]:
+    """(the options ``policy`` takes, the flags it ignores): one command line can carry every
+    policy's flags (e.g. a script looping over policies); the ignored ones are reported."""
+    registry = load_all()
+    if policy not in registry:
+        return options, []
+    taken = {f.name for f in dataclasses.fields(registry[policy].Params)}
+    ignored = ["--" + k.replace("_", "-") for k in sorted(set(options) - taken)]
+    return {k: v for k, v in options.items() if k in taken}, ignored

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from kvsim.commands._out import print_json, table
-from kvsim.commands._policy_flags import add_policy_flags, policy_options
+from kvsim.commands._policy_flags import add_policy_flags, policy_options, split_options
 from kvsim.hw import catalog
 from kvsim.policies import load_all
 from kvsim.replay import DEFAULT_GPU, ReplayConfig, run_replay
@@ -58,7 +58,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    cfg = ReplayConfig(trace=args.trace, policy=args.policy, policy_options=policy_options(args),
+    options, ignored = split_options(args.policy, policy_options(args))
+    cfg = ReplayConfig(trace=args.trace, policy=args.policy, policy_options=options,
                        gpu=args.gpu, model=args.model, context=args.context, batch=args.batch,
                        qps=args.qps, concurrency=args.concurrency, requests=args.requests,
                        output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
@@ -66,7 +67,11 @@ def run(args) -> int:
                        timeline=args.timeline, timeline_steps=args.timeline_steps,
                        force=args.force)
     r = run_replay(cfg)
+    if ignored:
+        r["warnings"].insert(0, f"{', '.join(ignored)} ignored: not options of {args.policy}")
     if args.json:
+        for w in r["warnings"]:
+            print(f"warning: {w}", file=sys.stderr)
         print_json(r)
         return 0
     print(f"{r['policy']} on {r['gpu']}, {r['model']}, context {r['context']}, batch {r['batch']}")

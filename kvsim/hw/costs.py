@@ -95,6 +95,7 @@ class CostModel:
         self.attn_curve: Curve | None = None  # seconds per layer vs KV tokens read (batch total)
         self.gemm_curve: Curve | None = None  # seconds per layer vs batch
         self.decide_curve: Curve | None = None  # seconds per layer and sequence vs context
+        self.head_curve: Curve | None = None  # seconds of the LM head vs batch
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -169,7 +170,8 @@ class CostModel:
         for attr, table, xcol, what in (("attn_curve", "kernel_decode_attn", "tokens",
                                          "decode_attention"),
                                         ("gemm_curve", "kernel_gemm", "batch", "gemm"),
-                                        ("decide_curve", "kernel_decide", "context", "decide")):
+                                        ("decide_curve", "kernel_decide", "context", "decide"),
+                                        ("head_curve", "kernel_lm_head", "batch", "lm_head")):
             t = hw.tables.get(table)
             if t is not None:
                 setattr(cm, attr, Curve(table, t[xcol], t["seconds"], cm.extrapolations))
@@ -199,6 +201,9 @@ class CostModel:
 
     def head_time(self, batch, m: ModelSpec) -> np.ndarray:
         """The LM head (vocab projection) once per step."""
+        if self.head_curve is not None:
+            c = self.head_curve
+            return c(batch, lambda b: np.maximum(c.y[-1] * b / c.x[-1], c.y[0]))
         p = m.vocab * m.hidden
         return np.maximum(2.0 * p * np.asarray(batch, float) / self.flops,
                           p * m.dtype_bytes / self.hbm_bw)
