@@ -1,0 +1,46 @@
+"""``kvsim profile``: measure a GPU (or the CPU) and write a trace's hardware section."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("profile", help="measure a GPU (--gpu N) or the CPU (--device cpu): "
+                       "link bandwidth, kernel times, NVML; writes a trace")
+    p.add_argument("--gpu", type=int, default=None, metavar="N", help="CUDA device index")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="cpu: profile the CPU (memcpy as the link); cuda: same as --gpu 0")
+    p.add_argument("--model", default=None,
+                   help="model shape for the kernel sweeps (default qwen3-4b on a GPU, "
+                        "smollm2-135m on the CPU)")
+    p.add_argument("--out", required=True, help="output trace (.npz)")
+    p.add_argument("--quick", action="store_true", help="smaller sweeps (CI, a first look)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--no-nvml", action="store_true", help="profile a GPU without NVML samples")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: torch threads for the kernels (default 1; the copy thread is extra)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="repeat the sweeps and keep each point's median (default 3 on the CPU, "
+                        "1 on a GPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from profiler.run import profile
+    if args.gpu is None and args.device is None:
+        args.gpu = 0
+    tr = profile(args.out, gpu=args.gpu, device=args.device, model=args.model, quick=args.quick,
+                 force=args.force, nvml=not args.no_nvml, threads=args.threads, seed=args.seed,
+                 progress=not args.no_progress, rounds=args.rounds)
+    hw = tr.hardware
+    fit = hw.extra.get("fit", {})
+    h2d = fit.get("link_h2d_pinned", {})
+    print(f"wrote {args.out}: {tr.describe()}")
+    print(f"  H2D pinned: alpha {h2d.get('alpha_s', float('nan')) * 1e6:.2f} us, "
+          f"beta {h2d.get('beta_Bps', float('nan')) / 1e9:.2f} GB/s; "
+          f"memory bw {hw.extra['hbm_bw'] / 1e9:.1f} GB/s; "
+          f"matmul {hw.extra['flops'] / 1e12:.3f} TFLOP/s")
+    if hw.missing:
+        print(f"  missing ({len(hw.missing)}): " + "; ".join(hw.missing))
+    return 0

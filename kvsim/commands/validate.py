@@ -1,0 +1,79 @@
+"""``kvsim validate``: real decode loops on the profiled device vs the simulator's prediction."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvsim.commands._out import fmt, print_json, table
+from kvsim.errors import KvsimError
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") \
+            from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+    return out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("validate", help="run real decode loops on the profiled device and "
+                       "compare measured with predicted TPOT (MAPE)")
+    p.add_argument("--gpu", type=int, default=None, metavar="N", help="CUDA device index")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    p.add_argument("--profile", default=None,
+                   help="hardware trace from kvsim profile on this device (default: profile "
+                        "first with --quick)")
+    p.add_argument("--save-profile", default=None,
+                   help="where to keep the profile made when --profile is not given")
+    p.add_argument("--contexts", type=_ints, default=None, help="e.g. 1024,4096")
+    p.add_argument("--batches", type=_ints, default=None, help="e.g. 1,4")
+    p.add_argument("--layers", type=int, default=None,
+                   help="layers of the validation stack (default: the model's on a GPU, at "
+                        "most 12 on the CPU)")
+    p.add_argument("--policies", default="dense-resident,dense-offload,verkv",
+                   help="comma-separated (verkv runs at contexts its budget allows)")
+    p.add_argument("--steps", type=int, default=None, help="timed decode steps per config")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="interleaved passes over the configurations (default 3 on the CPU, 1 "
+                        "on a GPU); the median step time over all passes is reported")
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from profiler.validate import validate
+    if args.gpu is None and args.device is None:
+        args.gpu = 0
+    if args.layers is not None and args.layers < 1:
+        raise KvsimError(f"--layers must be positive, got {args.layers}")
+    res = validate(profile=args.profile, gpu=args.gpu, device=args.device,
+                   contexts=args.contexts, batches=args.batches, layers=args.layers,
+                   policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+                   steps=args.steps, warmup=args.warmup, threads=args.threads,
+                   save_profile=args.save_profile, seed=args.seed, rounds=args.rounds,
+                   progress=not args.no_progress and not args.json)
+    if args.json:
+        print_json(res)
+        return 0
+    print(f"validate on {res['device']} ({res['model']}), profile {res['profile']}")
+    cols = ["policy", "context", "batch", "measured_tpot_ms", "predicted_tpot_ms", "error_pct"]
+    if "mape_excl_wait" in res:
+        cols += ["runqueue_wait_ms", "measured_excl_wait_ms", "error_excl_wait_pct"]
+    table([{k: r[k] for k in cols} for r in res["configs"]])
+    per = ", ".join(f"{p} {fmt(v)}%" for p, v in res["mape_by_policy"].items())
+    print(f"MAPE {fmt(res['mape'])}% over {res['n_configs']} configurations ({per}); "
+          f"{fmt(res['wall_s'])} s")
+    if "mape_excl_wait" in res:
+        print(f"MAPE excluding the main thread's wait for a core: "
+              f"{fmt(res['mape_excl_wait'])}% (load average {res['load_avg']})")
+    for n in res["notes"]:
+        print(f"note: {n}")
+    return 0

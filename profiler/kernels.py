@@ -1,0 +1,378 @@
+"""A model-shaped decode layer (random weights) and the kernel sweeps built on it.
+
+The same functions run in ``kvsim profile`` (timed one by one) and in ``kvsim validate`` (chained
+into real decode steps), so the profile measures exactly the work the validation loop does:
+
+* ``layer_pre`` + ``layer_post``: RMSNorm, QKV projection, output projection, residual, RMSNorm,
+  gated MLP: the table ``kernel_gemm`` (seconds per layer vs batch);
+* ``attend``: decode attention of one query token per sequence over its KV (GQA): the table
+  ``kernel_decode_attn`` (seconds per layer vs KV tokens read over the batch);
+* ``lm_head``: final norm + vocabulary projection (``kernel_lm_head``; the simulator charges the
+  head from the measured ``hbm_bw`` and ``flops``, which ``sweep_roofline`` measures).
+
+RoPE on one new token per sequence is omitted (a few elementwise ops on B x heads x d values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvsim.errors import KvsimError
+from kvsim.hw.catalog import ModelSpec
+from profiler.backend import Backend, is_oom
+
+# question rows of the synthetic VerKV layer: its observation window for SnapKV scores, and
+# the rows the simulator's VerKV analysis replays (float64) besides the decode row
+QUESTION_ROWS = 4
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor
+    wqkv: torch.Tensor  # (hidden, (q + 2 kv) * d)
+    wo: torch.Tensor  # (q * d, hidden)
+    ln2: torch.Tensor
+    wgu: torch.Tensor  # (hidden, 2 * intermediate)
+    wd: torch.Tensor  # (intermediate, hidden)
+
+
+def _randn(be: Backend, shape, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """Random values made on the device itself (a CPU generator feeding a GPU would take
+    minutes for a 4B-parameter stack); ``gen`` seeds a device generator."""
+    dgen = torch.Generator(device=be.device).manual_seed(
+        int(torch.randint(0, 2**62, (1,), generator=gen)))
+    t = torch.empty(shape, device=be.device, dtype=torch.float32 if be.kind == "cpu" else be.dtype)
+    return t.normal_(0.0, scale, generator=dgen).to(be.dtype)
+
+
+def make_layer(m: ModelSpec, be: Backend, gen: torch.Generator) -> LayerWeights:
+    def w(*shape):
+        return _randn(be, shape, gen, shape[0] ** -0.5)
+    h, d = m.hidden, m.head_dim
+    ones = lambda: torch.ones(h, device=be.device, dtype=be.dtype)  # noqa: E731
+    return LayerWeights(ones(), w(h, (m.q_heads + 2 * m.kv_heads) * d), w(m.q_heads * d, h),
+                        ones(), w(h, 2 * m.intermediate), w(m.intermediate, h))
+
+
+def make_head(m: ModelSpec, be: Backend, gen: torch.Generator) -> torch.Tensor:
+    """The (vocab, hidden) output embedding."""
+    return _randn(be, (m.vocab, m.hidden), gen, m.hidden ** -0.5)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def layer_pre(x: torch.Tensor, W: LayerWeights, m: ModelSpec):
+    """(B, hidden) -> q (B, kv, q/kv, d), new k and v (B, kv, 1, d)."""
+    B, d = x.shape[0], m.head_dim
+    qkv = rms_norm(x, W.ln1) @ W.wqkv
+    q, k, v = qkv.split([m.q_heads * d, m.kv_heads * d, m.kv_heads * d], dim=-1)
+    g = m.q_heads // m.kv_heads
+    return (q.view(B, m.kv_heads, g, d), k.view(B, m.kv_heads, 1, d),
+            v.view(B, m.kv_heads, 1, d))
+
+
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """Decode attention: q (B, kv, g, d) over K, V (B, kv, n, d) -> (B, kv * g * d).
+
+    The g query heads that share a KV head form the query rows of one attention call, so each
+    KV head is read once (GQA) by the fused SDPA kernel."""
+    return F.scaled_dot_product_attention(q, K, V).reshape(q.shape[0], -1)
+
+
+def layer_post(x: torch.Tensor, a: torch.Tensor, W: LayerWeights) -> torch.Tensor:
+    x = x + a @ W.wo
+    g, u = (rms_norm(x, W.ln2) @ W.wgu).chunk(2, dim=-1)
+    return x + (F.silu(g) * u) @ W.wd
+
+
+def lm_head(x: torch.Tensor, head: torch.Tensor, ln: torch.Tensor) -> torch.Tensor:
+    """Logits (B, vocab). Computed as head @ h^T: the weight-streaming (GEMV-like) layout, which
+    CPU BLAS runs up to 2x faster than h @ head^T at small batches; cuBLAS runs both alike."""
+    return (head @ rms_norm(x, ln).T).T
+
+
+# ------------------------------------------------------------------------------------ sweeps
+
+def _x(be: Backend, B: int, m: ModelSpec, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(B, m.hidden, generator=gen).to(device=be.device, dtype=be.dtype)
+
+
+def _layer_bytes(m: ModelSpec, be: Backend) -> int:
+    return m.layer_params * be.dtype_bytes
+
+
+def sweep_gemm(be: Backend, m: ModelSpec, batches: list[int], progress, seed=0) -> dict:
+    """kernel_gemm: one layer's projections and MLP (everything but attention) vs batch.
+
+    Calls rotate over enough layers' weights to exceed the last-level cache, as in a real step."""
+    gen = torch.Generator().manual_seed(seed)
+    n_sets = int(min(max(-(-be.flush_bytes // _layer_bytes(m, be)), 2), 16))
+    Ws = [make_layer(m, be, gen) for _ in range(n_sets)]
+    xs, ts = [], []
+    with torch.inference_mode():
+        for B in batches:
+            x = _x(be, B, m, gen)
+            a = torch.randn(B, m.q_heads * m.head_dim, generator=gen).to(be.device, be.dtype)
+
+            def one(W):
+                layer_pre(x, W, m)
+                layer_post(x, a, W)
+            try:
+                ts.append(be.time(_cycle([lambda W=W: one(W) for W in Ws]), warmup=n_sets,
+                                  repeats=30, target_s=0.05, max_repeats=max(30, 2 * n_sets)))
+                xs.append(B)
+            except Exception as e:  # noqa: BLE001
+                if not is_oom(e):
+                    raise
+                be.free()
+                be.shrunk.append(f"kernel_gemm: out of memory at batch {B}; stopped there")
+                break
+            progress()
+    return {"kernel_gemm": {"batch": np.array(xs, np.int64), "seconds": np.array(ts)}}
+
+
+def _cycle(fns: list):
+    state = [0]
+
+    def fn():
+        f = fns[state[0] % len(fns)]
+        state[0] += 1
+        return f()
+    return fn
+
+
+def _kv_buffer(be: Backend, tokens: int, per_tok: int, what: str):
+    """K and V buffers of ``tokens`` tokens (halving on OOM, recorded), filled with small values."""
+    cap = tokens
+    while cap >= 256:
+        try:
+            K = be.alloc(cap * per_tok).uniform_(-1, 1)
+            V = be.alloc(cap * per_tok).uniform_(-1, 1)
+            if cap < tokens:
+                be.shrunk.append(f"{what}: out of memory at {tokens} KV tokens; using {cap}")
+            return K, V, cap
+        except Exception as e:  # noqa: BLE001
+            if not is_oom(e):
+                raise
+            be.free()
+            cap //= 2
+    raise MemoryError(f"{what}: out of memory even at 256 KV tokens")
+
+
+def sweep_attention(be: Backend, m: ModelSpec, contexts: list[int], batches: list[int],
+                    max_tokens: int, progress, seed=0) -> dict:
+    """kernel_decode_attn: decode attention of one layer vs context x batch (tokens = B * n).
+
+    One buffer holds the largest point (or the cache-flushing working set if larger); smaller
+    points rotate over disjoint slices of it."""
+    gen = torch.Generator().manual_seed(seed)
+    per_tok = m.kv_heads * m.head_dim
+    flush_tok = be.flush_bytes // (2 * per_tok * be.dtype_bytes)
+    K, V, cap = _kv_buffer(be, max(max_tokens, flush_tok), per_tok, "kernel_decode_attn")
+    if cap < max_tokens:
+        be.shrunk.append(f"kernel_decode_attn: measured up to {cap} KV tokens, "
+                         f"not {max_tokens}")
+    rows = {k: [] for k in ("context", "batch", "tokens", "seconds")}
+    g = m.q_heads // m.kv_heads
+    with torch.inference_mode():
+        for n in contexts:
+            for B in batches:
+                tok = B * n
+                if tok > min(cap, max_tokens):
+                    continue
+                q = torch.randn(B, m.kv_heads, g, m.head_dim, generator=gen).to(be.device,
+                                                                                 be.dtype)
+                views = []
+                for i in range(max(1, min(8, cap // tok))):
+                    sl = slice(i * tok * per_tok, (i + 1) * tok * per_tok)
+                    views.append((K[sl].view(B, m.kv_heads, n, m.head_dim),
+                                  V[sl].view(B, m.kv_heads, n, m.head_dim)))
+                t = be.time(_cycle([lambda k=k, v=v: attend(q, k, v) for k, v in views]),
+                            warmup=len(views), repeats=30, target_s=0.04,
+                            max_repeats=max(30, 2 * len(views)))
+                for key, val in zip(rows, (n, B, tok, t)):
+                    rows[key].append(val)
+                progress()
+    del K, V
+    return {"kernel_decode_attn": {k: np.array(v, np.float64 if k == "seconds" else np.int64)
+                                   for k, v in rows.items()}}
+
+
+def sweep_head(be: Backend, m: ModelSpec, batches: list[int], progress, seed=0) -> dict:
+    """kernel_lm_head: final norm + vocabulary projection vs batch (for reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    head = make_head(m, be, gen)
+    ln = torch.ones(m.hidden, device=be.device, dtype=be.dtype)
+    xs, ts = [], []
+    with torch.inference_mode():
+        for B in batches:
+            x = _x(be, B, m, gen)
+            ts.append(be.time(lambda: lm_head(x, head, ln), warmup=2, repeats=20, target_s=0.04))
+            xs.append(B)
+            progress()
+    return {"kernel_lm_head": {"batch": np.array(xs, np.int64), "seconds": np.array(ts)}}
+
+
+def sweep_roofline(be: Backend, mem_sizes: list[int], mm_sizes: list[int], progress,
+                   seed=0) -> tuple[dict, dict]:
+    """Achievable memory bandwidth and matmul throughput.
+
+    ``mem_gemv``: a (rows, 4096) matrix times one vector: the weight-streaming pattern of decode
+    (``gemv_bw``: its bytes / seconds at the largest sizes). ``mem_copy``: device-to-device copy
+    (bytes moved = 2 x size). ``kernel_matmul``: square n x n x n matmul (flops = 2 n^3 / s).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    esz = be.dtype_bytes
+    gemv = {"bytes": [], "seconds": []}
+    copy = {"bytes": [], "seconds": []}
+    with torch.inference_mode():
+        for nbytes in mem_sizes:
+            cols = 4096
+            rows = max(nbytes // (cols * esz), 1)
+            try:
+                A = be.alloc(rows * cols).uniform_(-1, 1).view(rows, cols)
+                x = torch.randn(cols, 1, generator=gen).to(be.device, be.dtype)
+                B = torch.empty_like(A)
+            except Exception as e:  # noqa: BLE001
+                if not is_oom(e):
+                    raise
+                be.free()
+                be.shrunk.append(f"mem_gemv: out of memory at {nbytes} bytes; stopped there")
+                break
+            gemv["seconds"].append(be.time(lambda: A @ x, warmup=2, repeats=20, target_s=0.04))
+            gemv["bytes"].append(A.numel() * esz)
+            copy["seconds"].append(be.time(lambda: B.copy_(A), warmup=2, repeats=20,
+                                           target_s=0.04))
+            copy["bytes"].append(2 * A.numel() * esz)
+            del A, B
+            progress()
+        mm = {"n": [], "seconds": [], "flops": []}
+        for n in mm_sizes:
+            a = torch.randn(n, n, generator=gen).to(be.device, be.dtype)
+            b = torch.randn(n, n, generator=gen).to(be.device, be.dtype)
+            t = be.time(lambda: a @ b, warmup=2, repeats=10, target_s=0.1)
+            mm["n"].append(n)
+            mm["seconds"].append(t)
+            mm["flops"].append(2.0 * n ** 3 / t)
+            progress()
+    tabs = {"mem_gemv": gemv, "mem_copy": copy, "kernel_matmul": mm}
+    tabs = {k: {c: np.array(v, np.int64 if c in ("bytes", "n") else np.float64)
+                for c, v in t.items()} for k, t in tabs.items()}
+    extra = {"flops": float(tabs["kernel_matmul"]["flops"].max())}
+    g, c = tabs["mem_gemv"], tabs["mem_copy"]
+    if len(g["bytes"]):
+        big = g["bytes"] >= g["bytes"].max() / 4  # the sizes that are no longer cache-resident
+        extra["gemv_bw"] = float(np.median((g["bytes"] / g["seconds"])[big]))
+        extra["mem_copy_bw"] = float((c["bytes"] / c["seconds"]).max())
+    return tabs, extra
+
+
+class VerKVData:
+    """One synthetic attention layer of the model's head shape, compressed by the VerKV policy
+    (default options), plus the decode query the decisions are made for. Every layer and
+    sequence of the loop decides on these (so the loop fetches what the simulator's VerKV
+    statistics, measured on the same trace, say it fetches); the bytes fetched come from each
+    layer's own host KV."""
+
+    def __init__(self, be: Backend, m: ModelSpec, n: int, seed: int):
+        from kvsim.kernels.kvfetch import decide, reweighted_log_factor
+        from kvsim.policies import make
+        from kvsim.synthetic import synthetic_attention_trace
+        self.decide, self.reweight = decide, reweighted_log_factor
+        self.trace = synthetic_attention_trace(n_layers=1, n_q=m.q_heads, n_kv=m.kv_heads,
+                                               d=m.head_dim, context=n,
+                                               question=QUESTION_ROWS, decode=1, seed=seed)
+        la, a = self.trace.attention.layers[0], self.trace.attention
+        f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=be.device)  # noqa: E731
+        self.pol = make("verkv", {})
+        self.cfg = self.pol.config()
+        self.state = self.pol.compress(f32(la.k)[:, :n], f32(la.v)[:, :n], {},
+                                       f32(la.q_question),
+                                       torch.as_tensor(a.question_pos, device=be.device),
+                                       torch.Generator().manual_seed(seed))
+        self.q = f32(la.q_decode)
+        self.q_pos = torch.tensor([n], device=be.device)
+        self.n, self.m = n, m
+        smp = self.state.layer.sample
+        dec = decide(self.q, self.q_pos, self.state.layer, self.cfg)
+        fetched = dec.exact_kv[:, 0] & ~smp.sampled
+        self.resident = smp.resident.sum(-1)  # (n_kv,)
+        self.t_max = int((self.resident + fetched.sum(-1)).max())
+        self.fetched_frac = float(fetched.float().mean())
+        # compact layout per KV head: resident tokens first (filled once), then fetched rows
+        res_idx = torch.sort((~smp.resident).to(torch.int8), dim=-1, stable=True).indices
+        self.res_cols = res_idx[:, :int(self.resident.max())]
+
+    def plan(self):
+        """The decide pipeline of one layer and one sequence, as the validation loop runs it:
+        a real decision (sketch scores, shortlist, shrinkage, certificate, GQA union), the fetch
+        set as host row indices (sorted by KV head) and their slots in the compact layout,
+        VerKV's reweighting as an additive logit bias (n_kv, g, t_max) over that layout, and
+        the rows fetched per KV head."""
+        lay, m = self.state.layer, self.m
+        dec = self.decide(self.q, self.q_pos, lay, self.cfg)
+        fetched = dec.exact_kv[:, 0] & ~lay.sample.sampled  # (n_kv, n)
+        h, t = fetched.nonzero(as_tuple=True)
+        counts = fetched.sum(-1)
+        start = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(h.numel(), device=h.device) - start[h]
+        slot = h * self.t_max + self.resident[h] + rank
+        g = m.q_heads // m.kv_heads
+        log_w = self.reweight(lay, dec, m.q_heads).view(m.kv_heads, g, self.n)
+        cols = torch.zeros(m.kv_heads, self.t_max, dtype=torch.long, device=h.device)
+        valid = torch.zeros(m.kv_heads, self.t_max, dtype=torch.bool, device=h.device)
+        r = self.res_cols.shape[1]
+        cols[:, :r] = self.res_cols
+        valid[:, :r] = torch.arange(r, device=h.device)[None, :] < self.resident[:, None]
+        cols.view(-1)[slot] = t
+        valid.view(-1)[slot] = True
+        bias = log_w.gather(-1, cols[:, None, :].expand(m.kv_heads, g, self.t_max))
+        bias = bias.masked_fill(~valid[:, None, :], float("-inf"))
+        return h * self.n + t, slot, bias, counts
+
+
+def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], progress,
+                 seed=0) -> tuple[dict, list[str]]:
+    """kernel_decide: VerKV's decide pipeline (:meth:`VerKVData.plan`) for one layer and one
+    sequence vs context, default VerKV options, on a synthetic attention layer of the model's
+    head shape (``kvsim.synthetic``: spiky, with a sink and needles, so the certificate has work
+    to do). float32, as the kernels are written."""
+    try:
+        import kvsim.kernels.kvfetch  # noqa: F401
+    except ImportError as e:
+        return {}, [f"kernel_decide (the VerKV kernels are not importable: {e})"]
+    rows, missing = {"context": [], "seconds": [], "fetched_frac": []}, []
+    evict = be.evictor()
+    with torch.inference_mode():
+        for n in contexts:
+            try:
+                vk = VerKVData(be, m, n, seed)
+            except KvsimError as e:
+                missing.append(f"kernel_decide at context {n}: {e}")
+                progress()
+                continue
+            except Exception as e:  # noqa: BLE001
+                if not is_oom(e):
+                    raise
+                be.free()
+                be.shrunk.append(f"kernel_decide: out of memory at context {n}; stopped there")
+                break
+            rows["context"].append(n)
+            # caches evicted before each call: in a decode step the layer's weights, KV and
+            # activations pass through the caches between two decide calls
+            rows["seconds"].append(be.time(vk.plan, warmup=2, repeats=10, target_s=0.1,
+                                           before=evict))
+            rows["fetched_frac"].append(vk.fetched_frac)
+            del vk
+            progress()
+    if not rows["context"]:
+        return {}, missing + ["kernel_decide (no context could be measured)"]
+    return {"kernel_decide": {"context": np.array(rows["context"], np.int64),
+                              "seconds": np.array(rows["seconds"]),
+                              "fetched_frac": np.array(rows["fetched_frac"])}}, missing

@@ -1,0 +1,295 @@
+"""kvsim profile: a real CPU profile that the loader and the cost model accept, and every refusal
+(no CUDA, a missing GPU, no NVML, unsupported NVML fields, out of memory, unwritable output) as
+one line with exit status 2 or a recorded shrink. CUDA-only checks are marked ``gpu``."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from kvsim import trace as tracefile
+from kvsim.cli import main
+from kvsim.errors import KvsimError
+from kvsim.hw.costs import CostModel
+from profiler import run as prun
+from profiler.backend import Backend
+from profiler.link import KiB, MiB
+from profiler.nvml import Nvml, Sampler
+from profiler.run import Plan, profile
+
+TINY = Plan(link_sizes=[4 * KiB, 64 * KiB, 1 * MiB], bidir_sizes=[64 * KiB, 1 * MiB],
+            gather_totals=[64 * KiB, 256 * KiB], gather_pool=4 * MiB, contexts=[128, 256],
+            batches=[1, 2], max_tokens=512, gemm_batches=[1, 2, 4], head_batches=[1, 2],
+            mem_sizes=[4 * MiB], mm_sizes=[128], decide_contexts=[4096])
+CONSUMED = ["link_h2d_pinned", "link_d2h_pinned", "link_gather_gpu", "kernel_decode_attn",
+            "kernel_gemm"]
+
+
+@pytest.fixture(scope="module")
+def cpu_trace(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prof") / "cpu.npz"
+    profile(out, device="cpu", plan=TINY, rounds=1, progress=False)
+    return out
+
+
+def test_cpu_profile_is_a_valid_trace_the_cost_model_consumes(cpu_trace):
+    tr = tracefile.load(cpu_trace)
+    hw = tr.hardware
+    assert hw is not None and tr.attention is None
+    assert hw.device["kind"] == "cpu" and hw.device["name"].startswith("cpu")
+    for key in ("torch_version", "dtype", "host"):
+        assert key in hw.device
+    for t in CONSUMED + ["link_h2d_pageable", "link_d2h_pageable", "link_bidir_pinned",
+                         "link_copy_latency", "link_gather_pack", "link_gather_gpu_rows",
+                         "kernel_lm_head", "kernel_matmul", "mem_gemv", "mem_copy"]:
+        assert t in hw.tables, t
+        for col, arr in hw.tables[t].items():
+            assert arr.ndim == 1 and len(arr) > 0 and np.isfinite(arr).all(), (t, col)
+    assert set(hw.tables["link_h2d_pinned"]) == {"bytes", "seconds"}
+    assert (hw.tables["link_h2d_pinned"]["seconds"] > 0).all()
+    assert hw.tables["link_h2d_pinned"]["bytes"].tolist() == TINY.link_sizes
+    att = hw.tables["kernel_decode_attn"]
+    assert (att["tokens"] == att["context"] * att["batch"]).all()
+    assert att["tokens"].max() <= TINY.max_tokens
+    g = hw.tables["link_gather_gpu"]
+    assert (g["row_bytes"] == hw.extra["kv_row_bytes"]).all()  # the model's KV row: 64 x fp32
+    assert hw.extra["kv_row_bytes"] == 64 * 4
+    assert set(hw.tables["link_gather_gpu_rows"]["row_bytes"]) >= {256, 512, 1024, 2048}
+    for k in ("hbm_bytes", "hbm_bw", "flops"):
+        assert hw.extra[k] > 0
+    assert hw.extra["fit"]["link_h2d_pinned"]["beta_Bps"] > 0
+    assert hw.extra["model"]["name"] == "smollm2-135m" and hw.extra["model"]["dtype_bytes"] == 4
+    assert any(m.startswith("nvml") for m in hw.missing)
+    assert "nvml" not in hw.tables  # nothing to sample on the CPU
+    dec = hw.tables["kernel_decide"]
+    assert dec["context"].tolist() == [4096] and dec["seconds"][0] > 0
+    assert 0 <= dec["fetched_frac"][0] <= 1
+    cm = CostModel.from_hardware(hw)
+    assert cm.decide_curve is not None
+    assert cm.link_time(1 * MiB, "h2d") > 0
+    assert cm.link_time(64 * KiB, "gather") > 0
+    measured = float(np.median(att["seconds"][att["tokens"] == 256]))  # (128, 2) and (256, 1)
+    assert cm.attention_time(1.0, 256) == pytest.approx(measured)
+    assert cm.gemm_time(2, None) == pytest.approx(float(hw.tables["kernel_gemm"]["seconds"][1]))
+    assert "profiled" in cm.provenance["gemm"] or "measured" in cm.provenance["gemm"]
+
+
+def test_cli_cpu_quick_profile_and_no_overwrite(tmp_path, capsys):
+    out = tmp_path / "q.npz"
+    assert main(["profile", "--device", "cpu", "--quick", "--rounds", "1", "--no-progress",
+                 "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    tracefile.load(out)
+    before = out.stat().st_mtime_ns
+    assert main(["profile", "--device", "cpu", "--quick", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--force" in err
+    assert out.stat().st_mtime_ns == before
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in cap.err, cap.err
+    return err
+
+
+def test_gpu_without_cuda_is_one_line_with_a_hint(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _one_line_error(capsys, ["profile", "--gpu", "0", "--out", str(tmp_path / "g.npz")])
+    assert "CUDA is not available" in err and "--device cpu" in err
+    assert not (tmp_path / "g.npz").exists()
+
+
+def _fake_cuda(monkeypatch, count=1):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: types.SimpleNamespace(uuid="GPU-fake-0", name="Fake GPU"))
+
+
+def test_gpu_index_that_does_not_exist(tmp_path, capsys, monkeypatch):
+    _fake_cuda(monkeypatch, count=2)
+    err = _one_line_error(capsys, ["profile", "--gpu", "5", "--out", str(tmp_path / "g.npz")])
+    assert "no such GPU" in err and "0..1" in err
+
+
+def test_no_nvml_is_one_line_and_names_no_nvml(tmp_path, capsys, monkeypatch):
+    import pynvml
+    _fake_cuda(monkeypatch)
+
+    def init():
+        raise pynvml.NVMLError_LibraryNotFound()  # what a machine without the driver raises
+    monkeypatch.setattr(pynvml, "nvmlInit", init)
+    err = _one_line_error(capsys, ["profile", "--gpu", "0", "--out", str(tmp_path / "g.npz")])
+    assert "NVML is not available" in err and "--no-nvml" in err
+
+
+class FakeNvml:
+    """pynvml's surface as used by the profiler; some fields unsupported, one failing later."""
+    NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
+    NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU = 1, 2, 0
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self):
+        self.power_calls = 0
+
+    def _unsupported(self, *a):
+        raise self.NVMLError("Not Supported")
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return f"h{i}"
+
+    def nvmlDeviceGetUUID(self, h):
+        return b"GPU-fake-0"
+
+    def nvmlDeviceGetName(self, h):
+        return "Fake H200"
+
+    def nvmlSystemGetDriverVersion(self):
+        return "999.1"
+
+    def nvmlSystemGetCudaDriverVersion(self):
+        return 12080
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return types.SimpleNamespace(total=141 * 2**30, used=2**30)
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
+        return 5
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
+        return 16
+
+    def nvmlDeviceGetClockInfo(self, h, which):
+        return 1980 if which == self.NVML_CLOCK_SM else 2619
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        self.power_calls += 1
+        if self.power_calls > 2:  # works at first, then stops
+            raise self.NVMLError("Unknown Error")
+        return 150000
+
+    # unsupported on this fake machine
+    nvmlDeviceGetPcieThroughput = _unsupported
+    nvmlDeviceGetMaxPcieLinkGeneration = _unsupported
+    nvmlDeviceGetNumaNodeId = _unsupported
+    # nvmlDeviceGetMaxPcieLinkWidth, ...: absent altogether (an older pynvml)
+
+
+def test_nvml_fields_unsupported_are_missing_not_fatal():
+    lib = FakeNvml()
+    nv = Nvml(0, "fake-0", lib=lib)
+    missing: list[str] = []
+    ident = nv.identity(missing)
+    assert ident["nvml_name"] == "Fake H200" and ident["uuid"] == "GPU-fake-0"
+    assert ident["cuda_driver_version"] == "12.8" and ident["hbm_bytes_nvml"] == 141 * 2**30
+    assert any(m.startswith("identity.numa_node") for m in missing)
+    assert any(m.startswith("identity.pcie_width_max") for m in missing)
+    s = Sampler(nv, interval_s=0.005)
+    with s.sweep("a"):
+        import time
+        time.sleep(0.05)
+    with s.sweep("b"):
+        time.sleep(0.02)
+    cols, units, miss = s.table()
+    assert {"t", "sweep", "pcie_gen", "pcie_width", "clock_sm_MHz", "clock_mem_MHz",
+            "mem_used_bytes"} <= set(cols)
+    assert "pcie_tx_kBps" not in cols and "power_mW" not in cols  # the latter failed mid-way
+    names = " ".join(miss)
+    for f in ("pcie_tx_kBps", "pcie_rx_kBps", "pcie_gen_max", "pcie_width_max", "power_mW",
+              "temp_C", "util_gpu_pct"):
+        assert f"nvml.{f}" in names
+    assert len({len(v) for v in cols.values()}) == 1  # equal-length columns
+    assert set(cols["sweep"]) == {0, 1} and s.sweeps == ["a", "b"]
+    assert cols["pcie_gen"][0] == 5 and set(units) == set(cols)
+
+
+def test_out_of_memory_shrinks_and_is_recorded(tmp_path, monkeypatch):
+    # device allocations beyond these sizes fail, as on a full GPU: byte buffers (link sweeps)
+    # above 1 MiB, value buffers (KV, GEMV matrices) above 256 KiB
+    limits = {torch.uint8: 1 * MiB}
+    real = Backend.alloc
+
+    def alloc(self, numel, dtype=None):
+        dtype = dtype or self.dtype
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > limits.get(dtype, 256 * KiB):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (fake)")
+        return real(self, numel, dtype)
+    monkeypatch.setattr(Backend, "alloc", alloc)
+    out = tmp_path / "oom.npz"
+    profile(out, device="cpu", plan=TINY, rounds=1, progress=False)
+    hw = tracefile.load(out).hardware
+    shrunk = hw.extra["shrunk"]
+    assert any(s.startswith("link") for s in shrunk)
+    assert any(s.startswith("kernel_decode_attn") for s in shrunk)
+    assert any(m.startswith("shrunk:") for m in hw.missing)
+    assert hw.tables["link_h2d_pinned"]["bytes"].max() <= 1 * MiB
+    att = hw.tables["kernel_decode_attn"]
+    per_buffer = att["tokens"] * 3 * 64 * 4  # K (or V) bytes of one point
+    assert len(att["tokens"]) > 0 and (per_buffer <= 256 * KiB).all()
+    assert att["tokens"].max() < TINY.max_tokens  # the 512-token points were dropped ...
+    assert any("measured up to" in s for s in shrunk if s.startswith("kernel_decode_attn"))
+    assert any(s.startswith("mem_gemv") for s in shrunk)  # ... and said so
+    CostModel.from_hardware(hw)  # still consumable
+
+
+@pytest.mark.parametrize("case", ["no_dir", "parent_is_file", "not_writable", "cannot_create",
+                                  "not_npz"])
+def test_unwritable_output_is_refused_before_measuring(tmp_path, capsys, monkeypatch, case):
+    def never(*a, **k):
+        raise AssertionError("measured before checking the output path")
+    monkeypatch.setattr(prun, "make_backend", never)
+    out = tmp_path / "x.npz"
+    if case == "no_dir":
+        out = tmp_path / "missing" / "x.npz"
+    elif case == "parent_is_file":
+        (tmp_path / "f").write_text("")
+        out = tmp_path / "f" / "x.npz"
+    elif case == "not_writable":
+        monkeypatch.setattr(prun.os, "access", lambda p, mode: False)
+    elif case == "cannot_create":  # e.g. a read-only mount, where root's access() still says yes
+        def ro(*a, **k):
+            raise PermissionError(30, "Read-only file system")
+        monkeypatch.setattr(prun.tempfile, "mkstemp", ro)
+    else:
+        out = tmp_path / "x.txt"
+    err = _one_line_error(capsys, ["profile", "--device", "cpu", "--out", str(out)])
+    assert str(out) in err
+
+
+def test_library_refusals_raise_kvsim_error(tmp_path):
+    with pytest.raises(KvsimError, match="exclude"):
+        profile(tmp_path / "a.npz", gpu=0, device="cpu", plan=TINY)
+    with pytest.raises(KvsimError, match="unknown model"):
+        profile(tmp_path / "b.npz", device="cpu", model="no-such-model", plan=TINY)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_quick_profile(tmp_path):
+    out = tmp_path / "gpu.npz"
+    profile(out, gpu=0, quick=True, progress=False, model="smollm2-135m")
+    hw = tracefile.load(out).hardware
+    assert hw.device["kind"] == "cuda" and hw.device["hbm_bytes_torch"] > 0
+    for t in CONSUMED:
+        assert t in hw.tables
+    assert "nvml" in hw.tables and len(hw.tables["nvml"]["t"]) > 0
+    CostModel.from_hardware(hw)
