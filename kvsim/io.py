@@ -31,6 +31,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
     path = check_destination(path, force)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         with os.fdopen(fd, "wb") as f:
             write(f)
         os.replace(tmp, path)

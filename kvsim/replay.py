@@ -18,7 +18,7 @@ from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import CostModel
-from kvsim.policies import make
+from kvsim.policies import REGISTRY, make
 from kvsim.sim import workload as wl
 from kvsim.io import atomic_write, check_destination
 from kvsim.sim import timeline
@@ -146,6 +146,8 @@ def run_replay(cfg: ReplayConfig) -> dict:
         report["timeline"] = str(cfg.timeline)
     report["provenance"] = provenance(cfg, trace_path, tr, model, costs, cost_source, analysis,
                                       host_gib, ws_gib, work)
+    if "policy_transfer" in report["provenance"]:
+        warnings.append(report["provenance"]["policy_transfer"])
     return report
 
 
@@ -223,10 +225,10 @@ def provenance(cfg, trace_path, tr, model, costs, cost_source, analysis, host_gi
                                           else "(default: CUDA context, activations, slack)"),
         "workload": work.description,
     }
-    src_model = meta.get("model")
-    if tr.attention is not None and analysis.provenance.startswith("trace"):
-        if src_model and src_model != model.name or meta.get("context") != cfg.context:
+    if REGISTRY[cfg.policy].needs_attention:
+        src_model, src_ctx = meta.get("model"), tr.attention.context_len
+        if src_model != model.name or src_ctx != cfg.context:
             p["policy_transfer"] = (
-                f"statistics measured on {src_model} at {meta.get('context')} tokens are applied "
-                f"to {model.name} at {cfg.context} tokens")
+                f"policy statistics measured on {src_model} at {src_ctx} context tokens are "
+                f"applied to {model.name} at {cfg.context} tokens")
     return p

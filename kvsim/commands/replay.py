@@ -78,10 +78,11 @@ def run(args) -> int:
     cols = ["tpot_ms", "throughput_tok_s", "ttft_ms", "e2e_s", "mean_batch", "hbm_gib",
             "host_gib", "link_util", "kv_read_frac"]
     table([{c: r[c] for c in cols}])
-    stats = {k: v for k, v in r["policy_stats"].items() if isinstance(v, (int, float))}
+    stats = {k: v for k, v in r["policy_stats"].items()
+             if isinstance(v, (int, float)) and not k.startswith(("question_", "decode_"))}
     if stats and set(stats) - {"kv_read_frac", "output_rel_err_mean"}:
-        print("\npolicy statistics (measured on the trace)")
-        table([stats])
+        print("\npolicy statistics (measured on the trace; --json has the question/decode split)")
+        table([{"statistic": k, "value": v} for k, v in stats.items()])
     for w in r["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print("\nprovenance")

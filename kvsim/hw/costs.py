@@ -118,6 +118,8 @@ class CostModel:
             "link_gather": links["gather"].source,
             "decode_attention": "roofline: KV bytes / achievable HBM bandwidth",
             "gemm": "roofline: max(FLOPs / achievable compute, weight bytes / achievable HBM)",
+            "decide": "estimate: four passes over the sketch and per-token state at achievable "
+                      "HBM bandwidth (no profiled kernel_decide table)",
         }
         return cls(g.name, g.hbm_gib * GiB, g.hbm_gbps * GB * HBM_EFFICIENCY,
                    g.bf16_tflops * 1e12 * FLOP_EFFICIENCY, links, prov)
