@@ -100,7 +100,8 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {m.name: m for m in [
-    ModelSpec("qwen3-4b", "Qwen/Qwen3-4B", 36, 32, 8, 128, 2560, 9728, 151936, True, 1e6, 40960),
+    ModelSpec("qwen3-4b", "Qwen/Qwen3-4B", 36, 32, 8, 128, 2560, 9728, 151936, True, 1e6, 131072,
+              note="32,768 tokens natively, 131,072 with YaRN per the model card"),
     ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", 36, 32, 8, 128, 4096, 12288, 151936, False, 1e6, 40960),
     ModelSpec("ministral-3-8b", "mistralai/Ministral-3-8B-Instruct-2512", 34, 32, 8,
               128, 4096, 14336, 131072, False, 1e6, 262144,

@@ -101,9 +101,9 @@ def config_key(c: dict) -> str:
 def label(policy: str, options: str | dict) -> str:
     """Short legend label: ``verkv c16 eps0.05 2bit``."""
     opts = json.loads(options) if isinstance(options, str) else options
-    short = {"compression": "c", "eps": "eps", "delta": "d", "coef_bits": "b"}
-    parts = [f"{short[k]}{v:g}" if k in short and isinstance(v, (int, float)) else str(v)
-             for k, v in sorted(opts.items())]
+    short = {"compression": "c", "eps": "eps", "delta": "delta", "coef_bits": "bits"}
+    parts = [f"{short.get(k, k)}{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool)
+             else str(v) if isinstance(v, str) else f"{k}={v}" for k, v in sorted(opts.items())]
     return " ".join([policy, *parts])
 
 
