@@ -9,12 +9,21 @@ from kvsim.policies import load_all
 
 
 def _fields():
-    """(field, policies that take it) for every option of every registered policy."""
-    seen: dict[str, tuple[dataclasses.Field, list[str]]] = {}
+    """(field, {policy: its default}) for every option of every registered policy."""
+    seen: dict[str, tuple[dataclasses.Field, dict]] = {}
     for name, cls in sorted(load_all().items()):
         for f in dataclasses.fields(cls.Params):
-            seen.setdefault(f.name, (f, []))[1].append(name)
+            seen.setdefault(f.name, (f, {}))[1][name] = f.default
     return seen.values()
+
+
+def _defaults_text(owners: dict) -> str:
+    """``[verkv, topk: default 16]`` or ``[varrate: default 5; verkv: default 16]``."""
+    by_default: dict[str, list[str]] = {}
+    for policy, default in owners.items():
+        key = "no default" if default is dataclasses.MISSING else f"default {default}"
+        by_default.setdefault(key, []).append(policy)
+    return "[" + "; ".join(f"{', '.join(ps)}: {d}" for d, ps in by_default.items()) + "]"
 
 
 def _kind(f: dataclasses.Field):
@@ -42,10 +51,7 @@ def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> No
                           "policy's" + ("; give comma-separated values to sweep" if lists else ""))
     for f, owners in _fields():
         kind = _kind(f)
-        helptext = f.metadata.get("help", "")
-        if f.default is not dataclasses.MISSING:
-            helptext += f" (default {f.default})"
-        helptext += f" [{', '.join(owners)}]"
+        helptext = f"{f.metadata.get('help', '')} {_defaults_text(owners)}"
         kw = {"default": None, "dest": f"opt_{f.name}", "help": helptext}
         if lists:
             kw["type"] = lambda text, kind=kind: parse_list(kind, text)
@@ -56,6 +62,8 @@ def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> No
             kw["type"] = kind
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
+            else:
+                kw["metavar"] = f.name.upper()
         group.add_argument("--" + f.name.replace("_", "-"), **kw)
 
 

@@ -13,7 +13,7 @@ from kvsim.replay import DEFAULT_GPU, ReplayConfig, run_replay
 
 EPILOG = """examples:
   kvsim replay --policy dense-offload --gpu h100-sxm --model qwen3-4b --context 32768
-  kvsim replay traces/default.npz --policy verkv --compression 16 --eps 0.05 --json
+  kvsim replay traces/smollm2-mk-2k.npz --policy verkv --compression 16 --sink 4 --local 4 --json
   kvsim replay --policy dense-resident --batch 16 --qps 2 --requests 200
 
 TRACE is a kvsim trace (.npz): its hardware section (kvsim profile) supplies measured costs,

@@ -1,0 +1,187 @@
+"""VarRate calibration: per-layer residual bases from unlabeled calibration traces.
+
+The paper calibrates each layer's basis once, offline, on six unlabeled contexts of the real model
+and reuses it for every sequence (it is not charged to the per-sequence budget). Here the contexts
+are captured traces (``kvsim capture``): for every layer the context's keys are un-rotated, the
+exact set and the anchor residuals are formed exactly as the codec does, and the residuals' Gram
+matrices are summed over the traces; the basis is its top-R eigenvectors (= right singular vectors
+of the stacked residuals).
+
+A basis file is a ``.npz`` with a JSON ``meta`` (format, traces, layers, D, R, RoPE, codec settings)
+and per layer ``L<l>/basis`` (R, D) float32 and ``L<l>/sv`` (R,) singular values. Written
+atomically; never overwritten without ``force``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvsim.errors import KvsimError
+from kvsim.kernels import varrate_codec as vc
+from kvsim.trace import Trace
+from kvsim.trace import load as load_trace
+
+FORMAT = "kvsim-varrate-basis"
+VERSION = 1
+
+
+@dataclass
+class Basis:
+    meta: dict
+    layers: dict[int, torch.Tensor]  # layer -> (R, D) float32, orthonormal rows
+    sv: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (R,) singular values
+    path: str = ""
+
+    @property
+    def rank(self) -> int:
+        return int(self.meta["R"])
+
+    def check(self, trace: Trace, rope: vc.Rope) -> None:
+        """One-line errors when this basis cannot code ``trace``'s layers."""
+        a = trace.attention
+        where = self.path or "basis"
+        dim = 2 * a.n_kv_heads * a.head_dim
+        if dim != self.meta["D"]:
+            raise KvsimError(f"{where}: basis is for D={self.meta['D']} (2 x KV heads x head dim), "
+                             f"the trace has D={dim} ({a.n_kv_heads} KV heads x {a.head_dim})")
+        missing = sorted({la.layer for la in a.layers} - set(self.layers))
+        if missing:
+            raise KvsimError(f"{where}: no basis for trace layer(s) {missing}; it holds layers "
+                             f"{sorted(self.layers)}")
+        ref = self.meta.get("rope_key") or {}
+        key = rope.key()
+        if ref and (ref.get("style") != key["style"] or ref.get("rot_dim") != key["rot_dim"]
+                    or abs(ref.get("inv_freq_sum", 0) - key["inv_freq_sum"])
+                    > 1e-6 * max(1.0, abs(key["inv_freq_sum"]))):
+            raise KvsimError(f"{where}: basis was calibrated with RoPE {self.meta.get('rope')}, "
+                             f"the trace uses {a.rope}")
+
+
+def _layer_tensors(la, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.from_numpy(np.ascontiguousarray(la.k[:, :ctx])).float(),
+            torch.from_numpy(np.ascontiguousarray(la.v[:, :ctx])).float())
+
+
+def calibrate(paths: list[str], rank: int | None = None, stride: int = 16, c: int = 4,
+              window: int = 64, layers: list[int] | None = None) -> Basis:
+    """Per-layer bases from the contexts of the traces at ``paths`` (all their common layers,
+    or ``layers``). ``rank`` defaults to D (every direction, ordered)."""
+    if not paths:
+        raise KvsimError("calibration needs at least one trace")
+    grams: dict[int, torch.Tensor] = {}
+    rows: dict[int, int] = {}
+    first = None
+    sources = []
+    for p in paths:
+        tr = load_trace(p)
+        a = tr.attention
+        if a is None:
+            raise KvsimError(f"{p}: the trace has no attention section to calibrate on")
+        rope = vc.rope_from_meta(a.rope, a.head_dim)
+        shape = (a.n_kv_heads, a.head_dim, rope.key())
+        if first is None:
+            first = (shape, a.rope, tr.meta.get("model"))
+        elif shape != first[0]:
+            raise KvsimError(f"{p}: KV heads/head dim/RoPE differ from {paths[0]} "
+                             f"({shape[:2]} vs {first[0][:2]})")
+        have = {la.layer for la in a.layers}
+        want = set(layers) if layers is not None else have
+        if layers is not None and want - have:
+            raise KvsimError(f"{p}: lacks layer(s) {sorted(want - have)}")
+        for la in a.layers:
+            if la.layer not in want:
+                continue
+            k, v = _layer_tensors(la, a.context_len)
+            prep = vc.prepare(k, v, rope, stride, c, window)
+            r = prep.resid.double()
+            grams[la.layer] = grams.get(la.layer, 0) + r.T @ r
+            rows[la.layer] = rows.get(la.layer, 0) + r.shape[0]
+        sources.append({"path": str(p), "model": tr.meta.get("model"),
+                        "context_len": int(a.context_len), "layers": sorted(have & want),
+                        "created": tr.meta.get("created")})
+    common = set.intersection(*(set(s["layers"]) for s in sources))
+    if not common:
+        raise KvsimError("the calibration traces share no captured layer")
+    (g, d, rkey), rope_meta, model = first
+    dim = 2 * g * d
+    rank = dim if rank is None else rank
+    if not 0 < rank <= dim:
+        raise KvsimError(f"--rank {rank} outside 1..D={dim}")
+    bases, svs = {}, {}
+    for l in sorted(common):
+        b, sv = vc.basis_from_gram(grams[l], rank)
+        bases[l], svs[l] = b.float(), sv.float()
+    meta = {
+        "format": FORMAT, "version": VERSION, "model": model, "traces": sources,
+        "layers": sorted(common), "D": dim, "R": rank, "n_kv_heads": g, "head_dim": d,
+        "rope": rope_meta, "rope_key": rkey,
+        "codec": {"stride": stride, "anchors_c": c, "window": window},
+        "residual_rows": {str(l): rows[l] for l in sorted(common)},
+        "residual_energy": {str(l): float(torch.trace(grams[l])) for l in sorted(common)},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return Basis(meta, bases, svs)
+
+
+def save(basis: Basis, path: str | os.PathLike, force: bool = False) -> Path:
+    path = Path(path)
+    if path.suffix != ".npz":
+        raise KvsimError(f"{path}: a basis file must end in .npz")
+    if path.exists() and not force:
+        raise KvsimError(f"{path} exists; pass --force to overwrite it")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise KvsimError(f"{path}: directory {parent} does not exist")
+    arrays = {"meta": np.array(json.dumps(basis.meta, sort_keys=True))}
+    for l, b in basis.layers.items():
+        arrays[f"L{l}/basis"] = b.numpy().astype(np.float32)
+        if l in basis.sv:
+            arrays[f"L{l}/sv"] = basis.sv[l].numpy().astype(np.float32)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp.npz", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(path: str | os.PathLike) -> Basis:
+    path = Path(path)
+    where = str(path)
+    if not path.exists():
+        raise KvsimError(f"{where}: no such basis file (make one with `kvsim calibrate`)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(str(arrays.pop("meta")))
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+        raise KvsimError(f"{where}: not a readable basis file ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise KvsimError(f"{where}: not a VarRate basis file (meta.format != {FORMAT!r})")
+    layers, svs = {}, {}
+    for l in meta.get("layers", []):
+        key = f"L{l}/basis"
+        if key not in arrays:
+            raise KvsimError(f"{where}: missing array {key!r}")
+        b = arrays[key]
+        if b.ndim != 2 or b.shape != (meta["R"], meta["D"]) or not np.isfinite(b).all():
+            raise KvsimError(f"{where}: {key} has shape {b.shape}, expected "
+                             f"({meta['R']}, {meta['D']}) finite values")
+        layers[int(l)] = torch.from_numpy(b.astype(np.float32))
+        if f"L{l}/sv" in arrays:
+            svs[int(l)] = torch.from_numpy(arrays[f"L{l}/sv"].astype(np.float32))
+    if not layers:
+        raise KvsimError(f"{where}: the basis file holds no layer")
+    return Basis(meta, layers, svs, where)
