@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from kvsim.errors import KvsimError
+from kvsim.io import atomic_write, check_destination
 from kvsim.kernels import varrate_codec as vc
 from kvsim.trace import Trace
 from kvsim.trace import load as load_trace
@@ -136,25 +136,13 @@ def save(basis: Basis, path: str | os.PathLike, force: bool = False) -> Path:
     path = Path(path)
     if path.suffix != ".npz":
         raise KvsimError(f"{path}: a basis file must end in .npz")
-    if path.exists() and not force:
-        raise KvsimError(f"{path} exists; pass --force to overwrite it")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise KvsimError(f"{path}: directory {parent} does not exist")
+    check_destination(path, force)
     arrays = {"meta": np.array(json.dumps(basis.meta, sort_keys=True))}
     for l, b in basis.layers.items():
         arrays[f"L{l}/basis"] = b.numpy().astype(np.float32)
         if l in basis.sv:
             arrays[f"L{l}/sv"] = basis.sv[l].numpy().astype(np.float32)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp.npz", dir=parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda f: np.savez(f, **arrays), force)
 
 
 def load(path: str | os.PathLike) -> Basis:

@@ -22,6 +22,12 @@ def check_destination(path: str | os.PathLike, force: bool = False) -> Path:
         raise KvsimError(f"{path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise KvsimError(f"{path}: directory {parent} is not writable")
+    try:  # permission bits do not tell everything (read-only mounts, root)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=parent)
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise KvsimError(f"{path}: cannot write in {parent} ({e.strerror})") from None
     return path
 
 

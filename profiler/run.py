@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +13,7 @@ from tqdm import tqdm
 
 from kvsim import trace as tracefile
 from kvsim.errors import KvsimError
+from kvsim.io import check_destination
 from kvsim.hw import catalog
 from kvsim.hw.catalog import ModelSpec
 from kvsim.hw.costs import fit_alpha_beta
@@ -77,20 +77,7 @@ def check_out(path: str | os.PathLike, force: bool) -> Path:
     path = Path(path)
     if path.suffix != ".npz":
         raise KvsimError(f"{path}: a trace file must end in .npz")
-    if path.exists() and not force:
-        raise KvsimError(f"{path} exists; pass --force to overwrite it")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise KvsimError(f"{path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise KvsimError(f"{path}: directory {parent} is not writable")
-    try:  # permission bits do not tell everything (read-only mounts, root)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".probe", dir=parent)
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise KvsimError(f"{path}: cannot write in {parent} ({e.strerror})") from None
-    return path
+    return check_destination(path, force)
 
 
 CATALOG_NAMES = (("GH200", "gh200"), ("H200", "h200"), ("H100 PCIe", "h100-pcie"),

@@ -8,6 +8,8 @@ import types
 
 import numpy as np
 import pytest
+
+import kvsim.io
 import torch
 
 from kvsim import trace as tracefile
@@ -264,11 +266,11 @@ def test_unwritable_output_is_refused_before_measuring(tmp_path, capsys, monkeyp
         (tmp_path / "f").write_text("")
         out = tmp_path / "f" / "x.npz"
     elif case == "not_writable":
-        monkeypatch.setattr(prun.os, "access", lambda p, mode: False)
+        monkeypatch.setattr(kvsim.io.os, "access", lambda p, mode: False)
     elif case == "cannot_create":  # e.g. a read-only mount, where root's access() still says yes
         def ro(*a, **k):
             raise PermissionError(30, "Read-only file system")
-        monkeypatch.setattr(prun.tempfile, "mkstemp", ro)
+        monkeypatch.setattr(kvsim.io.tempfile, "mkstemp", ro)
     else:
         out = tmp_path / "x.txt"
     err = _one_line_error(capsys, ["profile", "--device", "cpu", "--out", str(out)])
