@@ -1,0 +1,227 @@
+"""Task quality with a policy in the attention path of every layer of a real model.
+
+Per prompt: one context prefill (stock attention) yields the cache, the SnapKV window and, when a
+policy asks for them, KVzip reconstruction scores. Dense (stock attention) answers first (its
+question and decode queries give the "oracle" scores when a policy asks for those); then each
+policy compresses the context per layer and answers with the question pass and every decode step
+through its ``attend``. Dense runs once per prompt however many policies are evaluated.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsim.kernels.scoring import attention_mass
+from kvsim.model.hooks import Controller
+from kvsim.model.runner import KVZIP_PROMPT, cache_kv, generate, prefill
+from kvsim.tasks import Prompt, score
+
+DEFAULT_MAX_NEW = {"niah": 12, "mk": 12, "qa": 12, "mv": 40, "cwe": 48, "prompts": 32}
+
+
+@dataclass
+class PolicySpec:
+    label: str  # how the result is named, e.g. "verkv[sketch=2bit]"
+    name: str  # registered policy name
+    options: dict = field(default_factory=dict)
+
+
+def _needs(policy, scorer: str) -> bool:
+    """Whether a policy's options name ``scorer`` (so the model must compute those scores)."""
+    p = getattr(policy, "params", None)
+    try:
+        vals = vars(p).values() if p is not None else ()
+    except TypeError:
+        vals = ()
+    return any(v == scorer for v in vals)
+
+
+def _oracle_scores(pre, ctl: Controller, n_rows: int) -> None:
+    """The "oracle" scorer: attention mass of dense's own question and decode rows over the
+    context (an upper bound: eviction cannot see these queries)."""
+    pos = torch.arange(pre.n_ctx, pre.n_ctx + n_rows)
+    for l, qs in ctl.queries.items():
+        k, _ = cache_kv(pre.cache, l)
+        q = torch.cat(qs, dim=1)[:, :n_rows]
+        pre.scores[l]["oracle"] = attention_mass(k[:, :pre.n_ctx], q.to(k.dtype), pos)
+
+
+class _Agg:
+    """A policy's attend statistics: per key, the mean over decisions (every element) and the
+    mean over calls (one call = one layer of one forward pass), by phase and overall."""
+
+    def __init__(self):
+        self.sum: dict[tuple[str, str], float] = {}
+        self.cnt: dict[tuple[str, str], int] = {}
+        self.call_sum: dict[tuple[str, str], float] = {}
+        self.calls: dict[tuple[str, str], int] = {}
+
+    def add(self, phase: str, stats: dict) -> None:
+        for key, val in stats.items():
+            try:
+                t = torch.as_tensor(val).detach().to(torch.float64)
+            except (TypeError, ValueError, RuntimeError):
+                continue
+            if t.numel() == 0:
+                continue
+            for ph in (phase, "all"):
+                k = (ph, key)
+                self.sum[k] = self.sum.get(k, 0.0) + float(t.sum())
+                self.cnt[k] = self.cnt.get(k, 0) + t.numel()
+                self.call_sum[k] = self.call_sum.get(k, 0.0) + float(t.mean())
+                self.calls[k] = self.calls.get(k, 0) + 1
+
+    def means(self) -> dict:
+        out: dict[str, dict] = {}
+        for (ph, key), s in sorted(self.sum.items()):
+            out.setdefault(key, {})[ph] = s / self.cnt[(ph, key)]
+            out[key][ph + "_per_call"] = self.call_sum[(ph, key)] / self.calls[(ph, key)]
+        return out
+
+
+def _compress_takes_layer(policy) -> bool:
+    try:
+        return "layer" in inspect.signature(policy.compress).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _LayerPolicy:
+    """Passes the layer index to ``compress`` for policies that accept it (e.g. per-layer bases)."""
+
+    def __init__(self, policy):
+        self.p, self.layer = policy, 0
+
+    def compress(self, *a):
+        state = self.p.compress(*a, layer=self.layer)
+        self.layer += 1
+        return state
+
+    def attend(self, *a):
+        return self.p.attend(*a)
+
+
+def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
+             max_new_tokens: int | None = None, progress: bool = True) -> dict:
+    """Accuracy of dense and of each policy on ``prompts``; fetch statistics; timing."""
+    from tqdm import tqdm
+
+    from kvsim.policies import make
+    policies = [(s, make(s.name, s.options)) for s in specs]
+    want_kvzip = any(_needs(p, "kvzip") for _, p in policies)
+    want_oracle = any(_needs(p, "oracle") for _, p in policies)
+    model, codec = lm.model, lm.codec
+    dense_scores: list[float] = []
+    res = {s.label: {"scores": [], "agg": _Agg(), "seconds": 0.0, "forwards": 0,
+                     "examples": []} for s, _ in policies}
+    failures: list[dict] = []
+    t_prefill = t_dense = 0.0
+    tokens: list[int] = []
+    bar = tqdm(total=len(prompts) * (1 + len(policies)), desc="eval", unit="run",
+               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    max_pos = lm.info.get("max_position_embeddings")
+    for i, p in enumerate(prompts):
+        done = 0
+        try:
+            ctx_ids, q_ids = codec.layout(p.context, p.question, p.answer_prefix)
+            max_new = max_new_tokens or DEFAULT_MAX_NEW.get(p.task, 32)
+            t0 = time.perf_counter()
+            kv_ids = codec.encode(KVZIP_PROMPT + p.context) if want_kvzip else None
+            pre = prefill(model, ctx_ids, kvzip_ids=kv_ids)
+            t1 = time.perf_counter()
+            rec = Controller(mode="stock") if want_oracle else None  # records every layer
+            d = generate(model, codec, pre, q_ids, max_new, controller=rec)
+            if want_oracle:
+                _oracle_scores(pre, rec, len(q_ids) + d.forwards - 1)
+            t2 = time.perf_counter()
+            t_prefill, t_dense = t_prefill + t1 - t0, t_dense + t2 - t1
+            tokens.append(len(ctx_ids) + len(q_ids))
+            row = {"scores": score(d.text, p.answers, p.match)}
+            bar.update(1)
+            done += 1
+            outs = []
+            for j, (s, pol) in enumerate(policies):
+                t3 = time.perf_counter()
+                runner_pol = _LayerPolicy(pol) if _compress_takes_layer(pol) else pol
+                g = generate(model, codec, pre, q_ids, max_new, policy=runner_pol,
+                             seed=seed * 100003 + i * 101 + j)
+                outs.append((s, g, time.perf_counter() - t3))
+                bar.update(1)
+                done += 1
+        except Exception as e:  # one prompt failing is reported, not fatal
+            failures.append({"prompt": p.id or i, "error": f"{type(e).__name__}: {e}",
+                             "where": traceback.format_exc(limit=-2).strip().splitlines()[-3:]})
+            bar.update(1 + len(policies) - done)
+            continue
+        dense_scores.append(row["scores"])
+        for s, g, secs in outs:
+            r = res[s.label]
+            r["scores"].append(score(g.text, p.answers, p.match))
+            r["seconds"] += secs
+            r["forwards"] += g.forwards
+            for (layer, m, st), ph in zip(g.stats, g.phases):
+                r["agg"].add(ph, st)
+            if len(r["examples"]) < 3:
+                r["examples"].append({"prompt": p.id, "answers": p.answers, "dense": d.text,
+                                      "policy": g.text})
+    bar.close()
+    n = len(dense_scores)
+    if not n and failures:
+        from kvsim.errors import KvsimError
+        raise KvsimError(f"every prompt failed; the first: {failures[0]['error']}")
+    dense_acc = sum(dense_scores) / n if n else float("nan")
+    results = []
+    for s, pol in policies:
+        r = res[s.label]
+        acc = sum(r["scores"]) / n if n else float("nan")
+        stats = r["agg"].means()
+        kv = _kv_read(stats, pol)
+        results.append({
+            "policy": s.label, "name": s.name, "options": s.options,
+            "accuracy": acc, "dense_accuracy": dense_acc,
+            "relative_accuracy": acc / dense_acc if dense_acc and not math.isnan(dense_acc)
+            else None,
+            "kv_read_frac": kv[0], "kv_read_source": kv[1], "n": n,
+            "kv_read_frac_question": stats.get("kv_read_frac", {}).get("question_per_call"),
+            "kv_read_frac_decode": stats.get("kv_read_frac", {}).get("decode_per_call"),
+            "stats": stats,
+            "seconds_per_prompt": r["seconds"] / n if n else None,
+            "seconds_per_forward": r["seconds"] / r["forwards"] if r["forwards"] else None,
+            "examples": r["examples"],
+        })
+    warnings = []
+    if max_pos and tokens and max(tokens) > max_pos:
+        warnings.append(f"prompts reach {max(tokens)} tokens, past the model's "
+                        f"{max_pos}-token window: expect dense to fail too")
+    return {
+        "n": n, "n_failed": len(failures), "failures": failures, "dense_accuracy": dense_acc,
+        "results": results, "prompt_tokens_mean": sum(tokens) / len(tokens) if tokens else None,
+        "timing": {"prefill_s_per_prompt": t_prefill / n if n else None,
+                   "dense_s_per_prompt": t_dense / n if n else None,
+                   "model_load_s": lm.load_s},
+        "kvzip_scores": want_kvzip, "oracle_scores": want_oracle, "warnings": warnings,
+    }
+
+
+def _kv_read(stats: dict, policy) -> tuple[float | None, str]:
+    """KV read per forward as a share of the cache: from attend statistics when the policy
+    reports them (mean over forward passes), else from the policy's definition."""
+    if "kv_read_frac" in stats:  # per call = per layer and forward pass
+        return (stats["kv_read_frac"].get("all_per_call"),
+                "measured: the policy's attend statistics, mean over layers x forward passes "
+                "(question pass and decode steps)")
+    try:
+        r = policy.analyze(None)
+        v = r.stats.get("kv_read_frac")
+        if v is not None:
+            return float(v), "policy definition"
+    except Exception:  # a policy that needs a trace cannot say without one
+        pass
+    return None, "not reported by the policy"
