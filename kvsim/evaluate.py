@@ -9,7 +9,6 @@ through its ``attend``. Dense runs once per prompt however many policies are eva
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 import time
@@ -86,28 +85,6 @@ class _Agg:
         return out
 
 
-def _compress_takes_layer(policy) -> bool:
-    try:
-        return "layer" in inspect.signature(policy.compress).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-class _LayerPolicy:
-    """Passes the layer index to ``compress`` for policies that accept it (e.g. per-layer bases)."""
-
-    def __init__(self, policy):
-        self.p, self.layer = policy, 0
-
-    def compress(self, *a):
-        state = self.p.compress(*a, layer=self.layer)
-        self.layer += 1
-        return state
-
-    def attend(self, *a):
-        return self.p.attend(*a)
-
-
 def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
              max_new_tokens: int | None = None, progress: bool = True) -> dict:
     """Accuracy of dense and of each policy on ``prompts``; fetch statistics; timing."""
@@ -115,6 +92,8 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
 
     from kvsim.policies import make
     policies = [(s, make(s.name, s.options)) for s in specs]
+    for _, pol in policies:
+        pol.bind(lm.info["rope"], lm.info["head_dim"])
     want_kvzip = any(_needs(p, "kvzip") for _, p in policies)
     want_oracle = any(_needs(p, "oracle") for _, p in policies)
     model, codec = lm.model, lm.codec
@@ -149,8 +128,7 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
             outs = []
             for j, (s, pol) in enumerate(policies):
                 t3 = time.perf_counter()
-                runner_pol = _LayerPolicy(pol) if _compress_takes_layer(pol) else pol
-                g = generate(model, codec, pre, q_ids, max_new, policy=runner_pol,
+                g = generate(model, codec, pre, q_ids, max_new, policy=pol,
                              seed=seed * 100003 + i * 101 + j)
                 outs.append((s, g, time.perf_counter() - t3))
                 bar.update(1)

@@ -291,11 +291,12 @@ class VerKVData:
         la, a = self.trace.attention.layers[0], self.trace.attention
         f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=be.device)  # noqa: E731
         self.pol = make("verkv", {})
+        self.pol.bind(a.rope, m.head_dim)
         self.cfg = self.pol.config()
         self.state = self.pol.compress(f32(la.k)[:, :n], f32(la.v)[:, :n], {},
                                        f32(la.q_question),
                                        torch.as_tensor(a.question_pos, device=be.device),
-                                       torch.Generator().manual_seed(seed))
+                                       torch.Generator().manual_seed(seed), layer=0)
         self.q = f32(la.q_decode)
         self.q_pos = torch.tensor([n], device=be.device)
         self.n, self.m = n, m

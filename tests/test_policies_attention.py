@@ -57,10 +57,10 @@ def test_budgets_held(trace):
     k = torch.as_tensor(layer.k, dtype=torch.float64)[:, :n_ctx]
     q = torch.as_tensor(layer.q_question, dtype=torch.float64)
     pos = torch.as_tensor(trace.attention.question_pos)
-    st = pc.compress(k, k, {}, q, pos, torch.Generator().manual_seed(0))
+    st = pc.compress(k, k, {}, q, pos, torch.Generator().manual_seed(0), layer=0)
     assert st.expected_tokens == pytest.approx(n_ctx / 16, rel=1e-9)
     vk = make("verkv", SMALL)
-    sv = vk.compress(k, k, {}, q, pos, torch.Generator().manual_seed(0))
+    sv = vk.compress(k, k, {}, q, pos, torch.Generator().manual_seed(0), layer=0)
     sketch_tokens = (n_ctx * 8 * 2 / 8 + math.ceil(n_ctx / 128) * 8 * 2 * 2) / (4 * 32)
     assert sv.expected_tokens == pytest.approx(n_ctx / 16 - sketch_tokens, rel=1e-9)
 
@@ -74,7 +74,7 @@ def test_eps_to_zero_gives_dense(trace, sketch):
     k, v = t(layer.k), t(layer.v)
     n_ctx = a.context_len
     st = pol.compress(k[:, :n_ctx], v[:, :n_ctx], {}, t(layer.q_question),
-                      torch.as_tensor(a.question_pos), torch.Generator().manual_seed(0))
+                      torch.as_tensor(a.question_pos), torch.Generator().manual_seed(0), layer=0)
     for q, pos in ((t(layer.q_question), a.question_pos), (t(layer.q_decode), a.decode_pos)):
         pos = torch.as_tensor(pos)
         out, stats = pol.attend(st, q, pos, k, v)

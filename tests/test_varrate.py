@@ -417,7 +417,7 @@ def test_policy_compress_attend_exact_on_exact_tokens():
     tr = _trace(n=300, dtype=np.float32)
     a = tr.attention
     pol = make("varrate", dict(SMALL, compression=3.0))
-    pol.setup(a.rope, a.head_dim)
+    pol.bind(a.rope, a.head_dim)
     la = a.layers[0]
     ctx = a.context_len
     k, v = torch.from_numpy(la.k), torch.from_numpy(la.v)
@@ -429,8 +429,8 @@ def test_policy_compress_attend_exact_on_exact_tokens():
     assert out.shape == (N_Q, la.q_decode.shape[1], D_H) and torch.isfinite(out).all()
 
 
-def test_compress_without_setup_takes_rope_from_the_basis_file(tmp_path):
-    """The model-in-the-loop path (kvsim eval) calls compress with a layer index but no trace."""
+def test_compress_needs_bind_and_a_matching_basis(tmp_path):
+    """The model-in-the-loop path (kvsim eval) binds the model's RoPE, then compresses by layer."""
     cal = tmp_path / "cal.npz"
     T.save(_trace(seed=4), cal)
     bpath = tmp_path / "basis.npz"
@@ -440,9 +440,12 @@ def test_compress_without_setup_takes_rope_from_the_basis_file(tmp_path):
     args = (torch.from_numpy(la.k[:, :a.context_len]), torch.from_numpy(la.v[:, :a.context_len]),
             {}, torch.from_numpy(la.q_question), torch.from_numpy(a.question_pos), None)
     opts = dict(SMALL, basis=str(bpath))
-    cold = make("varrate", opts).compress(*args, layer=1)
-    warm = make("varrate", opts)
-    warm.setup(a.rope, a.head_dim, tr)
-    assert torch.equal(cold.k, warm.compress(*args, layer=1).k)
-    with pytest.raises(KvsimError, match="RoPE"):
-        make("varrate", SMALL).compress(*args, layer=1)
+    with pytest.raises(KvsimError, match="bind"):
+        make("varrate", opts).compress(*args, layer=1)
+    pol = make("varrate", opts)
+    pol.bind(a.rope, a.head_dim)
+    pol.check_basis(tr)
+    st = pol.compress(*args, layer=1)
+    assert st.k.shape == args[0].shape
+    with pytest.raises(KvsimError, match="KV heads"):  # a basis for another model's shape
+        pol.compress(args[0][:1], args[1][:1], *args[2:], layer=1)

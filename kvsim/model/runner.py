@@ -139,7 +139,7 @@ def generate(model, codec, pre: Prefilled, q_ids: list[int], max_new_tokens: int
         for l in range(n_layers(model)):
             k, v = cache_kv(pre.cache, l)
             ctl.states[l] = policy.compress(k[:, :pre.n_ctx], v[:, :pre.n_ctx], pre.scores[l],
-                                            pre.obs_q[l], pre.obs_pos.to(dev), gen)
+                                            pre.obs_q[l], pre.obs_pos.to(dev), gen, layer=l)
     else:
         ctl = controller or Controller(mode="stock", record_layers=record_layers or set())
     phases: list[str] = []

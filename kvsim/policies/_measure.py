@@ -172,6 +172,7 @@ def measure(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.floa
     """
     require_attention(trace, policy.name)
     a = trace.attention
+    policy.bind(a.rope, a.head_dim)
     n_ctx = int(a.context_len)
     qpos = torch.as_tensor(a.question_pos, dtype=torch.long, device=device)
     dpos = torch.as_tensor(a.decode_pos, dtype=torch.long, device=device)
@@ -189,7 +190,7 @@ def measure(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.floa
         w = min(OBS_WINDOW, qq.shape[1])
         gen = torch.Generator().manual_seed(_layer_seed(seed, int(la.layer)))
         state = policy.compress(k[:, :n_ctx], v[:, :n_ctx], scores, qq[:, qq.shape[1] - w:],
-                                qpos[qpos.shape[0] - w:], gen)
+                                qpos[qpos.shape[0] - w:], gen, layer=int(la.layer))
         if getattr(state, "held_tokens", None) is not None:
             held_tokens.append(float(state.held_tokens))
             held_bytes.append(float(state.held_bytes))

@@ -69,9 +69,16 @@ class Policy(ABC):
         self.params = params
 
     # ---- in the attention path: trace replay and model evaluation call these per layer ----
+    rope: dict | None = None  # the model's RoPE settings ({"theta", "type"}), set by bind()
+
+    def bind(self, rope: dict, head_dim: int) -> None:
+        """Called once before ``compress`` with the model's RoPE settings and head size."""
+        self.rope = dict(rope or {})
+
     def compress(self, k: torch.Tensor, v: torch.Tensor, scores: dict[str, torch.Tensor],
-                 obs_q: torch.Tensor, obs_pos: torch.Tensor, generator: torch.Generator):
-        """After the context prefill of one layer, decide what stays resident.
+                 obs_q: torch.Tensor, obs_pos: torch.Tensor, generator: torch.Generator,
+                 layer: int):
+        """After the context prefill of layer ``layer``, decide what stays resident.
 
         ``k``, ``v``: (n_kv, n_ctx, d) post-RoPE keys and values of the context; ``scores``:
         per-token scorer outputs (n_kv, n_ctx) the trace or model provides (e.g. "kvzip");

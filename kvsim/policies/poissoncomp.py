@@ -52,7 +52,7 @@ class PoissonComp(Policy):
     summary = ("Poisson sample of the cache by token scores (expected size 1/compression), "
                "unbiased reweighting, no fetch")
 
-    def compress(self, k, v, scores, obs_q, obs_pos, generator):
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
         p = self.params
         n_kv, n_ctx, d = k.shape
         sample_budget = M.check_budget(self.name, n_ctx, p.compression, p.sink, p.local)

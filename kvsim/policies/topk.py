@@ -47,7 +47,7 @@ class TopK(Policy):
     summary = ("query-agnostic top-k eviction: keeps sink + local + the best-scored tokens "
                "(1/compression of the cache); the rest are dropped")
 
-    def compress(self, k, v, scores, obs_q, obs_pos, generator):
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
         p = self.params
         n_kv, n_ctx, d = k.shape
         M.check_budget(self.name, n_ctx, p.compression, p.sink, p.local, need_sample=False)

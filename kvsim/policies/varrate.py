@@ -107,7 +107,6 @@ class VarRate(Policy):
 
     def __init__(self, params):
         super().__init__(params)
-        self.layer: int | None = None  # callers set it (or pass layer=) when a basis file is used
         self._basis = None  # calibrate.Basis
         self._rope: vc.Rope | None = None
         self._rope_meta: dict | None = None
@@ -115,21 +114,23 @@ class VarRate(Policy):
         self._last_state = None
 
     # ------------------------------------------------------------------------- set-up
-    def setup(self, rope: dict, head_dim: int, trace: Trace | None = None) -> None:
-        """Bind the model's RoPE (and check the basis file against ``trace`` when given)."""
+    def bind(self, rope: dict, head_dim: int) -> None:
+        """The model's RoPE (to un-rotate keys); loads the basis file once."""
+        super().bind(rope, head_dim)
         self._rope = vc.rope_from_meta(rope, head_dim)
         self._rope_meta = rope
         if self.params.basis and self._basis is None:
             from kvsim import calibrate
             self._basis = calibrate.load(self.params.basis)
-        if self._basis is not None and trace is not None:
+
+    def check_basis(self, trace: Trace) -> None:
+        """The basis file must match the trace's layers, shapes and RoPE."""
+        if self._basis is not None:
             self._basis.check(trace, self._rope)
 
-    def _layer_basis(self, layer: int | None, prep: vc.Prepared) -> torch.Tensor:
+    def _layer_basis(self, layer: int, prep: vc.Prepared) -> torch.Tensor:
         if self._basis is None:
             return vc.fit_basis(prep.resid, prep.resid.shape[1])[0].float()
-        if layer is None:
-            raise KvsimError("varrate with a basis file needs the layer index (policy.layer)")
         if layer not in self._basis.layers:
             raise KvsimError(f"{self._basis.path}: no basis for layer {layer}")
         return self._basis.layers[layer]
@@ -148,15 +149,10 @@ class VarRate(Policy):
             prep.coded])
 
     # ---------------------------------------------------------------------- attention path
-    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer: int | None = None):
-        if self._rope is None:  # not set up from a trace: a basis file names the model's RoPE
-            if not self.params.basis:
-                raise KvsimError(f"{self.name} needs the model's RoPE settings to un-rotate keys: "
-                                 f"pass --basis FILE (from kvsim calibrate; it records them) or "
-                                 f"call setup(rope, head_dim) first")
-            from kvsim import calibrate
-            self._basis = self._basis or calibrate.load(self.params.basis)
-            self.setup(self._basis.meta["rope"], int(self._basis.meta["head_dim"]))
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
+        if self._rope is None:
+            raise KvsimError(f"{self.name}: bind(rope, head_dim) must come before compress")
+        if self._basis is not None:
             if k.shape[-1] != self._basis.meta["head_dim"] or \
                     2 * k.shape[0] * k.shape[-1] != self._basis.meta["D"]:
                 meta = self._basis.meta
@@ -164,7 +160,6 @@ class VarRate(Policy):
                                  f"x head dim {meta['head_dim']}, the model has {k.shape[0]} x "
                                  f"{k.shape[-1]}")
         p = self.params
-        layer = self.layer if layer is None else layer
         kf, vf = k.float(), v.float()
         t0 = time.perf_counter()
         prep = vc.prepare(kf, vf, self._rope, p.stride, p.anchors_c, p.window)
@@ -240,7 +235,8 @@ class VarRate(Policy):
         M.require_attention(trace, self.name)
         a = trace.attention
         p = self.params
-        self.setup(a.rope, a.head_dim, trace)
+        self.bind(a.rope, a.head_dim)
+        self.check_basis(trace)
         ctx = a.context_len
         parts: dict[str, int] = {}
         k_err, v_err, t_comp, t_dense, t_fit, ranks_all, runs = [], [], [], [], [], [], []
@@ -254,7 +250,6 @@ class VarRate(Policy):
                 sal = self._window(trace, la)
                 window_kind = sal[0]
                 self._override = sal
-                self.layer = la.layer
                 sub = Trace(trace.meta, None, Attention([la], ctx, a.question_pos, a.decode_pos,
                                                         a.rope, a.provenance))
                 runs.append(M.measure(self, sub, seed))  # compress + attend vs float64 dense
@@ -280,7 +275,7 @@ class VarRate(Policy):
                 v_err.append(_rel(st.v[:, coded], v[:, coded]))
                 self._last_state = None
         finally:
-            self._override, self.layer = None, None
+            self._override = None
         full = parts.pop("full")
         footprint = sum(parts.values()) / full
         ranks = torch.cat(ranks_all).double()

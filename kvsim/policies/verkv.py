@@ -100,17 +100,13 @@ class VerKV(Policy):
                "Bernstein certificate decides which tokens to fetch so the error stays under eps "
                "with probability 1 - delta")
 
-    def __init__(self, params):
-        super().__init__(params)
-        self.rope_type: str | None = None  # set from the trace; None = rotate-half pairs
-
     def config(self) -> DecideConfig:
         p = self.params
         return DecideConfig(eps=p.eps, delta=p.delta, shrinkage=p.shrinkage,
                             shortlist=int(p.shortlist) if p.sketch == "2bit" else 0,
                             variant=p.variant)
 
-    def compress(self, k, v, scores, obs_q, obs_pos, generator):
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
         p = self.params
         n_kv, n_ctx, d = k.shape
         sk_bytes = sketch_bytes(n_ctx, d)
@@ -119,7 +115,7 @@ class VerKV(Policy):
                                        sketch_tokens=sk_bytes / token_bytes)
         tau = to_tau(M.context_scores(scores, p.scorer, k, obs_q, obs_pos))
         smp = poisson_compress(tau, p.sink, p.local, sample_budget, generator)
-        sketch = build_sketch(k, rope_pairs(d, self.rope_type)) if p.sketch == "2bit" else None
+        sketch = build_sketch(k, rope_pairs(d, (self.rope or {}).get("type"))) if p.sketch == "2bit" else None
         layer = make_layer(smp, sketch, k, p.variant)
         held = float(smp.resident.sum(-1).to(torch.float64).mean())
         return VerKVState(layer, held, held * token_bytes + sk_bytes + n_ctx * R_BYTES,
@@ -172,7 +168,6 @@ class VerKV(Policy):
 
     def analyze(self, trace: Trace | None, seed: int = 0):
         M.require_attention(trace, self.name)
-        self.rope_type = (trace.attention.rope or {}).get("type")
         stats = M.measure(self, trace, seed)
         p = self.params
         d = trace.attention.head_dim
