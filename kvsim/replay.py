@@ -24,7 +24,7 @@ from kvsim.io import atomic_write, check_destination
 from kvsim.sim import timeline
 from kvsim.sim.engine import Memory, SimResult, Simulator
 
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "traces" / "default.npz"
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "traces" / "smollm2-mk-2k.npz"
 DEFAULT_GPU = "h100-sxm"
 DEFAULT_HOST_GIB = 256.0  # a 2 TiB host shared by 8 GPUs
 DEFAULT_WORKSPACE_GIB = 4.0  # CUDA context, activations, allocator slack
