@@ -76,7 +76,8 @@ def main():
     pol = make("verkv", {"compression": 16, "eps": args.eps})
     qpos_q = torch.as_tensor(a.question_pos, device=device)
     gen = torch.Generator().manual_seed(0)
-    state = pol.compress(k, v, {}, qq, qpos_q, gen)
+    pol.bind(a.rope, a.head_dim)
+    state = pol.compress(k, v, {}, qq, qpos_q, gen, layer=la.layer)
     layer = state.layer
     # eps_hat after the GQA union is a reported statistic, not part of deciding: not timed
     cfg = DecideConfig(eps=args.eps, delta=0.1, report_after=False)
