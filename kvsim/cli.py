@@ -16,6 +16,18 @@ from kvsim import __version__
 from kvsim.errors import KvsimError
 
 
+DESCRIPTION = ("Capacity planner for long-context LLM serving with the KV cache partly in host "
+               "memory: measure a machine, run KV policies on real attention, simulate serving.")
+WORKFLOW = """a typical session:
+  kvsim catalog                                    GPUs and models known, with sources
+  kvsim replay --policy dense-offload --gpu h100-sxm --model qwen3-4b --context 32768
+  kvsim plan --gpu h100-sxm,h200 --model qwen3-4b --context 8192,32768 \\
+      --policy dense-offload,verkv --sink 4 --local 4 --batch 1,4,16 --out plan/
+  kvsim profile --gpu 0 --out traces/mygpu.npz     then: kvsim replay traces/mygpu.npz ...
+
+'kvsim COMMAND --help' explains each command."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, like every other user error
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -23,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvsim", description=__doc__.split("\n\n")[0].replace("\n", " "),
+    parser = _Parser(prog="kvsim", description=DESCRIPTION, epilog=WORKFLOW,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvsim {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
