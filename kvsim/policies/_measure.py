@@ -32,7 +32,7 @@ Bytes assume a 16-bit KV cache (2 bytes per element), whatever the trace's dtype
 from __future__ import annotations
 
 import math
-from dataclasses import field
+from dataclasses import dataclass, field
 
 import torch
 
@@ -76,6 +76,20 @@ def sink_field():
 
 def local_field():
     return field(default=64, metadata={"help": "last context tokens always kept"})
+
+
+@dataclass
+class NoFetchParams:
+    """Options of the policies that never fetch from host memory (top-k eviction, PoissonComp)."""
+    compression: float = compression_field()
+    eps: float = eps_field(" (only reported: the share of decisions whose true error exceeds "
+                           "it; these policies never fetch)")
+    scorer: str = scorer_field()
+    sink: int = sink_field()
+    local: int = local_field()
+
+    def validate(self) -> None:
+        check_common(self)
 
 
 def check_common(p) -> None:

@@ -24,19 +24,6 @@ R_BYTES = 2  # an fp16 inclusion probability per sampled token
 
 
 @dataclass
-class PoissonCompParams:
-    compression: float = M.compression_field()
-    eps: float = M.eps_field(" (only reported: the share of decisions whose true error exceeds "
-                             "it; PoissonComp does not fetch)")
-    scorer: str = M.scorer_field()
-    sink: int = M.sink_field()
-    local: int = M.local_field()
-
-    def validate(self) -> None:
-        M.check_common(self)
-
-
-@dataclass
 class PoissonState:
     sample: PoissonSample
     expected_tokens: float  # per KV head: sum of r
@@ -47,7 +34,7 @@ class PoissonState:
 @register
 class PoissonComp(Policy):
     name = "poissoncomp"
-    Params = PoissonCompParams
+    Params = M.NoFetchParams
     needs_attention = True
     summary = ("Poisson sample of the cache by token scores (expected size 1/compression), "
                "unbiased reweighting, no fetch")

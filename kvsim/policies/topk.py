@@ -20,19 +20,6 @@ from kvsim.trace import Trace
 
 
 @dataclass
-class TopKParams:
-    compression: float = M.compression_field()
-    eps: float = M.eps_field(" (only reported: the share of decisions whose true error exceeds "
-                             "it; eviction does not fetch)")
-    scorer: str = M.scorer_field()
-    sink: int = M.sink_field()
-    local: int = M.local_field()
-
-    def validate(self) -> None:
-        M.check_common(self)
-
-
-@dataclass
 class TopKState:
     keep: torch.Tensor  # (n_kv, n_ctx) bool
     held_tokens: float  # per KV head
@@ -42,7 +29,7 @@ class TopKState:
 @register
 class TopK(Policy):
     name = "topk"
-    Params = TopKParams
+    Params = M.NoFetchParams
     needs_attention = True
     summary = ("query-agnostic top-k eviction: keeps sink + local + the best-scored tokens "
                "(1/compression of the cache); the rest are dropped")
