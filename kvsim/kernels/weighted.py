@@ -21,6 +21,13 @@ def weighted_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v:
     return torch.einsum("hmn,hnd->hmd", p, expand_kv(v, q.shape[0])), log_d
 
 
+def weighted_attention_chunked(q, q_pos, k, v, log_w_ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`weighted_attention` over row chunks (bounded memory); same result."""
+    parts = [weighted_attention(q[:, sl], q_pos[sl], k, v, log_w_ctx)
+             for sl in row_chunks(q.shape[0], q.shape[1], k.shape[1])]
+    return torch.cat([o for o, _ in parts], 1), torch.cat([ld for _, ld in parts], 1)
+
+
 def row_chunks(n_q: int, m: int, n: int, budget: int = 1 << 21):
     """Slices over query rows so that one chunk holds about ``budget`` (head, row, token) cells."""
     step = max(1, budget // max(1, n_q * n))

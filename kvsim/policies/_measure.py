@@ -39,6 +39,7 @@ import torch
 from kvsim.errors import KvsimError
 from kvsim.kernels.attention import dense_attention
 from kvsim.kernels.scoring import attention_mass
+from kvsim.policies.base import DecodeCost
 from kvsim.trace import Trace
 
 OBS_WINDOW = 64
@@ -76,6 +77,16 @@ def sink_field():
 
 def local_field():
     return field(default=64, metadata={"help": "last context tokens always kept"})
+
+
+def analyze_no_fetch(policy, trace: Trace | None, seed: int):
+    """``analyze`` of a policy that keeps a share of the cache in HBM and never fetches."""
+    require_attention(trace, policy.name)
+    stats = measure(policy, trace, seed)
+    res = stats["resident_frac"]
+    cost = DecodeCost(resident_frac=res, hbm_read_frac=res, host_read_frac=0.0, host_frac=0.0,
+                      overlap=False, copies_per_layer=0.0)
+    return policy.result(cost, stats, provenance(trace, policy.name, seed))
 
 
 @dataclass

@@ -15,9 +15,9 @@ import torch
 
 from kvsim.kernels.poisson import PoissonSample, poisson_compress
 from kvsim.kernels.scoring import to_tau
-from kvsim.kernels.weighted import row_chunks, weighted_attention
+from kvsim.kernels.weighted import weighted_attention_chunked
 from kvsim.policies import _measure as M
-from kvsim.policies.base import DecodeCost, Policy, register
+from kvsim.policies.base import Policy, register
 from kvsim.trace import Trace
 
 R_BYTES = 2  # an fp16 inclusion probability per sampled token
@@ -59,17 +59,8 @@ class PoissonComp(Policy):
 
     def attend(self, state, q, q_pos, k, v):
         log_w = self.log_weights(state.sample, q.shape[0]).to(q.dtype)
-        outs, logds = [], []
-        for sl in row_chunks(q.shape[0], q.shape[1], k.shape[1]):
-            o, ld = weighted_attention(q[:, sl], q_pos[sl], k, v, log_w)
-            outs.append(o)
-            logds.append(ld)
-        return torch.cat(outs, 1), {"log_denominator": torch.cat(logds, 1)}
+        out, log_d = weighted_attention_chunked(q, q_pos, k, v, log_w)
+        return out, {"log_denominator": log_d}
 
     def analyze(self, trace: Trace | None, seed: int = 0):
-        M.require_attention(trace, self.name)
-        stats = M.measure(self, trace, seed)
-        res = stats["resident_frac"]
-        cost = DecodeCost(resident_frac=res, hbm_read_frac=res, host_read_frac=0.0,
-                          host_frac=0.0, overlap=False, copies_per_layer=0.0)
-        return self.result(cost, stats, M.provenance(trace, self.name, seed))
+        return M.analyze_no_fetch(self, trace, seed)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from kvsim.kernels.poisson import topk_keep
-from kvsim.kernels.weighted import row_chunks, weighted_attention
+from kvsim.kernels.weighted import weighted_attention_chunked
 from kvsim.policies import _measure as M
-from kvsim.policies.base import DecodeCost, Policy, register
+from kvsim.policies.base import Policy, register
 from kvsim.trace import Trace
 
 
@@ -48,17 +48,8 @@ class TopK(Policy):
         log_w = torch.zeros(state.keep.shape, dtype=q.dtype, device=q.device)
         log_w = log_w.masked_fill(~state.keep, float("-inf"))
         log_w = log_w.repeat_interleave(q.shape[0] // k.shape[0], dim=0)[:, None, :]
-        outs, logds = [], []
-        for sl in row_chunks(q.shape[0], q.shape[1], k.shape[1]):
-            o, ld = weighted_attention(q[:, sl], q_pos[sl], k, v, log_w)
-            outs.append(o)
-            logds.append(ld)
-        return torch.cat(outs, 1), {"log_denominator": torch.cat(logds, 1)}
+        out, log_d = weighted_attention_chunked(q, q_pos, k, v, log_w)
+        return out, {"log_denominator": log_d}
 
     def analyze(self, trace: Trace | None, seed: int = 0):
-        M.require_attention(trace, self.name)
-        stats = M.measure(self, trace, seed)
-        res = stats["resident_frac"]
-        cost = DecodeCost(resident_frac=res, hbm_read_frac=res, host_read_frac=0.0,
-                          host_frac=0.0, overlap=False, copies_per_layer=0.0)
-        return self.result(cost, stats, M.provenance(trace, self.name, seed))
+        return M.analyze_no_fetch(self, trace, seed)
