@@ -33,13 +33,8 @@ class PolicySpec:
 
 
 def _needs(policy, scorer: str) -> bool:
-    """Whether a policy's options name ``scorer`` (so the model must compute those scores)."""
-    p = getattr(policy, "params", None)
-    try:
-        vals = vars(p).values() if p is not None else ()
-    except TypeError:
-        vals = ()
-    return any(v == scorer for v in vals)
+    """Whether a policy scores tokens with ``scorer`` (so the model must compute those scores)."""
+    return getattr(policy.params, "scorer", None) == scorer
 
 
 def _oracle_scores(pre, ctl: Controller, n_rows: int) -> None:
