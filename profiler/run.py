@@ -262,21 +262,24 @@ def _finish(be: Backend, m: ModelSpec, tables: dict, extra: dict, timing: dict,
         raise KvsimError(f"the profile could not measure {', '.join(lacking)} "
                          f"(shrunk: {'; '.join(be.shrunk) or 'no'})")
     fits = {}
+
+    def fit(name: str, table: dict, sel=slice(None)) -> None:
+        """alpha/beta of a link table; a table too noisy to fit is recorded as missing."""
+        if len(table["bytes"][sel]) < 2:
+            return
+        try:
+            a, b = fit_alpha_beta(table["bytes"][sel], table["seconds"][sel])
+            fits[name] = {"alpha_s": a, "beta_Bps": b}
+        except KvsimError as e:
+            missing.append(f"fit {name}: {e}")
+
     for t in ("link_h2d_pinned", "link_d2h_pinned", "link_h2d_pageable", "link_d2h_pageable",
               "link_bidir_pinned", "link_gather_gpu", "link_gather_pack"):
-        if t in tables and len(tables[t]["bytes"]) >= 2:
-            try:
-                a, b = fit_alpha_beta(tables[t]["bytes"], tables[t]["seconds"])
-                fits[t] = {"alpha_s": a, "beta_Bps": b}
-            except KvsimError as e:
-                missing.append(f"fit {t}: {e}")
-    for t in ("link_gather_gpu_rows",):
         if t in tables:
-            for rb in np.unique(tables[t]["row_bytes"]):
-                sel = tables[t]["row_bytes"] == rb
-                if sel.sum() >= 2:
-                    a, b = fit_alpha_beta(tables[t]["bytes"][sel], tables[t]["seconds"][sel])
-                    fits[f"{t}@{int(rb)}B"] = {"alpha_s": a, "beta_Bps": b}
+            fit(t, tables[t])
+    rows = tables.get("link_gather_gpu_rows")
+    for rb in np.unique(rows["row_bytes"]) if rows is not None else []:
+        fit(f"link_gather_gpu_rows@{int(rb)}B", rows, rows["row_bytes"] == rb)
     # hbm_bw: the weight-streaming bandwidth the LM head reaches at batch 1, i.e. the pattern
     # (and the shape) the simulator charges with hbm_bw; the generic GEMV figure is gemv_bw
     hd = tables["kernel_lm_head"]
