@@ -30,8 +30,8 @@ cache resident in HBM; two arrival patterns, as in ``bench_sim.py``:
   Timed: the first ``run_replay`` of the workload in this process ("cold": its trace and
   policy-analysis caches are cleared first, so it loads the trace and analyses it), the median
   of 5 more calls ("warm"), and a fresh ``python`` process doing the imports and one call
-  ("process"). kvsim's process time is mostly ``import kvsim.replay``, which imports torch
-  (through kvsim.policies) in about 1.5-3 s here.
+  ("process"). kvsim's process time is mostly torch, which loads when the policy registry
+  does (about 1.5-3 s here).
 * Both: wall-clock seconds and the process's CPU seconds (``time.process_time``). On a shared,
   loaded machine wall times swing by 2-3x between runs; CPU seconds are steadier, so compare
   ratios of those too.
@@ -318,7 +318,7 @@ def kvsim_trace(path: str | None) -> str | None:
     if path is not None or DEFAULT_TRACE.exists():
         return path
     from kvsim import trace as T
-    from kvsim.synthetic import synthetic_attention_trace
+    from kvsim.model.synthetic import synthetic_attention_trace
     out = Path(tempfile.gettempdir()) / "kvsim_bench_vs_vidur_synthetic.npz"
     T.save(synthetic_attention_trace(), out, force=True)
     print(f"note: {DEFAULT_TRACE} missing, using a synthetic trace {out}", file=sys.stderr)
@@ -347,7 +347,7 @@ def kvsim_config(trace: str | None, requests: int, workload: str) -> dict:
 def run_kvsim(trace: str | None, requests: int, workload: str) -> dict:
     kw = kvsim_config(trace, requests, workload)
     cfg = ReplayConfig(**kw)
-    for cached in (kvsim_replay._load_trace, kvsim_replay._analyze):  # make the 1st call cold
+    for cached in (kvsim_replay._load, kvsim_replay._analyze):  # make the 1st call cold
         getattr(cached, "cache_clear", lambda: None)()
     t0, c0 = time.perf_counter(), time.process_time()
     r = run_replay(cfg)
@@ -366,8 +366,8 @@ def run_kvsim(trace: str | None, requests: int, workload: str) -> dict:
     return {"cold_s": cold, "warm_s": warm, "process_s": process, "cold_cpu": cold_cpu,
             "warm_cpu": warm_cpu,
             **{"p_" + k: v for k, v in json.loads(p.stdout.strip().splitlines()[-1]).items()},
-            "decode_steps": r["decode_steps"], "sim_s": r["makespan_s"],
-            "mean_batch": r["mean_batch"], "tpot_ms": r["tpot_ms"], "ttft_ms": r["ttft_ms"]}
+            "decode_steps": r["sim"]["decode_steps"], "sim_s": r["sim"]["makespan_s"],
+            "mean_batch": r["sim"]["mean_batch"], "tpot_ms": r["tpot_ms"], "ttft_ms": r["ttft_ms"]}
 
 
 def main() -> None:

@@ -1,5 +1,7 @@
 """The thin front: ``kvsim <command> ...``. Each command lives in ``kvsim/commands/<name>.py``
-with ``add_parser(subparsers)`` and ``run(args) -> int``; the logic lives in the library.
+with ``HELP`` (one line), ``add_parser(subparsers)`` and ``run(args) -> int``; the logic lives in
+the library. Only the command being run builds its full parser, so ``kvsim --help`` and a
+command's start load no tensor or plotting code they do not need.
 
 User errors (:class:`KvsimError`) print one line on stderr and exit with status 2.
 """
@@ -14,7 +16,6 @@ import sys
 import kvsim.commands
 from kvsim import __version__
 from kvsim.errors import KvsimError
-
 
 DESCRIPTION = ("Capacity planner for long-context LLM serving with the KV cache partly in host "
                "memory: measure a machine, run KV policies on real attention, simulate serving.")
@@ -34,20 +35,32 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def commands() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(kvsim.commands.__path__)
+                  if not m.name.startswith("_"))
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; only the command named in ``argv`` (if any) gets its full set of options."""
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     parser = _Parser(prog="kvsim", description=DESCRIPTION, epilog=WORKFLOW,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"kvsim {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for mod in sorted(pkgutil.iter_modules(kvsim.commands.__path__), key=lambda m: m.name):
-        if not mod.name.startswith("_"):
-            importlib.import_module(f"kvsim.commands.{mod.name}").add_parser(sub)
+    for name in commands():
+        mod = importlib.import_module(f"kvsim.commands.{name}")
+        if name == chosen:
+            mod.add_parser(sub)
+        else:
+            sub.add_parser(name, help=mod.HELP)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.run(args) or 0
     except KvsimError as e:

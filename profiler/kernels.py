@@ -25,11 +25,6 @@ from kvsim.errors import KvsimError
 from kvsim.hw.catalog import ModelSpec
 from profiler.backend import Backend, is_oom
 
-# question rows of the synthetic VerKV layer: its observation window for SnapKV scores, and
-# the rows the simulator's VerKV analysis replays (float64) besides the decode row
-QUESTION_ROWS = 4
-
-
 @dataclass
 class LayerWeights:
     ln1: torch.Tensor
@@ -273,87 +268,21 @@ def sweep_roofline(be: Backend, mem_sizes: list[int], mm_sizes: list[int], progr
     return tabs, extra
 
 
-class VerKVData:
-    """One synthetic attention layer of the model's head shape, compressed by the VerKV policy
-    (default options), plus the decode query the decisions are made for. Every layer and
-    sequence of the loop decides on these (so the loop fetches what the simulator's VerKV
-    statistics, measured on the same trace, say it fetches); the bytes fetched come from each
-    layer's own host KV."""
+def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], progress, seed=0,
+                 bench=None) -> tuple[dict, list[str]]:
+    """kernel_decide: a policy's decide step for one layer and one sequence vs context.
 
-    def __init__(self, be: Backend, m: ModelSpec, n: int, seed: int):
-        from kvsim.kernels.kvfetch import decide, reweighted_log_factor
-        from kvsim.policies import make
-        from kvsim.synthetic import synthetic_attention_trace
-        self.decide, self.reweight = decide, reweighted_log_factor
-        self.trace = synthetic_attention_trace(n_layers=1, n_q=m.q_heads, n_kv=m.kv_heads,
-                                               d=m.head_dim, context=n,
-                                               question=QUESTION_ROWS, decode=1, seed=seed)
-        la, a = self.trace.attention.layers[0], self.trace.attention
-        f32 = lambda x: torch.as_tensor(x, dtype=torch.float32, device=be.device)  # noqa: E731
-        self.pol = make("verkv", {})
-        self.pol.bind(a.rope, m.head_dim)
-        self.cfg = self.pol.config()
-        self.state = self.pol.compress(f32(la.k)[:, :n], f32(la.v)[:, :n], {},
-                                       f32(la.q_question),
-                                       torch.as_tensor(a.question_pos, device=be.device),
-                                       torch.Generator().manual_seed(seed), layer=0)
-        self.q = f32(la.q_decode)
-        self.q_pos = torch.tensor([n], device=be.device)
-        self.n, self.m = n, m
-        smp = self.state.layer.sample
-        dec = decide(self.q, self.q_pos, self.state.layer, self.cfg)
-        fetched = dec.exact_kv[:, 0] & ~smp.sampled
-        self.resident = smp.resident.sum(-1)  # (n_kv,)
-        self.t_max = int((self.resident + fetched.sum(-1)).max())
-        self.fetched_frac = float(fetched.float().mean())
-        # compact layout per KV head: resident tokens first (filled once), then fetched rows
-        res_idx = torch.sort((~smp.resident).to(torch.int8), dim=-1, stable=True).indices
-        self.res_cols = res_idx[:, :int(self.resident.max())]
-
-    def plan(self):
-        """The decide pipeline of one layer and one sequence, as the validation loop runs it:
-        a real decision (sketch scores, shortlist, shrinkage, certificate, GQA union), the fetch
-        set as host row indices (sorted by KV head) and their slots in the compact layout,
-        VerKV's reweighting as an additive logit bias (n_kv, g, t_max) over that layout, and
-        the rows fetched per KV head."""
-        lay, m = self.state.layer, self.m
-        dec = self.decide(self.q, self.q_pos, lay, self.cfg)
-        fetched = dec.exact_kv[:, 0] & ~lay.sample.sampled  # (n_kv, n)
-        h, t = fetched.nonzero(as_tuple=True)
-        counts = fetched.sum(-1)
-        start = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(h.numel(), device=h.device) - start[h]
-        slot = h * self.t_max + self.resident[h] + rank
-        g = m.q_heads // m.kv_heads
-        log_w = self.reweight(lay, dec, m.q_heads).view(m.kv_heads, g, self.n)
-        cols = torch.zeros(m.kv_heads, self.t_max, dtype=torch.long, device=h.device)
-        valid = torch.zeros(m.kv_heads, self.t_max, dtype=torch.bool, device=h.device)
-        r = self.res_cols.shape[1]
-        cols[:, :r] = self.res_cols
-        valid[:, :r] = torch.arange(r, device=h.device)[None, :] < self.resident[:, None]
-        cols.view(-1)[slot] = t
-        valid.view(-1)[slot] = True
-        bias = log_w.gather(-1, cols[:, None, :].expand(m.kv_heads, g, self.t_max))
-        bias = bias.masked_fill(~valid[:, None, :], float("-inf"))
-        return h * self.n + t, slot, bias, counts
-
-
-def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], progress,
-                 seed=0) -> tuple[dict, list[str]]:
-    """kernel_decide: VerKV's decide pipeline (:meth:`VerKVData.plan`) for one layer and one
-    sequence vs context, default VerKV options, on a synthetic attention layer of the model's
-    head shape (``kvsim.synthetic``: spiky, with a sink and needles, so the certificate has work
-    to do). float32, as the kernels are written."""
-    try:
-        import kvsim.kernels.kvfetch  # noqa: F401
-    except ImportError as e:
-        return {}, [f"kernel_decide (the VerKV kernels are not importable: {e})"]
+    ``bench(device, model, context, seed)`` builds the kernel (an object with ``plan()``, the
+    timed call, and ``fetched_frac``); the caller hands it in (``kvsim profile`` gives VerKV's,
+    ``kvsim.policies.verkv.bench``), so the profiler times it without depending on policies."""
+    if bench is None:
+        return {}, ["kernel_decide (no decide kernel was given to time)"]
     rows, missing = {"context": [], "seconds": [], "fetched_frac": []}, []
     evict = be.evictor()
     with torch.inference_mode():
         for n in contexts:
             try:
-                vk = VerKVData(be, m, n, seed)
+                vk = bench(be.device, m, n, seed)
             except KvsimError as e:
                 missing.append(f"kernel_decide at context {n}: {e}")
                 progress()

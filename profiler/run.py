@@ -101,8 +101,11 @@ def profile(out: str | os.PathLike, gpu: int | None = None, device: str | None =
             model: str | ModelSpec | None = None, quick: bool = False, force: bool = False,
             nvml: bool = True, threads: int | None = None, seed: int = 0,
             progress: bool = True, plan: Plan | None = None,
-            rounds: int | None = None) -> tracefile.Trace:
+            rounds: int | None = None, decide=None) -> tracefile.Trace:
     """Run every sweep and save the trace atomically at ``out``; return it.
+
+    ``decide(device, model, context, seed)``: a policy's decide kernel to time for the table
+    ``kernel_decide`` (``kvsim profile`` gives VerKV's); without it the table is missing.
 
     ``rounds``: the kernel and link sweeps run this many times, interleaved, and each point keeps
     its median over rounds (default 3 on the CPU, where other processes share the cores; 1 on a
@@ -126,7 +129,7 @@ def profile(out: str | os.PathLike, gpu: int | None = None, device: str | None =
         sampler = Sampler(handle)
         rounds = rounds or (1 if be.kind == "cuda" else 3)
         tables, extra = _sweeps(be, m, plan or plan_for(be.kind, quick), sampler, missing,
-                                progress, seed, rounds)
+                                progress, seed, rounds, decide)
     finally:
         if handle is not None:
             handle.shutdown()
@@ -181,13 +184,13 @@ def _median_rounds(runs: list[dict]) -> dict:
 
 
 def _sweeps(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, missing: list[str],
-            show: bool, seed: int, rounds: int = 1) -> tuple[dict, dict]:
+            show: bool, seed: int, rounds: int = 1, decide=None) -> tuple[dict, dict]:
     bar = tqdm(total=plan.points() * rounds, desc=f"profile {be.kind}", unit="pt",
                disable=not show, leave=False)
     runs, gmiss, extras, timing = [], [], [], {}
     try:
         for r in range(rounds):
-            t, x, gm = _one_round(be, m, plan, sampler, bar, seed, r, timing)
+            t, x, gm = _one_round(be, m, plan, sampler, bar, seed, r, timing, decide)
             runs.append(t)
             extras.append(x)
             gmiss = gm
@@ -201,7 +204,7 @@ def _sweeps(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, missing: li
 
 
 def _one_round(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, bar, seed: int, r: int,
-               timing: dict) -> tuple[dict, dict, list[str]]:
+               timing: dict, decide=None) -> tuple[dict, dict, list[str]]:
     """One pass over every sweep; random index sets change with the round ``r``, the synthetic
     VerKV layer does not (its fetched_frac column must agree across rounds)."""
     tables: dict = {}
@@ -244,7 +247,7 @@ def _one_round(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, bar, see
     be.free()
     if plan.decide_contexts:
         d, dmiss = run("kernel_decide", lambda: kernels.sweep_decide(
-            be, m, plan.decide_contexts, step, seed))
+            be, m, plan.decide_contexts, step, seed, decide))
         tables |= d
         missing += dmiss
         be.free()

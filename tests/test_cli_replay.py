@@ -30,7 +30,9 @@ def test_human_output_is_a_table(attn_trace):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--policy", "nope"], "invalid choice"),
+    (["--policy", "nope"], "unknown policy 'nope'"),
+    (["--policy", "verkv:eps=abc"], "expected float"),
+    (["--policy", "dense,verkv"], "replay runs one policy"),
     (["--gpu", "b999"], "unknown GPU"),
     (["--model", "gpt-9"], "unknown model"),
     (["--context", "0"], "--context must be positive"),

@@ -13,14 +13,14 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from kvsim import trace as T  # noqa: E402
-from kvsim.capture import capture  # noqa: E402
-from kvsim.evaluate import PolicySpec, evaluate  # noqa: E402
-from kvsim.kernels.attention import dense_attention  # noqa: E402
+from kvsim.model.capture import capture  # noqa: E402
+from kvsim.measure.evaluate import PolicySpec, evaluate  # noqa: E402
+from kvsim.attention.dense import dense_attention  # noqa: E402
 from kvsim.model import LoadedModel, model_info  # noqa: E402
 from kvsim.model import runner  # noqa: E402
 from kvsim.model.hooks import install  # noqa: E402
 from kvsim.policies import make  # noqa: E402
-from kvsim.tasks import Prompt  # noqa: E402
+from kvsim.model.tasks import Prompt  # noqa: E402
 
 
 class ByteCodec:
@@ -176,18 +176,21 @@ def test_eval_scores_right_answers_right_and_wrong_ones_wrong(lm, monkeypatch):
 
     monkeypatch.setattr(lm.codec, "layout", layout)
     out = evaluate(lm, [right, broken, wrong],
-                   [PolicySpec("dense-resident", "dense-resident"),
-                    PolicySpec("topk", "topk", {"scorer": "kvzip", "compression": 4,
-                                                "sink": 2, "local": 2}),
-                    PolicySpec("oracle", "topk", {"scorer": "oracle", "compression": 4,
-                                                  "sink": 2, "local": 2})],
+                   [PolicySpec("dense-resident"),
+                    PolicySpec("topk", {"scorer": "kvzip", "compression": 4, "sink": 2,
+                                        "local": 2}),
+                    PolicySpec("topk", {"scorer": "oracle", "compression": 4, "sink": 2,
+                                        "local": 2}, label="oracle")],
                    max_new_tokens=8, progress=False)
     assert out["n"] == 2 and out["n_failed"] == 1 and "cannot lay out" in \
         out["failures"][0]["error"]
     assert out["dense_accuracy"] == 0.5
     dense, topk, oracle = out["results"]
     assert dense["accuracy"] == 0.5 and dense["relative_accuracy"] == 1.0
-    assert dense["kv_read_frac"] == 0.0 and dense["kv_read_source"] == "policy definition"
+    assert dense["kv_read_frac"] == 0.0 and dense["kv_read_frac_overall"] == 0.0
+    assert dense["stats"]["resident_frac"] == 1.0  # measured as on traces (kvsim.measure.stats)
+    assert topk["stats"]["resident_frac"] == pytest.approx(0.25, abs=0.02)  # 4x
+    assert topk["stats"]["meta_frac"] == 0.0 and topk["kv_read_frac"] == 0.0
     assert out["kvzip_scores"] is True and 0.0 <= topk["accuracy"] <= 1.0
     assert out["oracle_scores"] is True and 0.0 <= oracle["accuracy"] <= 1.0
 

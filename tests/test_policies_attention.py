@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+from kvsim.attention.dense import dense_attention
 from kvsim.errors import KvsimError
-from kvsim.kernels.attention import dense_attention
+from kvsim.measure.harness import analyze, run
+from kvsim.model.synthetic import synthetic_attention_trace
 from kvsim.policies import make
-from kvsim.policies._measure import measure
-from kvsim.synthetic import synthetic_attention_trace
 from kvsim.trace import Trace, new_meta
 
 REQUIRED = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_frac",
@@ -29,12 +29,14 @@ def trace():
     ("verkv", {"variant": "paper"}), ("verkv", {"shrinkage": "bounded"}),
 ])
 def test_analyze_reports_the_required_statistics(trace, name, opts):
-    res = make(name, {**SMALL, **opts}).analyze(trace, seed=0)
+    res = analyze(make(name, {**SMALL, **opts}), trace, seed=0)
     for key in REQUIRED:
         assert key in res.stats, key
         assert 0.0 <= res.stats[key] <= 1.0, (key, res.stats[key])
     assert "synthetic" in res.provenance and "1024 context tokens" in res.provenance
     assert res.stats["held_tokens"] > 0 and 0 < res.cost.resident_frac < 0.1
+    assert 0 <= res.cost.meta_frac < res.cost.resident_frac  # sketch/probabilities, a part of it
+    assert (res.cost.meta_frac > 0) == (name != "topk")
     if name == "verkv":
         assert res.cost.host_frac == 1.0 and res.cost.path == "gather"
         assert res.cost.overlap is False
@@ -49,7 +51,7 @@ def test_analyze_reports_the_required_statistics(trace, name, opts):
 
 def test_budgets_held(trace):
     n_ctx = trace.attention.context_len
-    topk = make("topk", {**SMALL}).analyze(trace)
+    topk = analyze(make("topk", {**SMALL}), trace)
     assert topk.stats["held_tokens"] == n_ctx // 16
     assert topk.cost.resident_frac == pytest.approx(1 / 16)
     pc = make("poissoncomp", SMALL)
@@ -58,11 +60,14 @@ def test_budgets_held(trace):
     q = torch.as_tensor(layer.q_question, dtype=torch.float64)
     pos = torch.as_tensor(trace.attention.question_pos)
     st = pc.compress(k, k, {}, q, pos, torch.Generator().manual_seed(0), layer=0)
-    assert st.expected_tokens == pytest.approx(n_ctx / 16, rel=1e-9)
+    assert st.info["expected_tokens"] == pytest.approx(n_ctx / 16, rel=1e-9)
     vk = make("verkv", SMALL)
     sv = vk.compress(k, k, {}, q, pos, torch.Generator().manual_seed(0), layer=0)
-    sketch_tokens = (n_ctx * 8 * 2 / 8 + math.ceil(n_ctx / 128) * 8 * 2 * 2) / (4 * 32)
-    assert sv.expected_tokens == pytest.approx(n_ctx / 16 - sketch_tokens, rel=1e-9)
+    sketch_bytes = n_ctx * 8 * 2 / 8 + math.ceil(n_ctx / 128) * 8 * 2 * 2
+    assert sv.info["expected_tokens"] == pytest.approx(n_ctx / 16 - sketch_bytes / (4 * 32),
+                                                       rel=1e-9)
+    # metadata: the sketch and an fp16 inclusion probability per context token
+    assert sv.meta_bytes == pytest.approx(sketch_bytes + 2 * n_ctx)
 
 
 @pytest.mark.parametrize("sketch", ["perfect", "2bit"])
@@ -77,7 +82,7 @@ def test_eps_to_zero_gives_dense(trace, sketch):
                       torch.as_tensor(a.question_pos), torch.Generator().manual_seed(0), layer=0)
     for q, pos in ((t(layer.q_question), a.question_pos), (t(layer.q_decode), a.decode_pos)):
         pos = torch.as_tensor(pos)
-        out, stats = pol.attend(st, q, pos, k, v)
+        out, stats = pol.attend(st.state, q, pos, k, v)
         ref, logd = dense_attention(q, k, v, pos)
         torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(stats["log_denominator"], logd, rtol=1e-9, atol=1e-9)
@@ -85,21 +90,21 @@ def test_eps_to_zero_gives_dense(trace, sketch):
 
 
 def test_fetching_beats_no_fetch_and_eviction(trace):
-    runs = {name: make(name, SMALL).analyze(trace).stats for name in ("topk", "poissoncomp")}
-    runs["verkv"] = make("verkv", {**SMALL, "sketch": "perfect"}).analyze(trace).stats
+    runs = {name: analyze(make(name, SMALL), trace).stats for name in ("topk", "poissoncomp")}
+    runs["verkv"] = analyze(make("verkv", {**SMALL, "sketch": "perfect"}), trace).stats
     den = {name: s["denominator_rel_err_mean"] for name, s in runs.items()}
     assert den["verkv"] < den["poissoncomp"] and den["verkv"] < den["topk"]
     assert runs["verkv"]["violation_rate"] < runs["poissoncomp"]["violation_rate"]
     # a looser tolerance fetches less
-    loose = make("verkv", {**SMALL, "sketch": "perfect", "eps": 0.3}).analyze(trace).stats
+    loose = analyze(make("verkv", {**SMALL, "sketch": "perfect", "eps": 0.3}), trace).stats
     assert loose["kv_read_frac"] < runs["verkv"]["kv_read_frac"]
 
 
 def test_deterministic_under_a_seed(trace):
-    a = make("verkv", SMALL).analyze(trace, seed=3).stats
-    b = make("verkv", SMALL).analyze(trace, seed=3).stats
-    c = make("poissoncomp", SMALL).analyze(trace, seed=3).stats
-    d = make("poissoncomp", SMALL).analyze(trace, seed=4).stats
+    a = analyze(make("verkv", SMALL), trace, seed=3).stats
+    b = analyze(make("verkv", SMALL), trace, seed=3).stats
+    c = analyze(make("poissoncomp", SMALL), trace, seed=3).stats
+    d = analyze(make("poissoncomp", SMALL), trace, seed=4).stats
     assert a == b
     assert c["output_rel_err_mean"] != d["output_rel_err_mean"]
 
@@ -126,23 +131,23 @@ def test_bad_parameters(name, opts, match):
 def test_budget_too_small_names_sizes_that_fit(trace):
     # 16x of 1024 tokens = 64 tokens, all taken by the default sink 64 + local 64
     with pytest.raises(KvsimError) as e:
-        make("verkv", {"compression": 16}).analyze(trace)
+        analyze(make("verkv", {"compression": 16}), trace)
     msg = str(e.value)
     assert "\n" not in msg
     assert "sink 64 + local 64 + sketch" in msg and "--sink" in msg and "--local" in msg
     # the suggested sizes do fit
     sizes = [int(s) for s in msg.split("--sink ")[1].split()[0:1]]
-    make("verkv", {"compression": 16, "sink": sizes[0], "local": sizes[0]}).analyze(trace)
+    analyze(make("verkv", {"compression": 16, "sink": sizes[0], "local": sizes[0]}), trace)
     for name in ("topk", "poissoncomp"):
         with pytest.raises(KvsimError, match="--sink"):
-            make(name, {"compression": 32}).analyze(trace)
+            analyze(make(name, {"compression": 32}), trace)
 
 
 def test_needs_an_attention_section():
     for name in ("topk", "poissoncomp", "verkv"):
         with pytest.raises(KvsimError, match=f"policy {name} needs a trace with an attention "
                                              "section"):
-            make(name, SMALL).analyze(Trace(new_meta("tests"), None, None))
+            analyze(make(name, SMALL), Trace(new_meta("tests"), None, None))
 
 
 def test_missing_kvzip_scores(trace):
@@ -151,21 +156,22 @@ def test_missing_kvzip_scores(trace):
     layer.scores = {}
     try:
         with pytest.raises(KvsimError, match="no 'kvzip' scores"):
-            make("verkv", {**SMALL, "scorer": "kvzip"}).analyze(trace)
+            analyze(make("verkv", {**SMALL, "scorer": "kvzip"}), trace)
     finally:
         layer.scores = saved
 
 
-def test_measure_is_generic_dense_policy_has_zero_error(trace):
-    stats = measure(make("dense-resident"), trace)
+def test_harness_is_generic_dense_policy_has_zero_error(trace):
+    stats, timings = run(make("dense-resident"), trace)
     assert stats["output_rel_err_mean"] < 1e-12
     assert stats["kv_read_frac"] == 0.0 and stats["decisions_fetch_frac"] == 0.0
     assert "violation_rate" not in stats  # dense returns no denominator and has no eps
+    assert stats["resident_frac"] == 1.0 and stats["meta_frac"] == 0.0 and timings == {}
 
 
 def test_kv_read_never_exceeds_the_cache(trace):
-    stats = make("verkv", {**SMALL, "eps": 1e-6}).analyze(trace).stats
-    assert stats["kv_read_frac"] <= 1.0 and stats["question_kv_read_frac"] <= 1.0
+    stats = analyze(make("verkv", {**SMALL, "eps": 1e-6}), trace).stats
+    assert stats["kv_read_frac"] <= 1.0 and stats["question"]["kv_read_frac"] <= 1.0
     assert stats["decisions_fetch_frac"] == 1.0
 
 

@@ -16,6 +16,7 @@ from kvsim import trace as tracefile
 from kvsim.cli import main
 from kvsim.errors import KvsimError
 from kvsim.hw.costs import CostModel
+from kvsim.policies import make
 from profiler import run as prun
 from profiler.backend import Backend
 from profiler.link import KiB, MiB
@@ -33,7 +34,9 @@ CONSUMED = ["link_h2d_pinned", "link_d2h_pinned", "link_gather_gpu", "kernel_dec
 @pytest.fixture(scope="module")
 def cpu_trace(tmp_path_factory):
     out = tmp_path_factory.mktemp("prof") / "cpu.npz"
-    profile(out, device="cpu", plan=TINY, rounds=1, progress=False)
+    # the decide kernel is handed in, as kvsim profile does: the profiler imports no policy
+    profile(out, device="cpu", plan=TINY, rounds=1, progress=False,
+            decide=make("verkv").decide_kernel)
     return out
 
 
@@ -250,6 +253,7 @@ def test_out_of_memory_shrinks_and_is_recorded(tmp_path, monkeypatch):
     assert att["tokens"].max() < TINY.max_tokens  # the 512-token points were dropped ...
     assert any("measured up to" in s for s in shrunk if s.startswith("kernel_decode_attn"))
     assert any(s.startswith("mem_gemv") for s in shrunk)  # ... and said so
+    assert any(m.startswith("kernel_decide (no decide kernel") for m in hw.missing)
     CostModel.from_hardware(hw)  # still consumable
 
 

@@ -40,11 +40,12 @@ def test_throughput_rises_with_batch_until_memory_stops_admission(attn_trace):
     rows = [replay(attn_trace, policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
                    context=32768, batch=b, output_len=32) for b in (1, 2, 4, 8, 16, 32)]
     tput = [r["throughput_tok_s"] for r in rows]
-    fit = rows[0]["max_batch_fit"]
+    fit = rows[0]["memory"]["max_batch_fit"]
     assert 8 < fit < 16  # ~4.5 GiB of KV per request, ~68 GiB free
     assert all(b > a for a, b in zip(tput[:4], tput[1:4]))  # rises while it fits
-    assert rows[4]["hbm_limited"] and rows[5]["hbm_limited"] and not rows[3]["hbm_limited"]
-    assert rows[5]["mean_batch"] <= fit + 1e-9
+    lim = [r["memory"]["hbm_limited"] for r in rows]
+    assert lim[4] and lim[5] and not lim[3]
+    assert rows[5]["sim"]["mean_batch"] <= fit + 1e-9
     assert tput[5] == pytest.approx(tput[4], rel=0.02)  # memory caps the batch: no further gain
     assert rows[5]["hbm_gib"] <= catalog.gpu("h100-sxm").hbm_gib
 
@@ -53,10 +54,11 @@ def test_littles_law_in_steady_state(attn_trace):
     qps = 3.0
     r = replay(attn_trace, policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
                context=2048, output_len=64, batch=16, qps=qps, requests=3000, seed=1)
+    s = r["sim"]
     # time-averaged number in system (integrated by the engine) vs lambda * W (from timestamps)
-    assert r["mean_in_system"] == pytest.approx(r["requests_per_s"] * r["e2e_s"], rel=0.02)
-    assert r["requests_per_s"] == pytest.approx(qps, rel=0.06)  # stable: departures = arrivals
-    assert r["mean_in_system"] == pytest.approx(qps * r["e2e_s"], rel=0.08)
+    assert s["mean_in_system"] == pytest.approx(s["requests_per_s"] * r["e2e_s"], rel=0.02)
+    assert s["requests_per_s"] == pytest.approx(qps, rel=0.06)  # stable: departures = arrivals
+    assert s["mean_in_system"] == pytest.approx(qps * r["e2e_s"], rel=0.08)
 
 
 def test_same_seed_same_json_other_seed_differs(attn_trace):
@@ -108,5 +110,5 @@ def test_csv_workload(attn_trace, tmp_path):
     csv.write_text("arrival,prompt,output\n0,1000,10\n0.5,2000,20\n0.2,500,5\n")
     r = replay(attn_trace, policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
                workload_csv=csv, batch=2)
-    assert r["requests"] == 3 and r["decode_steps"] > 0
+    assert r["sim"]["requests"] == 3 and r["sim"]["decode_steps"] > 0
     assert np.isfinite(r["tpot_ms"]) and r["ttft_ms"] > 0

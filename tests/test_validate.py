@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from kvsim import trace as tracefile
+from kvsim import validate as V
 from kvsim.cli import main
 from kvsim.errors import KvsimError
 from kvsim.hw.catalog import model
-from profiler import validate as V
+from kvsim.policies import PolicySpec, make
+from kvsim.validate import loops
 from profiler.backend import make_backend
 from profiler.link import KiB, MiB
 from profiler.run import Plan, profile
@@ -29,7 +31,8 @@ SMALL = dict(contexts=[256], batches=[1, 2], layers=2, steps=2, warmup=1, rounds
 @pytest.fixture(scope="module")
 def cpu_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("val") / "cpu.npz"
-    profile(out, device="cpu", plan=TINY, rounds=1, progress=False)
+    profile(out, device="cpu", plan=TINY, rounds=1, progress=False,
+            decide=make("verkv").decide_kernel)
     return out
 
 
@@ -52,6 +55,18 @@ def test_validate_cpu_tiny(cpu_profile):
     assert res["kind"] == "cpu" and res["model_shape"]["layers"] == 2
     assert res["model_shape"]["dtype_bytes"] == 4
     assert set(res["mape_by_policy"]) == {"dense-resident", "dense-offload"}
+    assert res["profile"] == str(cpu_profile)
+
+
+def test_validate_any_registered_policy(cpu_profile):
+    """Policies come from the registry: top-k eviction (no hand-written loop) runs the
+    resident loop over the share of the cache it keeps, and is predicted from its own
+    statistics on the same synthetic layer."""
+    res = V.validate(cpu_profile, device="cpu", progress=False,
+                     **{**SMALL, "policies": ("topk:compression=8:sink=4:local=4",),
+                        "batches": [1]})
+    _check(res, 1)
+    assert res["configs"][0]["policy"] == "topk:compression=8:sink=4:local=4"
 
 
 def test_validate_verkv_cpu_tiny(cpu_profile):
@@ -73,29 +88,29 @@ def test_prediction_is_the_simulator_on_the_profile(cpu_profile):
     m = V.ModelSpec(**tracefile.load(cpu_profile).hardware.extra["model"])
     import dataclasses
     m2 = dataclasses.replace(m, layers=2)
-    one = V.predict(cpu_profile, "dense-resident", m2, 256, 1, 0)["tpot_ms"]
-    two = V.predict(cpu_profile, "dense-resident", dataclasses.replace(m, layers=4), 256, 1,
-                    0)["tpot_ms"]
+    res, off = PolicySpec("dense-resident"), PolicySpec("dense-offload")
+    one = V.predict(cpu_profile, res, m2, 256, 1, 0)["tpot_ms"]
+    two = V.predict(cpu_profile, res, dataclasses.replace(m, layers=4), 256, 1, 0)["tpot_ms"]
     assert 0 < one < two  # more layers, longer steps: the replay uses the stack's shape
-    off = V.predict(cpu_profile, "dense-offload", m2, 256, 2, 0)["tpot_ms"]
+    off = V.predict(cpu_profile, off, m2, 256, 2, 0)["tpot_ms"]
     assert off > 0
 
 
 def test_offload_step_moves_the_host_kv_into_staging(cpu_profile, monkeypatch):
     """The double-buffered loop really computes on what it copied from the host buffer."""
-    monkeypatch.setattr(V, "_head", lambda st, x: x)  # compare hidden states, not tokens
+    monkeypatch.setattr(loops, "_head", lambda st, x: x)  # compare hidden states, not tokens
     be = make_backend(None, "cpu", 1)
     m = V.ModelSpec(**{**tracefile.load(cpu_profile).hardware.extra["model"], "layers": 3})
-    st = V.build_stack(be, m, 0)
-    host = V.KVStore(be, m, 2 * 64, "host")
-    dev = V.KVStore(be, m, 2 * 64, "device")
+    st = loops.build_stack(be, m, 0)
+    host = loops.KVStore(be, m, 2 * 64, "host")
+    dev = loops.KVStore(be, m, 2 * 64, "device")
     for a, b in zip(host.k + host.v, dev.k + dev.v):
         b.copy_(a)
     with torch.inference_mode():
         torch.manual_seed(1)  # the same input token states for both loops
-        s_off, close = V.offload_step(be, st, host, 2, 64)
+        s_off, close = loops.offload_step(be, st, host, 2, 64)
         torch.manual_seed(1)
-        s_res, _ = V.resident_step(be, st, dev, 2, 64)
+        s_res, _ = loops.resident_step(be, st, dev, 2, 64)
         try:
             close_ = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # noqa: E731
             assert close_(s_off(), s_res())
@@ -130,7 +145,7 @@ def test_cli_profiles_first_when_no_profile_is_given(tmp_path, capsys):
 
 
 def test_bad_inputs(cpu_profile, tmp_path, capsys):
-    with pytest.raises(KvsimError, match="not"):
+    with pytest.raises(KvsimError, match="unknown policy 'verkv-nope'"):
         V.validate(cpu_profile, device="cpu", progress=False,
                    **{**SMALL, "policies": ("verkv-nope",)})
     att_only = tmp_path / "att.npz"

@@ -9,16 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from kvsim import calibrate
 from kvsim import trace as T
+from kvsim.attention import rope as rp
 from kvsim.errors import KvsimError
-from kvsim.kernels import varrate_codec as vc
+from kvsim.measure.harness import analyze
 from kvsim.policies import make
+from kvsim.policies.varrate import calibrate
+from kvsim.policies.varrate import codec as vc
 
 @pytest.fixture(autouse=True)
 def _one_timing_run(monkeypatch):
-    import kvsim.policies.varrate as VR
-    monkeypatch.setattr(VR, "TIMING_REPEATS", 1)  # timings are reported, never asserted
+    from kvsim.measure import harness
+    monkeypatch.setattr(harness, "TIMING_REPEATS", 1)  # timings are reported, never asserted
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny LAPACK calls crawl when 2 MKL threads meet a busy machine
     yield
@@ -30,7 +32,7 @@ DIM = 2 * G * D_H
 
 
 def _rope(style="default", theta=1e4, d=D_H):
-    return vc.rope_from_meta({"theta": theta, "type": style}, d)
+    return rp.rope_from_meta({"theta": theta, "type": style}, d)
 
 
 def _context(n=300, seed=0, model_seed=7, rank=6, noise=0.05, dtype=torch.float32):
@@ -41,7 +43,7 @@ def _context(n=300, seed=0, model_seed=7, rank=6, noise=0.05, dtype=torch.float3
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(n, rank, generator=g) @ mix + noise * torch.randn(n, DIM, generator=g)
     kp, v = vc.split(z, G, D_H)
-    return vc.rotate(kp, torch.arange(n), _rope()).to(dtype), v.contiguous().to(dtype)
+    return rp.rotate(kp, torch.arange(n), _rope()).to(dtype), v.contiguous().to(dtype)
 
 
 def _trace(n=400, seed=0, layers=(0, 1), m_q=12, m_d=4, ctx_q=0, dtype=np.float16,
@@ -80,10 +82,10 @@ def test_unrotation_inverts_reference_rope_float64():
     x = rng.standard_normal((G, 257, D_H))
     pos = np.arange(257) * 31  # large positions: angles far from zero
     y = _reference_rope(x, pos, 1e4)
-    back = vc.rotate(torch.from_numpy(y), torch.from_numpy(pos), _rope(theta=1e4),
+    back = rp.rotate(torch.from_numpy(y), torch.from_numpy(pos), _rope(theta=1e4),
                      inverse=True).numpy()
     assert np.abs(back - x).max() < 1e-12
-    fwd = vc.rotate(torch.from_numpy(x), torch.from_numpy(pos), _rope(theta=1e4)).numpy()
+    fwd = rp.rotate(torch.from_numpy(x), torch.from_numpy(pos), _rope(theta=1e4)).numpy()
     assert np.abs(fwd - y).max() < 1e-12
 
 
@@ -95,7 +97,7 @@ def test_rotation_matches_transformers_apply_rotary():
     ang = pos.float()[:, None] * rope.inv_freq[None, :]
     emb = torch.cat([ang, ang], -1).double()
     ref, _ = hf.apply_rotary_pos_emb(x, x, emb.cos()[None], emb.sin()[None])
-    assert torch.allclose(vc.rotate(x, pos, rope), ref, atol=1e-12, rtol=0)
+    assert torch.allclose(rp.rotate(x, pos, rope), ref, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("style", ["default", "interleaved"])
@@ -103,13 +105,13 @@ def test_unrotate_then_rerotate_is_identity(style):
     x = torch.randn(G, 200, D_H)
     pos = torch.arange(200) + 4000
     rope = _rope(style)
-    assert torch.allclose(vc.rotate(vc.rotate(x, pos, rope, inverse=True), pos, rope), x,
+    assert torch.allclose(rp.rotate(rp.rotate(x, pos, rope, inverse=True), pos, rope), x,
                           atol=2e-6, rtol=0)
     x64 = x.double()
-    assert torch.allclose(vc.rotate(vc.rotate(x64, pos, rope), pos, rope, inverse=True), x64,
+    assert torch.allclose(rp.rotate(rp.rotate(x64, pos, rope), pos, rope, inverse=True), x64,
                           atol=1e-13, rtol=0)
     # a rotation: norms of each pair are kept
-    assert torch.allclose(vc.rotate(x64, pos, rope).norm(dim=-1), x64.norm(dim=-1), atol=1e-12)
+    assert torch.allclose(rp.rotate(x64, pos, rope).norm(dim=-1), x64.norm(dim=-1), atol=1e-12)
 
 
 # ------------------------------------------------------------------------- water-filling
@@ -232,7 +234,7 @@ def test_exact_tokens_come_back_bit_identical_and_decode_matches_float64_referen
         c = c.float().half().double()  # bits=16 stores fp16 coefficients
         z = prep.z_bar.double() + c @ basis[:code.rank_cap].double()
         kz, vz = vc.split(z, G, D_H)
-        kz = vc.rotate(kz, prep.coded, _rope())
+        kz = rp.rotate(kz, prep.coded, _rope())
         tol = 1e-2 if dtype == torch.float16 else 1e-4  # fp16 output rounding
         assert torch.allclose(kh[:, prep.coded].double(), kz, atol=tol)
         assert torch.allclose(vh[:, prep.coded].double(), vz, atol=tol)
@@ -350,10 +352,10 @@ def test_calibrate_save_load_and_checks(tmp_path):
         V = got.layers[l].double()
         assert torch.allclose(V @ V.T, torch.eye(40, dtype=torch.float64), atol=1e-5)
     tr = _trace(seed=3, layers=(0, 1, 2))
-    rope = vc.rope_from_meta(tr.attention.rope, D_H)
+    rope = rp.rope_from_meta(tr.attention.rope, D_H)
     with pytest.raises(KvsimError, match=r"no basis for trace layer\(s\) \[2\]"):
         got.check(tr, rope)
-    other = vc.rope_from_meta({"theta": 5e5}, D_H)
+    other = rp.rope_from_meta({"theta": 5e5}, D_H)
     with pytest.raises(KvsimError, match="RoPE"):
         got.check(_trace(seed=3), other)
 
@@ -385,7 +387,7 @@ def test_policies_on_a_trace(tmp_path):
     res = {}
     for name in ("varrate", "flat"):
         for basis in ("", str(bpath)):
-            r = make(name, dict(SMALL, compression=4.0, basis=basis)).analyze(tr)
+            r = analyze(make(name, dict(SMALL, compression=4.0, basis=basis)), tr)
             res[name, basis] = r
             s = r.stats
             assert s["kv_read_frac"] == 0.0 and r.cost.host_read_frac == 0.0
@@ -399,17 +401,21 @@ def test_policies_on_a_trace(tmp_path):
             assert ("NOT the paper's protocol" in s["basis_source"]) == (basis == "")
     assert res["flat", ""].stats["rank_max"] - res["flat", ""].stats["rank_min"] <= 1
     assert res["varrate", ""].stats["rank_max"] > res["flat", ""].stats["rank_max"]
-    fused = make("varrate", dict(SMALL, compression=4.0, mode="fused", coef_bits=4)).analyze(tr)
+    fused = analyze(make("varrate", dict(SMALL, compression=4.0, mode="fused", coef_bits=4)), tr)
     assert fused.cost.resident_frac == pytest.approx(fused.stats["footprint_frac"])
     assert fused.cost.hbm_read_frac == fused.cost.resident_frac < 0.2
+    parts = fused.stats["footprint_parts_frac"]  # scales, anchor ids and ranks are metadata
+    assert fused.cost.meta_frac == pytest.approx(parts["scales"] + parts["anchor_ids"]
+                                                 + parts["ranks"])
+    assert set(fused.timings) >= {"prefill_compress_over_dense_attention", "basis_fit_s_per_layer"}
     with pytest.raises(KvsimError, match="cannot hold"):
-        make("varrate", dict(SMALL, compression=20.0)).analyze(tr)
+        analyze(make("varrate", dict(SMALL, compression=20.0)), tr)
     with pytest.raises(KvsimError, match="agnostic"):
-        make("varrate", dict(SMALL, setting="agnostic")).analyze(tr)
-    agn = make("varrate", dict(SMALL, setting="agnostic")).analyze(_trace(n=400, ctx_q=64))
+        analyze(make("varrate", dict(SMALL, setting="agnostic")), tr)
+    agn = analyze(make("varrate", dict(SMALL, setting="agnostic")), _trace(n=400, ctx_q=64))
     assert agn.stats["output_rel_err_mean"] > 0
     assert agn.stats["salience_window"] == "last context rows' queries"
-    agn = make("varrate", dict(SMALL, setting="agnostic")).analyze(_trace(n=400, snapkv=True))
+    agn = analyze(make("varrate", dict(SMALL, setting="agnostic")), _trace(n=400, snapkv=True))
     assert "snapkv" in agn.stats["salience_window"]
 
 
@@ -423,9 +429,10 @@ def test_policy_compress_attend_exact_on_exact_tokens():
     k, v = torch.from_numpy(la.k), torch.from_numpy(la.v)
     st = pol.compress(k[:, :ctx], v[:, :ctx], {}, torch.from_numpy(la.q_question),
                       torch.from_numpy(a.question_pos), torch.Generator(), layer=0)
-    ex = st.info["prep"].exact
-    assert torch.equal(st.k[:, ex], k[:, :ctx][:, ex])
-    out, _ = pol.attend(st, torch.from_numpy(la.q_decode), torch.from_numpy(a.decode_pos), k, v)
+    ex = st.info["exact"]
+    assert torch.equal(st.state.k[:, ex], k[:, :ctx][:, ex])
+    out, _ = pol.attend(st.state, torch.from_numpy(la.q_decode), torch.from_numpy(a.decode_pos),
+                        k, v)
     assert out.shape == (N_Q, la.q_decode.shape[1], D_H) and torch.isfinite(out).all()
 
 
@@ -444,8 +451,8 @@ def test_compress_needs_bind_and_a_matching_basis(tmp_path):
         make("varrate", opts).compress(*args, layer=1)
     pol = make("varrate", opts)
     pol.bind(a.rope, a.head_dim)
-    pol.check_basis(tr)
+    pol.check(tr)
     st = pol.compress(*args, layer=1)
-    assert st.k.shape == args[0].shape
+    assert st.state.k.shape == args[0].shape
     with pytest.raises(KvsimError, match="KV heads"):  # a basis for another model's shape
         pol.compress(args[0][:1], args[1][:1], *args[2:], layer=1)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from kvsim.kernels import certificate as C
-from kvsim.kernels.kvfetch import DecideConfig, decide, make_layer
-from kvsim.kernels.poisson import (always_kept, inclusion_probs, poisson_compress, solve_c,
+from kvsim.policies.verkv import certificate as C
+from kvsim.policies.verkv.kvfetch import DecideConfig, decide, make_layer
+from kvsim.attention.sampling import (always_kept, inclusion_probs, poisson_compress, solve_c,
                                    topk_keep)
-from kvsim.kernels.scoring import to_tau
-from kvsim.kernels.sketch import build_sketch, rope_pairs, sketch_bits_per_token, sketch_bytes
+from kvsim.attention.scoring import to_tau
+from kvsim.policies.verkv.sketch import build_sketch, rope_pairs, sketch_bits_per_token, sketch_bytes
 
 F64 = torch.float64
 DELTA = 0.1
@@ -445,10 +445,9 @@ def test_kv_read_counts_each_byte_once():
     pol = make("verkv", {"sink": 4, "local": 4, "eps": 0.02})
     k = layer.k_host
     n_kv, n, d = k.shape
-    state = type("S", (), {"layer": layer})()
     extra_k = torch.randn(n_kv, 6, d, generator=torch.Generator().manual_seed(1), dtype=F64)
     k_all = torch.cat([k, extra_k], 1)
-    _, stats = pol.attend(state, q, pos, k_all, k_all)
+    _, stats = pol.attend(layer, q, pos, k_all, k_all)
     dec = decide(q, pos, layer, pol.config(),
                  extra_logits=torch.einsum("hmd,hnd->hmn", q, extra_k.repeat_interleave(4, 0))
                  / math.sqrt(d))

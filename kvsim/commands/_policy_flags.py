@@ -1,11 +1,13 @@
-"""Policy options as command-line flags, generated from every policy's ``Params`` dataclass."""
+"""Policy options as command-line flags, generated from every policy's ``Params`` dataclass.
+What the flags mean for the policies named is decided by :mod:`kvsim.policies.spec`."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from kvsim.policies import load_all
+from kvsim.policies import ALIASES, load_all
+from kvsim.policies.spec import convert, kind
 
 
 def _fields():
@@ -26,22 +28,20 @@ def _defaults_text(owners: dict) -> str:
     return "[" + "; ".join(f"{', '.join(ps)}: {d}" for d, ps in by_default.items()) + "]"
 
 
-def _kind(f: dataclasses.Field):
-    return type(f.default) if f.default not in (dataclasses.MISSING, None) else str
-
-
-def parse_list(kind, text: str) -> list:
+def parse_list(kind_, text: str) -> list:
     """``"8,16,32"`` -> [8.0, 16.0, 32.0] for a float option (bools: true/false)."""
-    def one(v: str):
-        if kind is bool:
-            if v.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise argparse.ArgumentTypeError(f"expected true/false, got {v!r}")
-            return v.lower() in ("true", "1", "yes")
-        try:
-            return kind(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {v!r}") from None
-    return [one(v.strip()) for v in text.split(",") if v.strip()]
+    try:
+        return [convert(kind_, v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def policy_help() -> str:
+    """What ``--policy`` accepts: the spec syntax and every policy's summary."""
+    names = "; ".join(f"{n}: {c.summary}" for n, c in sorted(load_all().items()) if c.summary)
+    aliases = ", ".join(f"{a} = {b}" for a, b in ALIASES.items())
+    return (f"NAME[:KEY=VALUE...], e.g. verkv:eps=0.05:sketch=perfect (options written here "
+            f"override the flags below; {aliases}). {names}")
 
 
 def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> None:
@@ -50,16 +50,16 @@ def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> No
         "policy options", "each applies to the policies named in its help; defaults are the "
                           "policy's" + ("; give comma-separated values to sweep" if lists else ""))
     for f, owners in _fields():
-        kind = _kind(f)
+        k = kind(f)
         helptext = f"{f.metadata.get('help', '')} {_defaults_text(owners)}"
         kw = {"default": None, "dest": f"opt_{f.name}", "help": helptext}
         if lists:
-            kw["type"] = lambda text, kind=kind: parse_list(kind, text)
+            kw["type"] = lambda text, k=k: parse_list(k, text)
             kw["metavar"] = "V[,V...]"
-        elif kind is bool:
+        elif k is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = kind
+            kw["type"] = k
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             else:
@@ -70,14 +70,3 @@ def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> No
 def policy_options(args: argparse.Namespace) -> dict:
     """The policy flags the user gave (only those), as Params keyword arguments."""
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
-
-
-def split_options(policy: str, options: dict) -> tuple[dict, list[str]]:
-    """(the options ``policy`` takes, the flags it ignores): one command line can carry every
-    policy's flags (e.g. a script looping over policies); the ignored ones are reported."""
-    registry = load_all()
-    if policy not in registry:
-        return options, []
-    taken = {f.name for f in dataclasses.fields(registry[policy].Params)}
-    ignored = ["--" + k.replace("_", "-") for k in sorted(set(options) - taken)]
-    return {k: v for k, v in options.items() if k in taken}, ignored

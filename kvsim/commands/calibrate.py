@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from kvsim import calibrate
 from kvsim.commands._out import print_json, table
+
+HELP = "build per-layer VarRate bases from calibration traces"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("calibrate", help="build per-layer VarRate bases from calibration traces",
+    p = sub.add_parser("calibrate", help=HELP,
                        description="Fit each layer's VarRate residual basis (top-R right "
                                    "singular vectors of the anchor residuals) on the contexts of "
                                    "unlabeled calibration traces (`kvsim capture`), and store it "
@@ -31,6 +32,7 @@ def run(args) -> int:
     from pathlib import Path
 
     from kvsim.errors import KvsimError
+    from kvsim.policies.varrate import calibrate
     if args.rank is not None and args.rank < 1:
         raise KvsimError(f"--rank {args.rank} must be >= 1")
     out = Path(args.out)

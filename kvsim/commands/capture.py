@@ -8,9 +8,12 @@ from pathlib import Path
 from kvsim.errors import KvsimError
 
 
+HELP = "record a trace of real attention (K/V, queries, scorer outputs)"
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "capture", help="record a trace of real attention (K/V, queries, scorer outputs)",
+        "capture", help=HELP,
         description="Run one task prompt through the model with dense attention and write a "
                     "trace: post-RoPE K/V per layer and KV head, question-pass and decode-step "
                     "queries per query head, positions, RoPE settings, SnapKV and KVzip scores.")
@@ -34,8 +37,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvsim import tasks, trace
-    from kvsim.capture import capture, parse_layers
+    from kvsim import trace
+    from kvsim.model import tasks
+    from kvsim.model.capture import capture, parse_layers
     from kvsim.model import load_model
     out = Path(args.out)
     if out.suffix != ".npz":

@@ -8,8 +8,11 @@ from kvsim.commands._out import print_json, table
 from kvsim.hw import catalog
 
 
+HELP = "list catalog GPUs and model shapes with their sources"
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("catalog", help="list catalog GPUs and model shapes with their sources",
+    p = sub.add_parser("catalog", help=HELP,
                        description=__doc__)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)

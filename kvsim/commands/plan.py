@@ -7,10 +7,8 @@ import shlex
 import sys
 
 from kvsim.commands._out import print_json, table
-from kvsim.commands._policy_flags import add_policy_flags, parse_list, policy_options
-from kvsim.plan.executors import make_executor
-from kvsim.plan.planner import SUMMARY, plan
-from kvsim.plan.sweep import SweepSpec
+
+HELP = "sweep configurations; write a table, plots and a report"
 
 EPILOG = """example:
   kvsim plan --gpu h100-sxm,h200 --model qwen3-4b --context 8192,32768,131072 \\
@@ -27,14 +25,16 @@ DIR skips configurations already done (failed ones are retried). --gpu also take
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="sweep configurations; write a table, plots and a report",
+    from kvsim.commands._policy_flags import add_policy_flags, parse_list, policy_help
+    p = sub.add_parser("plan", help=HELP,
                        description=__doc__, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     lst = lambda kind: (lambda text: parse_list(kind, text))  # noqa: E731
     p.add_argument("--gpu", type=lst(str), required=True, help="catalog GPUs or profiled traces")
     p.add_argument("--model", type=lst(str), required=True, help="model shapes")
     p.add_argument("--context", type=lst(int), required=True, help="prompt lengths (tokens)")
-    p.add_argument("--policy", type=lst(str), required=True, help="policies")
+    p.add_argument("--policy", type=lst(str), required=True, metavar="SPEC[,SPEC...]",
+                   help="policies to sweep, comma-separated, each " + policy_help())
     p.add_argument("--batch", type=lst(int), default=[1], help="max batch sizes (default 1)")
     p.add_argument("--qps", type=lst(float),
                    help="Poisson rates instead of closed loops (max batch: largest --batch)")
@@ -57,6 +57,10 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from kvsim.commands._policy_flags import policy_options
+    from kvsim.plan.executors import make_executor
+    from kvsim.plan.planner import SUMMARY, plan
+    from kvsim.plan.sweep import SweepSpec
     spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context,
                      policies=args.policy, batches=args.batch, qps=args.qps,
                      option_grid=policy_options(args), output_len=args.output_len,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 
+HELP = "measure a GPU (--gpu N) or the CPU (--device cpu): link bandwidth, kernel times, NVML; writes a trace"
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("profile", help="measure a GPU (--gpu N) or the CPU (--device cpu): "
-                       "link bandwidth, kernel times, NVML; writes a trace")
+    p = sub.add_parser("profile", help=HELP)
     p.add_argument("--gpu", type=int, default=None, metavar="N", help="CUDA device index")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cpu: profile the CPU (memcpy as the link); cuda: same as --gpu 0")
@@ -27,12 +29,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from kvsim.policies import make
     from profiler.run import profile
     if args.gpu is None and args.device is None:
         args.gpu = 0
     tr = profile(args.out, gpu=args.gpu, device=args.device, model=args.model, quick=args.quick,
                  force=args.force, nvml=not args.no_nvml, threads=args.threads, seed=args.seed,
-                 progress=not args.no_progress, rounds=args.rounds)
+                 progress=not args.no_progress, rounds=args.rounds,
+                 decide=make("verkv").decide_kernel)
     hw = tr.hardware
     fit = hw.extra.get("fit", {})
     h2d = fit.get("link_h2d_pinned", {})

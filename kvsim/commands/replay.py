@@ -6,37 +6,41 @@ import argparse
 import sys
 
 from kvsim.commands._out import print_json, table
-from kvsim.commands._policy_flags import add_policy_flags, policy_options, split_options
-from kvsim.hw import catalog
-from kvsim.policies import load_all
-from kvsim.replay import DEFAULT_GPU, ReplayConfig, run_replay
 
+HELP = "simulate decode under a KV policy on a GPU"
 EPILOG = """examples:
   kvsim replay --policy dense-offload --gpu h100-sxm --model qwen3-4b --context 32768
   kvsim replay traces/smollm2-mk-2k.npz --policy verkv --compression 16 --sink 4 --local 4 --json
-  kvsim replay --policy dense-resident --batch 16 --qps 2 --requests 200
+  kvsim replay --policy verkv:sketch=perfect:eps=0.1 --sink 4 --local 4
+  kvsim replay --policy dense --batch 16 --qps 2 --requests 200
 
 TRACE is a kvsim trace (.npz): its hardware section (kvsim profile) supplies measured costs,
 its attention section (kvsim capture) the tensors the policy runs on. Without TRACE the shipped
-default trace is used. Every report names the source of each figure under "provenance".
+default trace is used. Every report names the source of each figure under "provenance";
+--json groups the figures (sim, memory, policy_cost, policy_stats, policy_timings) and keeps the
+headline ones at the top level.
 """
 
 
 def add_parser(sub) -> None:
-    policies = load_all()
-    p = sub.add_parser("replay", help="simulate decode under a KV policy on a GPU",
-                       description=__doc__, epilog=EPILOG,
+    from kvsim.commands._policy_flags import add_policy_flags, policy_help
+    from kvsim.hw import catalog
+    from kvsim.hw.costs import DEFAULT_GPU
+    p = sub.add_parser("replay", help=HELP, description=__doc__, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", nargs="?", help="trace file (default: the shipped default trace)")
-    p.add_argument("--policy", default="dense-offload", choices=sorted(policies),
-                   help="; ".join(f"{n}: {c.summary}" for n, c in sorted(policies.items())
-                                  if c.summary))
+    p.add_argument("--policy", default="dense-offload", metavar="SPEC",
+                   help=policy_help() + " [default: dense-offload]")
     p.add_argument("--gpu", help=f"catalog GPU ({', '.join(catalog.GPUS)}); default: the "
                                  f"trace's profiled hardware if any, else {DEFAULT_GPU}")
-    p.add_argument("--model", default="qwen3-4b", help=f"model shape ({', '.join(catalog.MODELS)})")
-    p.add_argument("--context", type=int, default=32768, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
-    p.add_argument("--batch", type=int, default=1, help="max sequences in the decode batch")
+    p.add_argument("--model", default="qwen3-4b",
+                   help=f"model shape ({', '.join(catalog.MODELS)}) [default: qwen3-4b]")
+    p.add_argument("--context", type=int, default=32768,
+                   help="prompt tokens per request [default: 32768]")
+    p.add_argument("--output-len", type=int, default=128,
+                   help="output tokens per request [default: 128]")
+    p.add_argument("--batch", type=int, default=1,
+                   help="max sequences in the decode batch [default: 1]")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--qps", type=float, help="Poisson arrivals at this rate (open loop)")
     load.add_argument("--concurrency", type=int,
@@ -49,17 +53,25 @@ def add_parser(sub) -> None:
     p.add_argument("--workspace-gib", type=float, help="HBM for activations etc. (default 4)")
     p.add_argument("--timeline", metavar="JSON",
                    help="write a Chrome/Perfetto trace of the first decode steps, layer by layer")
-    p.add_argument("--timeline-steps", type=int, default=16, help="decode steps in the timeline")
+    p.add_argument("--timeline-steps", type=int, default=16,
+                   help="decode steps in the timeline [default: 16]")
     p.add_argument("--force", action="store_true", help="overwrite an existing --timeline file")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="[default: 0]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_policy_flags(p)
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
-    options, ignored = split_options(args.policy, policy_options(args))
-    cfg = ReplayConfig(trace=args.trace, policy=args.policy, policy_options=options,
+    from kvsim.commands._policy_flags import policy_options
+    from kvsim.errors import KvsimError
+    from kvsim.policies import parse
+    from kvsim.replay import ReplayConfig, run_replay
+    specs, ignored = parse(args.policy, policy_options(args))
+    if len(specs) != 1:
+        raise KvsimError(f"replay runs one policy; --policy names {len(specs)}")
+    spec = specs[0]
+    cfg = ReplayConfig(trace=args.trace, policy=spec.name, policy_options=spec.options,
                        gpu=args.gpu, model=args.model, context=args.context, batch=args.batch,
                        qps=args.qps, concurrency=args.concurrency, requests=args.requests,
                        output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
@@ -68,7 +80,7 @@ def run(args) -> int:
                        force=args.force)
     r = run_replay(cfg)
     if ignored:
-        r["warnings"].insert(0, f"{', '.join(ignored)} ignored: not options of {args.policy}")
+        r["warnings"].insert(0, f"{', '.join(ignored)} ignored: not options of {spec.name}")
     if args.json:
         for w in r["warnings"]:
             print(f"warning: {w}", file=sys.stderr)
@@ -77,11 +89,11 @@ def run(args) -> int:
     print(f"{r['policy']} on {r['gpu']}, {r['model']}, context {r['context']}, batch {r['batch']}")
     cols = ["tpot_ms", "throughput_tok_s", "ttft_ms", "e2e_s", "mean_batch", "hbm_gib",
             "host_gib", "link_util", "kv_read_frac"]
-    table([{c: r[c] for c in cols}])
-    stats = {k: v for k, v in r["policy_stats"].items()
-             if isinstance(v, (int, float)) and not k.startswith(("question_", "decode_"))}
+    table([{c: r[c] if c in r else r["sim"][c] for c in cols}])
+    stats = {k: v for k, v in r["policy_stats"].items() if isinstance(v, (int, float))}
     if stats and set(stats) - {"kv_read_frac", "output_rel_err_mean"}:
-        print("\npolicy statistics (measured on the trace; --json has the question/decode split)")
+        print("\npolicy statistics (measured on the trace; --json has them by phase: question, "
+              "decode, overall)")
         table([{"statistic": k, "value": v} for k, v in stats.items()])
     for w in r["warnings"]:
         print(f"warning: {w}", file=sys.stderr)

@@ -8,6 +8,9 @@ from kvsim.commands._out import fmt, print_json, table
 from kvsim.errors import KvsimError
 
 
+HELP = "run real decode loops on the profiled device and compare measured with predicted TPOT (MAPE)"
+
+
 def _ints(s: str) -> list[int]:
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
@@ -20,8 +23,7 @@ def _ints(s: str) -> list[int]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("validate", help="run real decode loops on the profiled device and "
-                       "compare measured with predicted TPOT (MAPE)")
+    p = sub.add_parser("validate", help=HELP)
     p.add_argument("--gpu", type=int, default=None, metavar="N", help="CUDA device index")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--profile", default=None,
@@ -49,7 +51,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from profiler.validate import validate
+    from kvsim.validate import validate
     if args.gpu is None and args.device is None:
         args.gpu = 0
     if args.layers is not None and args.layers < 1:

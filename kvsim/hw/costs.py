@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvsim.errors import KvsimError
+from kvsim.hw import catalog
 from kvsim.hw.catalog import GB, GiB, GPUSpec, ModelSpec
+
+DEFAULT_GPU = "h100-sxm"
 
 HBM_EFFICIENCY = 0.85  # achievable / spec HBM bandwidth (design note, public measurements)
 FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-size GEMMs
@@ -228,3 +231,18 @@ class CostModel:
             c = self.decide_curve
             return c(context, lambda n: c.y[-1] * n / c.x[-1])
         return 4.0 * context * m.kv_heads * work_per_token / self.hbm_bw
+
+
+def costs_for(gpu: str | None, hardware) -> tuple[CostModel, str]:
+    """The costs a plan uses, and where they came from: a trace's measured ``hardware`` section
+    when it has one and no other GPU was named, else the catalog entry ``gpu`` (default
+    ``DEFAULT_GPU``)."""
+    if hardware is not None and (gpu is None or gpu == hardware.device.get("catalog_name")):
+        base = catalog.gpu(gpu) if gpu else None
+        return CostModel.from_hardware(hardware, base), "trace hardware section"
+    costs = CostModel.from_spec(catalog.gpu(gpu or DEFAULT_GPU))
+    if hardware is not None:
+        costs.provenance["trace_hardware"] = (
+            f"not used: the trace was profiled on {hardware.device.get('name')!r}, "
+            f"the plan is for {costs.gpu_name}")
+    return costs, "catalog" if gpu else "catalog (default GPU)"

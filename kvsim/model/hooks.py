@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsim.kernels.attention import logits
+from kvsim.attention.dense import logits
 
 ATTN_NAME = "kvsim"
 _active: "Controller | None" = None

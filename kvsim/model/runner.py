@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsim.kernels.scoring import snapkv_scores
+from kvsim.attention.scoring import snapkv_scores
 from kvsim.model.hooks import Controller, active
 
 SNAPKV_WINDOW = 32  # observation window: the last context rows (SnapKV's default)
@@ -119,6 +119,7 @@ class Generation:
     stats: list  # (layer, rows, stats) per policy attend call, in order
     phases: list  # "question" or "decode" per attend call
     forwards: int  # model forward passes (question pass + decode steps)
+    compressed: list  # what the policy's compress kept of each layer (kvsim.policies.base)
 
 
 @torch.no_grad()
@@ -133,13 +134,16 @@ def generate(model, codec, pre: Prefilled, q_ids: list[int], max_new_tokens: int
     newline after some text. ``record_layers``: keep those layers' queries (stock mode only).
     """
     dev = next(model.parameters()).device
+    compressed = []
     if policy is not None:
         gen = torch.Generator(device="cpu").manual_seed(seed)
         ctl = Controller(mode="policy", policy=policy)
         for l in range(n_layers(model)):
             k, v = cache_kv(pre.cache, l)
-            ctl.states[l] = policy.compress(k[:, :pre.n_ctx], v[:, :pre.n_ctx], pre.scores[l],
-                                            pre.obs_q[l], pre.obs_pos.to(dev), gen, layer=l)
+            c = policy.compress(k[:, :pre.n_ctx], v[:, :pre.n_ctx], pre.scores[l],
+                                pre.obs_q[l], pre.obs_pos.to(dev), gen, layer=l)
+            compressed.append(c)
+            ctl.states[l] = c.state
     else:
         ctl = controller or Controller(mode="stock", record_layers=record_layers or set())
     phases: list[str] = []
@@ -174,4 +178,4 @@ def generate(model, codec, pre: Prefilled, q_ids: list[int], max_new_tokens: int
             truncate(pre.cache, pre.n_ctx)
     text = codec.decode(out_ids)
     text = text.lstrip().split("\n", 1)[0] if stop else text
-    return Generation(text, out_ids, q_logits, ctl.stats, phases, forwards)
+    return Generation(text, out_ids, q_logits, ctl.stats, phases, forwards, compressed)

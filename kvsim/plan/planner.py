@@ -13,7 +13,6 @@ import pandas as pd
 from kvsim import __version__
 from kvsim.errors import KvsimError
 from kvsim.io import atomic_write
-from kvsim.plan import plots
 from kvsim.plan.sweep import SweepSpec, label, sweep
 
 DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
@@ -95,6 +94,7 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
     df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
     _write_table(df, out)
     quality_df = load_quality(quality or [], df)
+    from kvsim.plan import plots  # matplotlib loads here, when there is something to draw
     series = plots.draw_all(df, out, quality_df)
     _write_report(df, series, out, command, spec, quality)
     return {"out": str(out), "rows": len(df), "new_runs": len(new), "skipped": len(old),

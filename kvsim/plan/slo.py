@@ -21,7 +21,8 @@ class SLOResult:
 
 
 def meets(report: dict, tpot_ms: float, ttft_ms: float) -> bool:
-    return report["tpot_p99_ms"] <= tpot_ms and report["ttft_p99_ms"] <= ttft_ms
+    sim = report["sim"]
+    return sim["tpot_p99_ms"] <= tpot_ms and sim["ttft_p99_ms"] <= ttft_ms
 
 
 def max_qps(run: Callable[[float], dict], tpot_ms: float, ttft_ms: float, lo: float = 0.01,

@@ -8,19 +8,16 @@ the sweep goes on; a re-run skips configurations already in the output table.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
-
 from kvsim.errors import Infeasible, KvsimError
 from kvsim.hw import catalog
 from kvsim.plan import slo
-from kvsim.policies import load_all
-from kvsim.replay import ReplayConfig, run_replay
+from kvsim.policies.spec import PolicySpec, parse
+from kvsim.replay import ReplayConfig, report, run_replay
 
 CONFIG_COLUMNS = ["gpu", "model", "context", "policy", "options", "batch", "qps", "output_len",
                   "requests", "seed", "trace"]
@@ -31,7 +28,7 @@ class SweepSpec:
     gpus: list[str]
     models: list[str]
     contexts: list[int]
-    policies: list[str]
+    policies: list[str]  # policy specs, NAME[:KEY=VALUE...]
     batches: list[int] = field(default_factory=lambda: [1])
     qps: list[float] | None = None  # open loop at these rates (batch = max batch)
     option_grid: dict[str, list] = field(default_factory=dict)  # option -> values to sweep
@@ -43,21 +40,21 @@ class SweepSpec:
     slo_ttft_ms: float | None = None
     slo_requests: int = 200
 
+    def policy_specs(self) -> list[PolicySpec]:
+        """One validated spec per policy and combination of the option grid's values."""
+        specs, unused = parse(self.policies, self.option_grid, grid=True)
+        if unused:
+            raise KvsimError(f"{', '.join(unused)} apply to none of the policies "
+                             f"{', '.join(self.policies)}")
+        return specs
+
     def validate(self) -> None:
         for g in self.gpus:
             if not Path(g).suffix == ".npz":
                 catalog.gpu(g)
         for m in self.models:
             catalog.model(m)
-        registry = load_all()
-        for p in self.policies:
-            if p not in registry:
-                raise KvsimError(f"unknown policy {p!r}; known: {', '.join(sorted(registry))}")
-        unused = set(self.option_grid) - {f.name for p in self.policies
-                                          for f in dataclasses.fields(registry[p].Params)}
-        if unused:
-            raise KvsimError(f"options {sorted(unused)} apply to none of the policies "
-                             f"{', '.join(self.policies)}")
+        self.policy_specs()
         for name, values in (("--context", self.contexts), ("--batch", self.batches),
                              ("--qps", self.qps or [1])):
             if not values or min(values) <= 0:
@@ -68,29 +65,21 @@ class SweepSpec:
                 raise KvsimError(f"--{name.replace('_', '-')} must be positive")
 
 
-def option_sets(policy: str, grid: dict[str, list]) -> list[dict]:
-    """The cross product of the grid's values for the options this policy takes."""
-    fields = {f.name for f in dataclasses.fields(load_all()[policy].Params)}
-    names = sorted(n for n in grid if n in fields)
-    return [dict(zip(names, vals)) for vals in itertools.product(*(grid[n] for n in names))]
-
-
 def expand(spec: SweepSpec) -> list[dict]:
     spec.validate()
     configs = []
     loads = [("batch", b) for b in spec.batches] if not spec.qps else \
         [("qps", q) for q in spec.qps]
-    for gpu, model, ctx, policy in itertools.product(spec.gpus, spec.models, spec.contexts,
-                                                     spec.policies):
-        for opts in option_sets(policy, spec.option_grid):
-            for kind, value in loads:
-                configs.append({
-                    "gpu": gpu, "model": model, "context": int(ctx), "policy": policy,
-                    "options": json.dumps(opts, sort_keys=True),
-                    "batch": int(value) if kind == "batch" else int(max(spec.batches)),
-                    "qps": float(value) if kind == "qps" else None,
-                    "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
-                    "trace": spec.trace})
+    for gpu, model, ctx, pol in itertools.product(spec.gpus, spec.models, spec.contexts,
+                                                  spec.policy_specs()):
+        for kind, value in loads:
+            configs.append({
+                "gpu": gpu, "model": model, "context": int(ctx), "policy": pol.name,
+                "options": json.dumps(pol.options, sort_keys=True),
+                "batch": int(value) if kind == "batch" else int(max(spec.batches)),
+                "qps": float(value) if kind == "qps" else None,
+                "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
+                "trace": spec.trace})
     return configs
 
 
@@ -122,9 +111,8 @@ def run_config(c: dict, spec_slo: tuple | None) -> dict:
     row = {**c, "label": label(c["policy"], c["options"]), "key": config_key(c)}
     try:
         r = run_replay(_replay_config(c))
-        for k, v in r.items():
-            if isinstance(v, (int, float, str, bool)) or v is None:
-                row.setdefault(k, v)
+        for k, v in report.flatten(r).items():
+            row.setdefault(k, v)  # the configuration's own columns come first
         row["warnings"] = " | ".join(r["warnings"])
         row["provenance"] = json.dumps(r["provenance"], sort_keys=True)
         row["status"], row["error"] = "ok", ""
@@ -169,8 +157,10 @@ def groups(configs: list[dict], spec: SweepSpec) -> list[GroupTask]:
 
 
 def sweep(spec: SweepSpec, executor, done_keys: set[str] = frozenset(),
-          progress: bool = True) -> pd.DataFrame:
-    """Run every configuration not in ``done_keys``; one row per configuration."""
+          progress: bool = True):
+    """Run every configuration not in ``done_keys``; one row per configuration (a DataFrame)."""
+    import pandas as pd
+
     from kvsim.plan.executors import run_all
     todo = [c for c in expand(spec) if config_key(c) not in done_keys]
     results = run_all(executor, run_group, groups(todo, spec), progress, desc="plan")

@@ -1,21 +1,9 @@
-"""Policies: one module each, registered by name (see :mod:`kvsim.policies.base`)."""
+"""Policies: one module (or one folder) each, registered by name (:mod:`.registry`); specs such as
+``verkv:eps=0.05:sketch=perfect`` are parsed and validated in one place (:mod:`.spec`).
+Importing this package loads no tensor code; :func:`make` does."""
 
-import importlib
-import pkgutil
+from kvsim.policies.registry import ALIASES, REGISTRY, load_all, register, resolve
+from kvsim.policies.spec import PolicySpec, make, parse
 
-from kvsim.policies.base import REGISTRY, DecodeCost, Policy, PolicyResult, make, register
-
-__all__ = ["REGISTRY", "DecodeCost", "Policy", "PolicyResult", "make", "register", "load_all"]
-
-_loaded = False
-
-
-def load_all() -> dict:
-    """Import every module of this package once, so each registers its policy."""
-    global _loaded
-    if not _loaded:
-        for mod in pkgutil.iter_modules(__path__):
-            if not mod.name.startswith("_") and mod.name != "base":
-                importlib.import_module(f"{__name__}.{mod.name}")
-        _loaded = True
-    return REGISTRY
+__all__ = ["ALIASES", "REGISTRY", "PolicySpec", "load_all", "make", "parse", "register",
+           "resolve"]

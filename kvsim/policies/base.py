@@ -1,56 +1,38 @@
-"""What every policy gives the simulator, and the registry that finds policies by name.
+"""A policy: one class that compresses a layer's context, attends through what it kept, and turns
+measured statistics into a :class:`~kvsim.contract.DecodeCost`.
 
-A policy runs its real algorithm on a trace's attention tensors (when it needs them) and returns a
-:class:`PolicyResult`: statistics measured on the trace, and a :class:`DecodeCost` that says, as
-shares of one sequence's full KV cache, what it holds in HBM and host memory and what it reads and
-moves per decode step. The simulator scales those shares to the planned model and context.
+Policies are pure transformations: they never call the measuring code. The harness
+(``kvsim.measure.harness`` on a trace, ``kvsim.measure.evaluate`` inside a real model) is the only
+caller of :meth:`Policy.compress` and :meth:`Policy.attend`; it compares every output with dense
+attention, aggregates the statistics (``kvsim.measure.stats``) and asks the policy for its cost.
 
 To add a policy: one file in ``kvsim/policies/`` with one subclass of :class:`Policy` decorated
-with :func:`register`; options are fields of its ``Params`` dataclass (the CLI builds flags from
-them: ``field(default=..., metadata={"help": ..., "choices": [...]})``).
+with :func:`kvsim.policies.register`; options are fields of its ``Params`` dataclass (the CLI builds
+flags from them: ``field(default=..., metadata={"help": ..., "choices": [...]})``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
-from kvsim.errors import KvsimError
-from kvsim.kernels.attention import dense_attention
-from kvsim.trace import Trace
+from kvsim.attention.dense import dense_attention
+from kvsim.contract import DecodeCost
 
-
-@dataclass(frozen=True)
-class DecodeCost:
-    """Per sequence and decode step, as shares of that sequence's full KV cache (all layers)."""
-    resident_frac: float  # KV state held in HBM (kept tokens, sample, sketch, metadata)
-    hbm_read_frac: float  # read from HBM by attention per step
-    host_read_frac: float  # moved over the host link per step (the "KV read" of the paper)
-    host_frac: float  # held in host memory
-    overlap: bool  # layer l+1's transfer may run during layer l's compute (double buffering)
-    copies_per_layer: float = 0.0  # link copies per sequence and layer (each pays alpha)
-    path: str = "h2d"  # "h2d": contiguous DMA; "gather": scattered rows
-    staging_layers: int = 0  # layers of transferred KV buffered in HBM at once
-    decide_bytes_per_token: float = 0.0  # per context token and KV head, if it decides each step
-
-    def __post_init__(self):
-        for f in ("resident_frac", "hbm_read_frac", "host_read_frac", "host_frac"):
-            v = getattr(self, f)
-            if not 0.0 <= v <= 1.0 + 1e-9:
-                raise ValueError(f"DecodeCost.{f} = {v} is not a share in [0, 1]")
+KV_ELEM_BYTES = 2  # bytes per K or V element of the cache a policy is costed against (16-bit)
 
 
 @dataclass
-class PolicyResult:
-    name: str
-    params: dict
-    cost: DecodeCost
-    stats: dict  # measured on the trace (JSON-able), or derived from the definition
-    provenance: str  # where the shares came from
+class Compressed:
+    """What :meth:`Policy.compress` keeps of one layer's context, per KV head (mean over heads)."""
+    state: object  # the policy's own; handed back to :meth:`Policy.attend`
+    held_tokens: float  # context tokens whose K/V stay in HBM
+    held_bytes: float  # HBM bytes: those tokens' K/V plus ``meta_bytes``
+    meta_bytes: float = 0.0  # of which sketch, inclusion probabilities, codec metadata
+    info: dict = field(default_factory=dict)  # other per-layer facts, see Policy.summarize
 
 
 @dataclass
@@ -62,30 +44,37 @@ class NoParams:
 class Policy(ABC):
     name: ClassVar[str]
     Params: ClassVar[type] = NoParams
-    needs_attention: ClassVar[bool] = False
+    needs_attention: ClassVar[bool] = False  # runs on a trace's attention section
     summary: ClassVar[str] = ""
+    # which rows the harness hands ``compress`` as the observation window: "question" (the last
+    # question rows: the query-aware setting) or "context" (the last context rows; none in a trace
+    # without them, and the trace's "snapkv" scores stand in)
+    observation: ClassVar[str] = "question"
+    times_compress: ClassVar[bool] = False  # the harness times compress against dense prefill
 
     def __init__(self, params):
         self.params = params
-
-    # ---- in the attention path: trace replay and model evaluation call these per layer ----
-    rope: dict | None = None  # the model's RoPE settings ({"theta", "type"}), set by bind()
+        self.rope: dict = {}
 
     def bind(self, rope: dict, head_dim: int) -> None:
         """Called once before ``compress`` with the model's RoPE settings and head size."""
         self.rope = dict(rope or {})
 
+    def check(self, trace) -> None:
+        """Before any work on ``trace``: a one-line error if this policy cannot run on it."""
+
     def compress(self, k: torch.Tensor, v: torch.Tensor, scores: dict[str, torch.Tensor],
                  obs_q: torch.Tensor, obs_pos: torch.Tensor, generator: torch.Generator,
-                 layer: int):
+                 layer: int) -> Compressed:
         """After the context prefill of layer ``layer``, decide what stays resident.
 
         ``k``, ``v``: (n_kv, n_ctx, d) post-RoPE keys and values of the context; ``scores``:
         per-token scorer outputs (n_kv, n_ctx) the trace or model provides (e.g. "kvzip");
-        ``obs_q``, ``obs_pos``: (n_q, w, d) observation-window queries and their positions (for
-        SnapKV-style scoring). Returns a per-layer state for :meth:`attend` (dense: None).
+        ``obs_q``, ``obs_pos``: (n_q, w, d) observation-window queries and their positions.
+        Default: everything stays (dense).
         """
-        return None
+        n_kv, n_ctx, d = k.shape
+        return Compressed(None, float(n_ctx), n_ctx * 2.0 * d * KV_ELEM_BYTES)
 
     def attend(self, state, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -94,43 +83,33 @@ class Policy(ABC):
         ``k``, ``v`` (n_kv, n, d) hold the full cache: the context (as given to
         :meth:`compress`; a policy may use only what it kept or fetched of it) followed by the
         tokens appended since (question and decoded tokens, always exact). Returns the output
-        (n_q, m, d) and per-decision statistics (tensors of shape (n_q, m), e.g. tokens fetched).
+        (n_q, m, d) and per-decision statistics (tensors of shape (n_q, m); their names are
+        defined in :mod:`kvsim.measure.stats`).
         """
         out, _ = dense_attention(q, k, v, q_pos)
         return out, {}
 
+    def summarize(self, infos: list[dict]) -> dict:
+        """Run statistics from the ``Compressed.info`` of every compressed layer (default: none)."""
+        return {}
+
     @abstractmethod
-    def analyze(self, trace: Trace | None, seed: int = 0) -> PolicyResult:
-        """Run the policy (on ``trace.attention`` if it needs it) and say what it costs."""
+    def decode_cost(self, stats: dict) -> DecodeCost:
+        """The cost the simulator charges, from the statistics the harness measured (keys of
+        :mod:`kvsim.measure.stats`, plus ``resident_frac``, ``meta_frac`` and ``head_dim`` for
+        policies that run on attention; an empty dict for those that need none)."""
 
-    def result(self, cost: DecodeCost, stats: dict, provenance: str) -> PolicyResult:
-        return PolicyResult(self.name, dataclasses.asdict(self.params), cost, stats, provenance)
+    def decide_kernel(self, device, model, context: int, seed: int = 0):
+        """For a policy that decides per step what to fetch (``decide_bytes_per_token > 0``):
+        its decide step for one layer and sequence on a synthetic layer of ``model``'s head shape
+        (an object with ``plan()``, as ``kvsim.policies.verkv.bench``), which ``kvsim profile``
+        times and ``kvsim validate`` runs inside real decode steps. None otherwise."""
+        return None
 
+    def provenance(self, stats: dict) -> str:
+        """What the report should add about where this policy's figures came from."""
+        return ""
 
-REGISTRY: dict[str, type[Policy]] = {}
-
-
-def register(cls: type[Policy]) -> type[Policy]:
-    if cls.name in REGISTRY:
-        raise RuntimeError(f"policy {cls.name!r} registered twice")
-    REGISTRY[cls.name] = cls
-    return cls
-
-
-def make(name: str, options: dict | None = None) -> Policy:
-    """The policy ``name`` with ``options`` (only those it accepts; each is validated)."""
-    from kvsim.policies import load_all
-    load_all()
-    if name not in REGISTRY:
-        raise KvsimError(f"unknown policy {name!r}; known: {', '.join(sorted(REGISTRY))}")
-    cls = REGISTRY[name]
-    options = dict(options or {})
-    fields = {f.name for f in dataclasses.fields(cls.Params)}
-    foreign = sorted(set(options) - fields)
-    if foreign:
-        flags = ", ".join("--" + f.replace("_", "-") for f in foreign)
-        accepted = ", ".join("--" + f.replace("_", "-") for f in sorted(fields)) or "no options"
-        raise KvsimError(f"{flags} does not apply to policy {name} (it takes {accepted})")
-    params = cls.Params(**options)
-    params.validate()
-    return cls(params)
+    def definition_stats(self) -> dict:
+        """Statistics a policy that needs no trace knows by definition."""
+        return {}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from kvsim.policies.base import DecodeCost, Policy, register
-from kvsim.trace import Trace
+import torch
 
-DEFINITION = "by definition (exact attention; no trace statistics needed)"
+from kvsim.attention.dense import dense_attention
+from kvsim.contract import DecodeCost
+from kvsim.policies.base import Compressed, Policy
+from kvsim.policies.registry import register
 
 
 @register
@@ -13,10 +15,12 @@ class DenseResident(Policy):
     name = "dense-resident"
     summary = "the full KV cache in HBM; attention reads all of it each step"
 
-    def analyze(self, trace: Trace | None, seed: int = 0):
-        cost = DecodeCost(resident_frac=1.0, hbm_read_frac=1.0, host_read_frac=0.0,
+    def decode_cost(self, stats):
+        return DecodeCost(resident_frac=1.0, hbm_read_frac=1.0, host_read_frac=0.0,
                           host_frac=0.0, overlap=False)
-        return self.result(cost, {"kv_read_frac": 0.0, "output_rel_err_mean": 0.0}, DEFINITION)
+
+    def definition_stats(self):
+        return {"kv_read_frac": 0.0, "output_rel_err_mean": 0.0}
 
 
 @register
@@ -25,8 +29,17 @@ class DenseOffload(Policy):
     summary = ("the full KV cache in pinned host memory, streamed to HBM layer by layer each "
                "step with double buffering (layer l+1 copies while layer l computes)")
 
-    def analyze(self, trace: Trace | None, seed: int = 0):
-        cost = DecodeCost(resident_frac=0.0, hbm_read_frac=1.0, host_read_frac=1.0,
+    def attend(self, state, q, q_pos, k, v):
+        out, _ = dense_attention(q, k, v, q_pos)
+        return out, {"kv_read_frac": torch.ones(q.shape[:2], dtype=torch.float64)}
+
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
+        return Compressed(None, 0.0, 0.0)  # nothing stays in HBM between steps
+
+    def decode_cost(self, stats):
+        return DecodeCost(resident_frac=0.0, hbm_read_frac=1.0, host_read_frac=1.0,
                           host_frac=1.0, overlap=True, copies_per_layer=2.0, path="h2d",
                           staging_layers=2)
-        return self.result(cost, {"kv_read_frac": 1.0, "output_rel_err_mean": 0.0}, DEFINITION)
+
+    def definition_stats(self):
+        return {"kv_read_frac": 1.0, "output_rel_err_mean": 0.0}

@@ -9,14 +9,17 @@ context grows by one token). Per layer, a decode step costs
     c = GEMMs(batch) + attention(KV read from HBM)  [+ decide, for policies that decide]
     x = transfer of that layer's KV over the host link
 
-    overlapped (double buffering, layer l+1 copies while layer l computes):
-        step = x + c + (L - 1) * max(c, x)
-    serial (a policy that must decide before it fetches):
-        step = L * (c + decide + x)
+and the layers of a step form the pipeline of :mod:`kvsim.sim.pipeline` (overlapped: double
+buffering; serial: decide, fetch, compute), plus the LM head once per step. Prefill is
+compute-bound (and, for policies that keep the cache in host memory, overlapped with writing it
+there).
 
-plus the LM head once per step. Prefill is compute-bound (and, for policies that keep the cache
-in host memory, overlapped with writing it there). Admission reserves each request's HBM and host
-bytes for its whole length (prompt + output), so admitted requests are never preempted.
+Why the GPU and the link are not simpy resources: one scheduler process drives one GPU stream,
+and within a step the link's work is placed by the pipeline's closed form, so no two processes
+ever contend for either; a queueing resource would only add events. HBM and host memory are
+``simpy.Container`` s: admission puts a request's bytes for its whole length (prompt + output),
+completion gets them back, so admitted requests are never preempted. Bytes are whole numbers
+(rounded up per request), so a container's level is exact.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import simpy
 from kvsim.errors import Infeasible
 from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import CostModel
-from kvsim.policies.base import DecodeCost
+from kvsim.contract import DecodeCost
+from kvsim.sim.pipeline import step_time
 from kvsim.sim.workload import Workload
 
 MAX_CHUNK = 2048  # decode steps computed at once (bounds the size of the vectorised arrays)
@@ -85,13 +89,20 @@ class Simulator:
 
     # ----------------------------------------------------------------------- memory
     def hbm_need(self, tokens: np.ndarray) -> np.ndarray:
-        """HBM reserved by requests of ``tokens`` total length (state + transfer staging)."""
+        """HBM bytes reserved by requests of ``tokens`` total length (state + transfer
+        staging), whole bytes."""
         p = self.policy
         staging = p.staging_layers / self.model.layers * p.host_read_frac
-        return (p.resident_frac + staging) * self.model.kv_bytes_per_token * tokens
+        return np.ceil((p.resident_frac + staging) * self.model.kv_bytes_per_token
+                       * np.asarray(tokens, float)).astype(np.int64)
 
     def host_need(self, tokens: np.ndarray) -> np.ndarray:
-        return self.policy.host_frac * self.model.kv_bytes_per_token * tokens
+        return np.ceil(self.policy.host_frac * self.model.kv_bytes_per_token
+                       * np.asarray(tokens, float)).astype(np.int64)
+
+    def capacity(self) -> tuple[int, int]:
+        """Whole bytes of HBM left for KV state, and of host memory."""
+        return int(self.memory.kv_hbm_bytes), int(self.memory.host_bytes)
 
     def check_feasible(self, workload: Workload) -> int:
         """Raise :class:`Infeasible` if not even one request fits; return how many fit at once."""
@@ -102,18 +113,19 @@ class Simulator:
                 f"workspace ({m.workspace_bytes / GiB:.1f} GiB) exceed HBM "
                 f"({m.hbm_bytes / GiB:.1f} GiB) on {self.costs.gpu_name}")
         longest = float((workload.prompt + workload.output).max())
-        hbm, host = float(self.hbm_need(longest)), float(self.host_need(longest))
-        if hbm > m.kv_hbm_bytes:
+        hbm, host = int(self.hbm_need(longest)), int(self.host_need(longest))
+        cap_hbm, cap_host = self.capacity()
+        if hbm > cap_hbm:
             raise Infeasible(
                 f"infeasible: one {longest:.0f}-token request needs {hbm / GiB:.1f} GiB of HBM for "
                 f"its KV state but only {m.kv_hbm_bytes / GiB:.1f} GiB are left after weights and "
                 f"workspace on {self.costs.gpu_name}; try an offloading or compressing policy")
-        if host > m.host_bytes:
+        if host > cap_host:
             raise Infeasible(
                 f"infeasible: one {longest:.0f}-token request needs {host / GiB:.1f} GiB of host "
                 f"memory but only {m.host_bytes / GiB:.1f} GiB are available (--host-gib)")
-        fit_hbm = m.kv_hbm_bytes // hbm if hbm > 0 else np.inf
-        fit_host = m.host_bytes // host if host > 0 else np.inf
+        fit_hbm = cap_hbm // hbm if hbm > 0 else np.inf
+        fit_host = cap_host // host if host > 0 else np.inf
         return int(min(fit_hbm, fit_host, 1e9))
 
     # ------------------------------------------------------------------------ costs
@@ -141,10 +153,7 @@ class Simulator:
         """Times of the next ``k`` decode steps: (step, GPU-busy, link-busy) seconds, each (k,)."""
         L = self.model.layers
         compute, decide, link = self.layer_costs(ctx, k)
-        if self.policy.overlap:
-            layer_total = link + compute + (L - 1) * np.maximum(compute, link)
-        else:
-            layer_total = L * (compute + decide + link)
+        layer_total = step_time(compute, decide, link, L, self.policy.overlap)
         head = self.costs.head_time(len(ctx), self.model)
         return layer_total + head, L * (compute + decide) + head, L * link
 
@@ -161,7 +170,9 @@ class Simulator:
     def run(self, workload: Workload) -> SimResult:
         max_fit = self.check_feasible(workload)
         env = simpy.Environment()
-        gpu, link = simpy.Resource(env, 1), simpy.Resource(env, 1)
+        cap_hbm, cap_host = self.capacity()
+        hbm = simpy.Container(env, capacity=max(cap_hbm, 1))
+        host = simpy.Container(env, capacity=max(cap_host, 1))
         n = workload.n
         first_token = np.full(n, np.nan)
         finish = np.full(n, np.nan)
@@ -169,8 +180,8 @@ class Simulator:
         lengths = workload.prompt + workload.output
         hbm_need, host_need = self.hbm_need(lengths), self.host_need(lengths)
         waiting: deque[int] = deque()
-        st = {"next": 0, "in_system": 0, "area": 0.0, "t": 0.0, "hbm": 0.0, "host": 0.0,
-              "peak_hbm": 0.0, "peak_host": 0.0, "wake": env.event()}
+        st = {"next": 0, "in_system": 0, "area": 0.0, "t": 0.0, "peak_hbm": 0, "peak_host": 0,
+              "wake": env.event()}
 
         def mark(delta: int) -> None:  # integrate the number in system, then change it
             st["area"] += st["in_system"] * (env.now - st["t"])
@@ -189,10 +200,9 @@ class Simulator:
                 st["next"] = i + 1
                 arrive(i)
 
-        def hold(resource, seconds):
-            with resource.request() as req:
-                yield req
-                yield env.timeout(seconds)
+        def fits(i: int) -> bool:
+            return (hbm.level + hbm_need[i] <= cap_hbm
+                    and host.level + host_need[i] <= cap_host)
 
         if workload.concurrency is None:
             env.process(open_arrivals())
@@ -207,27 +217,23 @@ class Simulator:
             left = np.zeros(0, dtype=np.int64)
             done = 0
             while done < n:
-                # admit in arrival order while slots and memory allow
+                # admit in arrival order while slots and memory allow (puts that fit succeed at
+                # once: a container's level changes when put is called)
                 new = []
-                while waiting and len(run_ids) + len(new) < self.max_batch:
-                    i = waiting[0]
-                    if st["hbm"] + hbm_need[i] > self.memory.kv_hbm_bytes * (1 + 1e-12) or \
-                            st["host"] + host_need[i] > self.memory.host_bytes * (1 + 1e-12):
-                        break
-                    waiting.popleft()
-                    st["hbm"] += hbm_need[i]
-                    st["host"] += host_need[i]
+                while waiting and len(run_ids) + len(new) < self.max_batch and fits(waiting[0]):
+                    i = waiting.popleft()
+                    for box, need in ((hbm, hbm_need[i]), (host, host_need[i])):
+                        if need:
+                            box.put(int(need))
                     new.append(i)
-                st["peak_hbm"] = max(st["peak_hbm"], st["hbm"])
-                st["peak_host"] = max(st["peak_host"], st["host"])
+                st["peak_hbm"] = max(st["peak_hbm"], hbm.level)
+                st["peak_host"] = max(st["peak_host"], host.level)
                 if new:
                     new = np.array(new)
                     seconds, link_s = self.prefill(workload.prompt[new])
                     self.chunks.append(Chunk(env.now, seconds, 0, len(new), seconds, link_s,
                                              "prefill"))
-                    if link_s > 0:
-                        env.process(hold(link, link_s))
-                    yield env.process(hold(gpu, seconds))
+                    yield env.timeout(seconds)
                     first_token[new] = env.now
                     run_ids = np.concatenate([run_ids, new])
                     ctx = np.concatenate([ctx, workload.prompt[new] + 1.0])
@@ -247,9 +253,7 @@ class Simulator:
                     self.chunks.append(Chunk(env.now, float(ends[k - 1]), k, len(run_ids),
                                              float(gpu_s[:k].sum()), float(link_s[:k].sum()),
                                              "decode", ctx.copy()))
-                    if link_s[:k].sum() > 0:
-                        env.process(hold(link, float(link_s[:k].sum())))
-                    yield env.process(hold(gpu, float(ends[k - 1])))
+                    yield env.timeout(float(ends[k - 1]))
                     ctx += k
                     left -= k
                 # release finished requests (also those whose only token came from prefill)
@@ -257,8 +261,9 @@ class Simulator:
                 if fin.any():
                     ids = run_ids[fin]
                     finish[ids] = env.now
-                    st["hbm"] -= hbm_need[ids].sum()
-                    st["host"] -= host_need[ids].sum()
+                    for box, need in ((hbm, hbm_need[ids].sum()), (host, host_need[ids].sum())):
+                        if need:
+                            box.get(int(need))
                     run_ids, ctx, left = run_ids[~fin], ctx[~fin], left[~fin]
                     done += len(ids)
                     mark(-len(ids))
@@ -273,4 +278,4 @@ class Simulator:
         mark(0)
         return SimResult(arrival, first_token, finish, workload.output, self.chunks,
                          self.memory.weights_bytes + self.memory.workspace_bytes + st["peak_hbm"],
-                         st["peak_host"], st["area"], max_fit)
+                         float(st["peak_host"]), st["area"], max_fit)

@@ -2,21 +2,16 @@
 
 The simulator works a batch-change at a time; this module re-expands the first decode steps of
 the run (and the prefills between them) into per-layer events on two resources, the GPU stream
-(compute, decide, LM head, prefill) and the host link (KV copies and fetches), placed by the same
-pipeline rules the step times come from:
-
-* overlapped (double buffering): layer l's copy starts when layer l-1's copy is done and the
-  buffer of layer l-2 is free; its compute starts when both its copy and layer l-1 are done;
-* serial: decide, then fetch, then compute, layer after layer.
+(compute, decide, LM head, prefill) and the host link (KV copies and fetches), placed by the
+pipeline rule the step times come from (:mod:`kvsim.sim.pipeline`).
 
 Open the JSON in https://ui.perfetto.dev or chrome://tracing.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvsim.sim.engine import SimResult, Simulator
+from kvsim.sim.pipeline import layer_starts, step_time
 
 GPU, LINK = 1, 2
 
@@ -29,30 +24,16 @@ def _event(name, tid, start, dur, **args) -> dict:
 def step_events(sim: Simulator, start: float, compute: float, decide: float, link: float,
                 batch: int, step: int) -> tuple[list[dict], float]:
     """Per-layer events of one decode step starting at ``start``; returns (events, end)."""
-    L, ev = sim.model.layers, []
-    if sim.policy.overlap:
-        copy_end = np.zeros(L)
-        comp_end = np.zeros(L)
-        for l in range(L):
-            copy_start = max(copy_end[l - 1] if l else start, comp_end[l - 2] if l >= 2 else start)
-            copy_end[l] = copy_start + link
-            comp_start = max(comp_end[l - 1] if l else start, copy_end[l])
-            comp_end[l] = comp_start + compute
-            if link > 0:
-                ev.append(_event(f"L{l} KV copy", LINK, copy_start, link, step=step))
-            ev.append(_event(f"L{l} compute", GPU, comp_start, compute, step=step, batch=batch))
-        t = comp_end[-1]
-    else:
-        t = start
-        for l in range(L):
-            if decide > 0:
-                ev.append(_event(f"L{l} decide", GPU, t, decide, step=step))
-                t += decide
-            if link > 0:
-                ev.append(_event(f"L{l} fetch", LINK, t, link, step=step))
-                t += link
-            ev.append(_event(f"L{l} compute", GPU, t, compute, step=step, batch=batch))
-            t += compute
+    L, overlap, ev = sim.model.layers, sim.policy.overlap, []
+    copy, comp = layer_starts(compute, decide, link, L, overlap)
+    for l in range(L):
+        if decide > 0 and not overlap:
+            ev.append(_event(f"L{l} decide", GPU, start + copy[l] - decide, decide, step=step))
+        if link > 0:
+            ev.append(_event(f"L{l} {'KV copy' if overlap else 'fetch'}", LINK, start + copy[l],
+                             link, step=step))
+        ev.append(_event(f"L{l} compute", GPU, start + comp[l], compute, step=step, batch=batch))
+    t = start + float(step_time(compute, decide, link, L, overlap))
     head = float(sim.costs.head_time(batch, sim.model))
     ev.append(_event("LM head", GPU, t, head, step=step, batch=batch))
     return ev, t + head

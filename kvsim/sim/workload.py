@@ -77,3 +77,15 @@ def from_csv(path: str | Path) -> Workload:
     order = np.argsort(arrival, kind="stable")
     return Workload(arrival[order], prompt[order], output[order], None,
                     f"{len(df)} requests from {path}")
+
+
+def build(csv: str | Path | None, qps: float | None, concurrency: int | None, batch: int,
+          requests: int | None, prompt: int, output: int, seed: int) -> Workload:
+    """The workload a replay asks for: a CSV, Poisson arrivals at ``qps`` (64 requests unless
+    given), or a closed loop of ``concurrency`` (default ``batch``; 2 x concurrency requests)."""
+    if csv is not None:
+        return from_csv(csv)
+    if qps is not None:
+        return poisson(qps, requests or 64, prompt, output, seed)
+    conc = concurrency or batch
+    return closed_loop(conc, requests or 2 * conc, prompt, output)

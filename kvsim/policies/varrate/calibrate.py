@@ -26,7 +26,8 @@ import torch
 
 from kvsim.errors import KvsimError
 from kvsim.io import atomic_write, check_destination
-from kvsim.kernels import varrate_codec as vc
+from kvsim.attention import rope as rp
+from kvsim.policies.varrate import codec as vc
 from kvsim.trace import Trace
 from kvsim.trace import load as load_trace
 
@@ -45,7 +46,7 @@ class Basis:
     def rank(self) -> int:
         return int(self.meta["R"])
 
-    def check(self, trace: Trace, rope: vc.Rope) -> None:
+    def check(self, trace: Trace, rope: rp.Rope) -> None:
         """One-line errors when this basis cannot code ``trace``'s layers."""
         a = trace.attention
         where = self.path or "basis"
@@ -86,7 +87,7 @@ def calibrate(paths: list[str], rank: int | None = None, stride: int = 16, c: in
         a = tr.attention
         if a is None:
             raise KvsimError(f"{p}: the trace has no attention section to calibrate on")
-        rope = vc.rope_from_meta(a.rope, a.head_dim)
+        rope = rp.rope_from_meta(a.rope, a.head_dim)
         shape = (a.n_kv_heads, a.head_dim, rope.key())
         if first is None:
             first = (shape, a.rope, tr.meta.get("model"))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvsim.kernels.attention import logits
+from kvsim.attention.dense import logits
 
 SNAPKV_POOL = 5
 # tau floor relative to the mean tau of the candidates (spec point 1). With a kept fraction near

@@ -4,7 +4,9 @@ Per prompt: one context prefill (stock attention) yields the cache, the SnapKV w
 policy asks for them, KVzip reconstruction scores. Dense (stock attention) answers first (its
 question and decode queries give the "oracle" scores when a policy asks for those); then each
 policy compresses the context per layer and answers with the question pass and every decode step
-through its ``attend``. Dense runs once per prompt however many policies are evaluated.
+through its ``attend``. Dense runs once per prompt however many policies are evaluated. The
+policies' statistics are aggregated as on traces (:mod:`kvsim.measure.stats`: the same definition
+of KV read, by phase and overall).
 """
 
 from __future__ import annotations
@@ -13,23 +15,18 @@ import math
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
-
 import torch
 
-from kvsim.kernels.scoring import attention_mass
+from kvsim.attention.scoring import attention_mass
+from kvsim.errors import KvsimError
+from kvsim.measure.stats import Calls
 from kvsim.model.hooks import Controller
 from kvsim.model.runner import KVZIP_PROMPT, cache_kv, generate, prefill
-from kvsim.tasks import Prompt, score
+from kvsim.model.tasks import Prompt, score
+from kvsim.policies import PolicySpec, make
+from kvsim.policies.base import KV_ELEM_BYTES
 
 DEFAULT_MAX_NEW = {"niah": 12, "mk": 12, "qa": 12, "mv": 40, "cwe": 48, "prompts": 32}
-
-
-@dataclass
-class PolicySpec:
-    label: str  # how the result is named, e.g. "verkv[sketch=2bit]"
-    name: str  # registered policy name
-    options: dict = field(default_factory=dict)
 
 
 def _needs(policy, scorer: str) -> bool:
@@ -47,45 +44,10 @@ def _oracle_scores(pre, ctl: Controller, n_rows: int) -> None:
         pre.scores[l]["oracle"] = attention_mass(k[:, :pre.n_ctx], q.to(k.dtype), pos)
 
 
-class _Agg:
-    """A policy's attend statistics: per key, the mean over decisions (every element) and the
-    mean over calls (one call = one layer of one forward pass), by phase and overall."""
-
-    def __init__(self):
-        self.sum: dict[tuple[str, str], float] = {}
-        self.cnt: dict[tuple[str, str], int] = {}
-        self.call_sum: dict[tuple[str, str], float] = {}
-        self.calls: dict[tuple[str, str], int] = {}
-
-    def add(self, phase: str, stats: dict) -> None:
-        for key, val in stats.items():
-            try:
-                t = torch.as_tensor(val).detach().to(torch.float64)
-            except (TypeError, ValueError, RuntimeError):
-                continue
-            if t.numel() == 0:
-                continue
-            for ph in (phase, "all"):
-                k = (ph, key)
-                self.sum[k] = self.sum.get(k, 0.0) + float(t.sum())
-                self.cnt[k] = self.cnt.get(k, 0) + t.numel()
-                self.call_sum[k] = self.call_sum.get(k, 0.0) + float(t.mean())
-                self.calls[k] = self.calls.get(k, 0) + 1
-
-    def means(self) -> dict:
-        out: dict[str, dict] = {}
-        for (ph, key), s in sorted(self.sum.items()):
-            out.setdefault(key, {})[ph] = s / self.cnt[(ph, key)]
-            out[key][ph + "_per_call"] = self.call_sum[(ph, key)] / self.calls[(ph, key)]
-        return out
-
-
 def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
              max_new_tokens: int | None = None, progress: bool = True) -> dict:
     """Accuracy of dense and of each policy on ``prompts``; fetch statistics; timing."""
     from tqdm import tqdm
-
-    from kvsim.policies import make
     policies = [(s, make(s.name, s.options)) for s in specs]
     for _, pol in policies:
         pol.bind(lm.info["rope"], lm.info["head_dim"])
@@ -93,7 +55,7 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
     want_oracle = any(_needs(p, "oracle") for _, p in policies)
     model, codec = lm.model, lm.codec
     dense_scores: list[float] = []
-    res = {s.label: {"scores": [], "agg": _Agg(), "seconds": 0.0, "forwards": 0,
+    res = {s.label: {"scores": [], "calls": Calls(), "held": [], "seconds": 0.0, "forwards": 0,
                      "examples": []} for s, _ in policies}
     failures: list[dict] = []
     t_prefill = t_dense = 0.0
@@ -140,30 +102,34 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
             r["seconds"] += secs
             r["forwards"] += g.forwards
             for (layer, m, st), ph in zip(g.stats, g.phases):
-                r["agg"].add(ph, st)
+                r["calls"].add(ph, st, pre.n_ctx)
+            r["held"].append(_held(g.compressed, pre.n_ctx, lm.info["head_dim"], pol))
             if len(r["examples"]) < 3:
                 r["examples"].append({"prompt": p.id, "answers": p.answers, "dense": d.text,
                                       "policy": g.text})
     bar.close()
     n = len(dense_scores)
     if not n and failures:
-        from kvsim.errors import KvsimError
         raise KvsimError(f"every prompt failed; the first: {failures[0]['error']}")
     dense_acc = sum(dense_scores) / n if n else float("nan")
     results = []
     for s, pol in policies:
         r = res[s.label]
         acc = sum(r["scores"]) / n if n else float("nan")
-        stats = r["agg"].means()
-        kv = _kv_read(stats, pol)
+        stats = r["calls"].summary(getattr(pol.params, "eps", None))
+        stats |= _mean_dicts(r["held"])
         results.append({
             "policy": s.label, "name": s.name, "options": s.options,
             "accuracy": acc, "dense_accuracy": dense_acc,
             "relative_accuracy": acc / dense_acc if dense_acc and not math.isnan(dense_acc)
             else None,
-            "kv_read_frac": kv[0], "kv_read_source": kv[1], "n": n,
-            "kv_read_frac_question": stats.get("kv_read_frac", {}).get("question_per_call"),
-            "kv_read_frac_decode": stats.get("kv_read_frac", {}).get("decode_per_call"),
+            "kv_read_frac": stats["kv_read_frac"],
+            "kv_read_frac_question": stats.get("question", {}).get("kv_read_frac"),
+            "kv_read_frac_decode": stats.get("decode", {}).get("kv_read_frac"),
+            "kv_read_frac_overall": stats.get("overall", {}).get("kv_read_frac"),
+            "kv_read_source": "measured: the policy's attend statistics (kvsim.measure.stats: "
+                              "kv_read_frac of decode steps; _overall per forward pass, question "
+                              "pass and decode steps alike)", "n": n,
             "stats": stats,
             "seconds_per_prompt": r["seconds"] / n if n else None,
             "seconds_per_forward": r["seconds"] / r["forwards"] if r["forwards"] else None,
@@ -183,18 +149,20 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
     }
 
 
-def _kv_read(stats: dict, policy) -> tuple[float | None, str]:
-    """KV read per forward as a share of the cache: from attend statistics when the policy
-    reports them (mean over forward passes), else from the policy's definition."""
-    if "kv_read_frac" in stats:  # per call = per layer and forward pass
-        return (stats["kv_read_frac"].get("all_per_call"),
-                "measured: the policy's attend statistics, mean over layers x forward passes "
-                "(question pass and decode steps)")
-    try:
-        r = policy.analyze(None)
-        v = r.stats.get("kv_read_frac")
-        if v is not None:
-            return float(v), "policy definition"
-    except Exception:  # a policy that needs a trace cannot say without one
-        pass
-    return None, "not reported by the policy"
+def _held(compressed: list, n_ctx: int, head_dim: int, policy) -> dict:
+    """What the policy kept of one prompt's context, as shares of the full 16-bit cache."""
+    full = n_ctx * 2 * head_dim * KV_ELEM_BYTES
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    out = {"resident_frac": mean([c.held_bytes / full for c in compressed]),
+           "meta_frac": mean([c.meta_bytes / full for c in compressed])}
+    return out | policy.summarize([c.info for c in compressed])
+
+
+def _mean_dicts(rows: list[dict]) -> dict:
+    """Per key, the mean over prompts of the numbers (other values: the first prompt's)."""
+    out = {}
+    for key in rows[0] if rows else []:
+        vals = [r[key] for r in rows]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals)
+        out[key] = sum(vals) / len(vals) if numeric else vals[0]
+    return out

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsim.kernels import certificate as C
-from kvsim.kernels.poisson import PoissonSample
-from kvsim.kernels.sketch import KeySketch, shortlist, sketch_logits
+from kvsim.policies.verkv import certificate as C
+from kvsim.attention.sampling import PoissonSample
+from kvsim.policies.verkv.sketch import KeySketch, shortlist, sketch_logits
 
 VARIANTS = ("independent", "paper")
 WEIGHT_FLOOR = {torch.float32: 1e-15, torch.float16: 1e-3, torch.bfloat16: 1e-15,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvsim.kernels.attention import expand_kv, logits
+from kvsim.attention.dense import expand_kv, logits
 
 
 def weighted_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -19,7 +19,7 @@ from kvsim.errors import KvsimError
 from kvsim.model.hooks import Controller
 from kvsim.model.runner import (KVZIP_CHUNK, KVZIP_PROMPT, SNAPKV_WINDOW, cache_kv, generate,
                                 prefill, truncate)
-from kvsim.tasks import Prompt, score
+from kvsim.model.tasks import Prompt, score
 
 
 def parse_layers(text: str | None, total: int) -> list[int]:
@@ -86,7 +86,7 @@ def capture(lm, prompt: Prompt, layers: list[int], decode_steps: int = 8,
         "dense_correct": correct, "model_info": info, "layers_captured": layers,
         "decode_steps": decode_steps, "question_rows": m_q,
         "how": {"snapkv": f"softmax attention of the last {SNAPKV_WINDOW} context rows "
-                          f"(kvsim.kernels.scoring.snapkv_scores), per KV head",
+                          f"(kvsim.attention.scoring.snapkv_scores), per KV head",
                 "kvzip": f"context re-fed after {KVZIP_PROMPT.strip()!r} in chunks of "
                          f"{KVZIP_CHUNK}; score = max softmax attention a context token gets "
                          f"from the reconstruction rows, max over the KV head's query heads",

@@ -74,8 +74,8 @@ def synthetic_attention_trace(n_layers: int = 2, n_q: int = 8, n_kv: int = 2, d:
                                        {"kvzip": kvzip.astype(np.float32)}))
     attention = T.Attention(layers, context, np.arange(context, context + question),
                             np.arange(context + question, n), {"theta": 10000.0, "type": "default"},
-                            f"synthetic attention (kvsim.synthetic, seed {seed})")
-    meta = T.new_meta("kvsim.synthetic", model="synthetic", context=context,
+                            f"synthetic attention (kvsim.model.synthetic, seed {seed})")
+    meta = T.new_meta("kvsim.model.synthetic", model="synthetic", context=context,
                       notes=("synthetic attention, not a model: heavy-tailed keys with energy in "
                              "a few RoPE pairs, an attention sink, needle keys the queries align "
                              "with; 'kvzip' scores are a reconstruction-attention stand-in"))

@@ -5,15 +5,16 @@ Budget (spec "Budget and accounting"): ``n_ctx / compression`` tokens per KV hea
 local, the expected sample and the sketch (1.76% of the cache at any head dim). The ``perfect``
 sketch reserves the same share, so both sketches draw the same sample under the same seed; it is
 an upper bound on quality (exact weights everywhere, no shortlist read). The inclusion
-probabilities are held as fp16 per context token (metadata, reported in ``held_bytes``).
+probabilities are held as fp16 per context token; sketch and probabilities are the policy's
+metadata (``meta_frac``).
 
 Decisions taken on the spec's open points:
 
-1. every non-resident token is in L: tau has a floor (``kvsim.kernels.scoring.to_tau``), so
+1. every non-resident token is in L: tau has a floor (``kvsim.attention.scoring.to_tau``), so
    ``r_i > 0`` always;
 2. ``--variant independent`` (default) plans with sample-independent quantities (Theorem 2's
    precondition with an exact sketch); ``--variant paper`` is the deployed, sample-dependent one
-   (see ``kvsim.kernels.kvfetch``);
+   (see ``kvsim.policies.verkv.kvfetch``);
 3. the 2-bit sketch's bias is not corrected: its violation rate is reported as measured, and
    ``certificate_denominator_ratio_mean`` (the certificate's D over the true D) shows the bias;
 4. shortlist score, per KV head and query row: the max over the group's query heads of the sketch
@@ -28,21 +29,25 @@ Decisions taken on the spec's open points:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from kvsim.attention.dense import logits
+from kvsim.attention.sampling import poisson_compress
+from kvsim.attention.scoring import to_tau
+from kvsim.attention.weighted import row_chunks, weighted_attention
+from kvsim.contract import DecodeCost
 from kvsim.errors import KvsimError
-from kvsim.kernels.attention import logits
-from kvsim.kernels.kvfetch import (VARIANTS, DecideConfig, VerKVLayer, decide, make_layer,
-                                   reweighted_log_factor)
-from kvsim.kernels.poisson import poisson_compress
-from kvsim.kernels.scoring import to_tau
-from kvsim.kernels.sketch import build_sketch, rope_pairs, sketch_bits_per_token, sketch_bytes
-from kvsim.kernels.weighted import row_chunks, weighted_attention
-from kvsim.policies import _measure as M
-from kvsim.policies.base import DecodeCost, Policy, register
-from kvsim.trace import Trace
+from kvsim.policies import options as O
+from kvsim.policies.base import KV_ELEM_BYTES, Compressed, Policy
+from kvsim.policies.registry import register
+from kvsim.policies.scorers import context_scores
+from kvsim.policies.verkv.kvfetch import (VARIANTS, DecideConfig, decide, make_layer,
+                                          reweighted_log_factor)
+from kvsim.policies.verkv.sketch import (build_sketch, rope_pairs, sketch_bits_per_token,
+                                         sketch_bytes)
 
 SKETCHES = ("2bit", "perfect")
 SHRINKAGES = ("binary", "bounded")
@@ -51,16 +56,16 @@ R_BYTES = 2  # fp16 inclusion probability per context token
 
 @dataclass
 class VerKVParams:
-    compression: float = M.compression_field()
-    eps: float = M.eps_field(": fetch until the certificate is below it")
-    delta: float = M.delta_field()
+    compression: float = O.compression_field()
+    eps: float = O.eps_field(": fetch until the certificate is below it")
+    delta: float = O.delta_field()
     sketch: str = field(default="2bit", metadata={
         "help": "weights the certificate plans with: 2bit (the paper's key sketch + a shortlist "
                 "scored exactly) or perfect (exact weights: an upper bound)",
         "choices": list(SKETCHES)})
-    scorer: str = M.scorer_field()
-    sink: int = M.sink_field()
-    local: int = M.local_field()
+    scorer: str = O.scorer_field()
+    sink: int = O.sink_field()
+    local: int = O.local_field()
     shrinkage: str = field(default="binary", metadata={
         "help": "lambda: binary (lambda in {1, r}, what the paper deploys) or bounded "
                 "(Theorem 1's MSE minimiser, by bisection)", "choices": list(SHRINKAGES)})
@@ -73,22 +78,10 @@ class VerKVParams:
         "choices": list(VARIANTS)})
 
     def validate(self) -> None:
-        M.check_common(self)
-        for name, allowed in (("sketch", SKETCHES), ("shrinkage", SHRINKAGES),
-                              ("variant", VARIANTS)):
-            if getattr(self, name) not in allowed:
-                raise KvsimError(f"--{name} must be one of {', '.join(allowed)}; "
-                                 f"got {getattr(self, name)!r}")
+        O.check_common(self)
+        O.check_choices(self, sketch=SKETCHES, shrinkage=SHRINKAGES, variant=VARIANTS)
         if int(self.shortlist) != self.shortlist or self.shortlist < 0:
             raise KvsimError(f"--shortlist must be a whole number >= 0; got {self.shortlist}")
-
-
-@dataclass
-class VerKVState:
-    layer: VerKVLayer
-    held_tokens: float
-    held_bytes: float
-    expected_tokens: float
 
 
 @register
@@ -110,19 +103,20 @@ class VerKV(Policy):
         p = self.params
         n_kv, n_ctx, d = k.shape
         sk_bytes = sketch_bytes(n_ctx, d)
-        token_bytes = 2 * d * M.KV_ELEM_BYTES
-        sample_budget = M.check_budget(self.name, n_ctx, p.compression, p.sink, p.local,
+        token_bytes = 2 * d * KV_ELEM_BYTES
+        sample_budget = O.check_budget(self.name, n_ctx, p.compression, p.sink, p.local,
                                        sketch_tokens=sk_bytes / token_bytes)
-        tau = to_tau(M.context_scores(scores, p.scorer, k, obs_q, obs_pos))
+        tau = to_tau(context_scores(p.scorer, scores, k, obs_q, obs_pos))
         smp = poisson_compress(tau, p.sink, p.local, sample_budget, generator)
-        sketch = build_sketch(k, rope_pairs(d, (self.rope or {}).get("type"))) if p.sketch == "2bit" else None
-        layer = make_layer(smp, sketch, k, p.variant)
+        sketch = build_sketch(k, rope_pairs(d, self.rope.get("type"))) \
+            if p.sketch == "2bit" else None
         held = float(smp.resident.sum(-1).to(torch.float64).mean())
-        return VerKVState(layer, held, held * token_bytes + sk_bytes + n_ctx * R_BYTES,
-                          float(smp.expected_kept().mean()))
+        meta = sk_bytes + n_ctx * R_BYTES
+        return Compressed(make_layer(smp, sketch, k, p.variant), held, held * token_bytes + meta,
+                          meta, {"expected_tokens": float(smp.expected_kept().mean())})
 
     def attend(self, state, q, q_pos, k, v):
-        layer = state.layer
+        layer = state
         n_q, m, d = q.shape
         n_kv, n_ctx, _ = layer.k_host.shape
         g = n_q // n_kv
@@ -166,18 +160,19 @@ class VerKV(Policy):
         stats["log_denominator"] = torch.cat(logds, 1)
         return torch.cat(outs, 1), stats
 
-    def analyze(self, trace: Trace | None, seed: int = 0):
-        M.require_attention(trace, self.name)
-        stats = M.measure(self, trace, seed)
+    def decide_kernel(self, device, model, context, seed=0):
+        from kvsim.policies.verkv.bench import DecideBench
+        return DecideBench(device, model, context, seed, dataclasses.asdict(self.params))
+
+    def decode_cost(self, stats):
         p = self.params
-        d = trace.attention.head_dim
         res, read = stats["resident_frac"], stats["kv_read_frac"]
         if p.sketch == "2bit":
-            decide_bytes = sketch_bits_per_token(d) / 8 + R_BYTES
+            decide_bytes = sketch_bits_per_token(stats["head_dim"]) / 8 + R_BYTES
         else:  # exact weights for every token: as if all keys were read at each step
-            decide_bytes = d * M.KV_ELEM_BYTES + R_BYTES
-        cost = DecodeCost(resident_frac=res, hbm_read_frac=min(1.0, res + read),
+            decide_bytes = stats["head_dim"] * KV_ELEM_BYTES + R_BYTES
+        return DecodeCost(resident_frac=res, hbm_read_frac=min(1.0, res + read),
                           host_read_frac=min(1.0, read), host_frac=1.0, overlap=False,
                           copies_per_layer=2.0 if p.sketch == "2bit" else 1.0, path="gather",
-                          staging_layers=1, decide_bytes_per_token=decide_bytes)
-        return self.result(cost, stats, M.provenance(trace, self.name, seed))
+                          staging_layers=1, decide_bytes_per_token=decide_bytes,
+                          meta_frac=stats["meta_frac"])

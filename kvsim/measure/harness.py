@@ -1,0 +1,173 @@
+"""Running a policy on a trace's attention: the one caller of ``compress`` and ``attend`` on traces.
+
+For each captured layer: ``compress`` on the context (its own seeded generator per layer, the
+observation window the policy asks for), ``attend`` once for the question pass (all question rows,
+one forward pass) and once per decode step (one row each); every output is compared with float64
+dense attention and the per-decision statistics go to the one aggregator
+(:mod:`kvsim.measure.stats`). The policy then turns the statistics into its decode cost.
+
+An ``oracle`` score (attention mass of every question and decode row over the context) is added
+to the scores unless the trace has one. Bytes assume a 16-bit KV cache (2 bytes per element),
+whatever the trace's dtype. Policies that ask for it (``times_compress``) have ``compress`` timed
+against one layer's dense causal prefill attention on this machine; those timings are reported
+apart from the statistics, which the same seed reproduces exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvsim.attention.dense import dense_attention, expand_kv
+from kvsim.attention.scoring import attention_mass
+from kvsim.contract import PolicyResult
+from kvsim.errors import KvsimError
+from kvsim.measure.stats import Calls
+from kvsim.policies.base import KV_ELEM_BYTES
+from kvsim.trace import Trace
+
+DEFINITION = "by definition (exact attention; no trace statistics needed)"
+TIMING_LAYERS, TIMING_REPEATS = 4, 5  # timed layers spread over the trace, best of the repeats
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    return (seed * 1_000_003 + layer * 7_919 + 12_345) % (2**63 - 1)
+
+
+def require_attention(trace: Trace | None, policy: str) -> None:
+    if trace is None or trace.attention is None:
+        raise KvsimError(f"policy {policy} needs a trace with an attention section "
+                         f"(kvsim capture)")
+
+
+def observation(kind: str, qq, qpos, qd, dpos, n_ctx: int):
+    """The observation window ``compress`` gets: every question row ("question"), or every row
+    at a position inside the context ("context", in position order; often none)."""
+    if kind == "question":
+        return qq, qpos
+    rows, pos = torch.cat([qq, qd], 1), torch.cat([qpos, dpos])
+    order = torch.argsort(pos[pos < n_ctx])
+    return rows[:, pos < n_ctx][:, order], pos[pos < n_ctx][order]
+
+
+def _prefill_attention_seconds(k: torch.Tensor, n_q: int) -> float:
+    """One layer's causal prefill attention over the context on this machine (SDPA, float32;
+    the keys stand in for the queries, whose values do not change the time)."""
+    kq = expand_kv(k.float(), n_q)[None]
+    vq = kq.clone()
+    t0 = time.perf_counter()
+    F.scaled_dot_product_attention(kq, kq, vq, is_causal=True)
+    return time.perf_counter() - t0
+
+
+def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
+        device: str | torch.device = "cpu") -> tuple[dict, dict]:
+    """(statistics, timings) of ``policy`` replayed on every captured layer of ``trace``."""
+    require_attention(trace, policy.name)
+    a = trace.attention
+    policy.bind(a.rope, a.head_dim)
+    policy.check(trace)
+    n_ctx = int(a.context_len)
+    qpos = torch.as_tensor(a.question_pos, dtype=torch.long, device=device)
+    dpos = torch.as_tensor(a.decode_pos, dtype=torch.long, device=device)
+    ids = [la.layer for la in a.layers]
+    timed = {ids[i] for i in np.linspace(0, len(ids) - 1, min(TIMING_LAYERS, len(ids)))
+             .round().astype(int)} if policy.times_compress else set()
+    calls, compressed, t_comp, t_dense = Calls(), [], [], []
+    for la in a.layers:
+        t = lambda x: torch.as_tensor(x, device=device).to(dtype)  # noqa: E731
+        k, v, qq, qd = t(la.k), t(la.v), t(la.q_question), t(la.q_decode)
+        scores = {name: t(s)[:, :n_ctx] for name, s in la.scores.items()}
+        if "oracle" not in scores:
+            rows, pos = torch.cat([qq, qd], 1), torch.cat([qpos, dpos])
+            if rows.shape[1]:
+                scores["oracle"] = attention_mass(k[:, :n_ctx], rows, pos)
+        args = (k[:, :n_ctx], v[:, :n_ctx], scores,
+                *observation(policy.observation, qq, qpos, qd, dpos, n_ctx))
+        gen = lambda: torch.Generator().manual_seed(layer_seed(seed, int(la.layer)))  # noqa: E731
+        c = policy.compress(*args, gen(), layer=int(la.layer))
+        compressed.append(c)
+        if la.layer in timed:  # compress and dense prefill attention, interleaved
+            tc, td = [], []
+            for _ in range(TIMING_REPEATS):
+                t0 = time.perf_counter()
+                again = policy.compress(*args, gen(), layer=int(la.layer))
+                tc.append(time.perf_counter() - t0 - again.info.get("seconds_excluded", 0.0))
+                td.append(_prefill_attention_seconds(args[0], a.n_q_heads))
+            t_comp.append(min(tc))
+            t_dense.append(min(td))
+        passes = [("question", qq, qpos)] if qq.shape[1] else []
+        passes += [("decode", qd[:, j:j + 1], dpos[j:j + 1]) for j in range(qd.shape[1])]
+        for phase, q, pos in passes:
+            out, st = policy.attend(c.state, q, pos, k, v)
+            ref, ref_logd = dense_attention(q.to(torch.float64), k.to(torch.float64),
+                                            v.to(torch.float64), pos)
+            rec = dict(st)
+            rec["output_rel_err"] = ((out.to(torch.float64) - ref).norm(dim=-1)
+                                     / ref.norm(dim=-1).clamp_min(1e-300))
+            if "log_denominator" in st:
+                den = (st["log_denominator"].to(torch.float64) - ref_logd).exp() - 1
+                rec["denominator_rel_err"] = den.abs()
+            calls.add(phase, rec, n_ctx)
+    stats = calls.summary(getattr(policy.params, "eps", None))
+    full = n_ctx * 2 * a.head_dim * KV_ELEM_BYTES  # one layer's K+V per KV head, 16-bit
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    stats |= {"context_tokens": n_ctx, "layers": len(a.layers), "decisions": calls.decisions,
+              "head_dim": a.head_dim,
+              "held_tokens": mean([c.held_tokens for c in compressed]),
+              "held_bytes": mean([c.held_bytes for c in compressed]),
+              "resident_frac": min(1.0, mean([c.held_bytes / full for c in compressed])),
+              "meta_frac": min(1.0, mean([c.meta_bytes / full for c in compressed]))}
+    stats |= policy.summarize([c.info for c in compressed])
+    return stats, _timings(compressed, t_comp, t_dense, n_ctx)
+
+
+def _timings(compressed, t_comp: list, t_dense: list, n_ctx: int) -> dict:
+    out = {f"{key[8:]}_s_per_layer": float(np.mean([c.info[key] for c in compressed]))
+           for key in compressed[0].info
+           if key.startswith("seconds_") and key != "seconds_excluded"}
+    if t_comp:
+        comp = float(np.median(t_comp)) / (n_ctx / 1000)
+        dense = float(np.median(t_dense)) / (n_ctx / 1000)
+        out |= {"prefill_compress_s_per_1k_tokens_per_layer": comp,
+                "prefill_dense_attention_s_per_1k_tokens_per_layer": dense,
+                "prefill_compress_over_dense_attention": comp / dense if dense else None,
+                "prefill_timing_note": "CPU, this machine; the paper's +44% is over the whole "
+                                       "prefill (MLPs included) on a GPU, this is over attention "
+                                       "only",
+                "timed_layers": len(t_comp)}
+    return out
+
+
+def provenance(trace: Trace, policy, seed: int, timings: dict) -> str:
+    meta, a = trace.meta, trace.attention
+    if meta.get("synthetic"):
+        source = "a synthetic attention trace (not a model)"
+    else:
+        source = f"the attention of model {meta.get('model') or '(unnamed)'}"
+    text = (f"measured by policy {policy.name} (seed {seed}) on {source} at "
+            f"{a.context_len} context tokens, {len(a.layers)} captured layers, "
+            f"{len(a.decode_pos)} decode steps; trace recorded by {meta.get('recorded_by', '?')}")
+    if "timed_layers" in timings:
+        text += (f"; prefill timings on this machine (CPU torch, {torch.get_num_threads()} "
+                 f"threads; compress vs one layer's SDPA causal attention, best of "
+                 f"{TIMING_REPEATS} interleaved runs on {timings['timed_layers']} layer(s))")
+    return text
+
+
+def analyze(policy, trace: Trace | None, seed: int = 0) -> PolicyResult:
+    """The policy's statistics (measured on ``trace`` when it needs attention, else by
+    definition) and the decode cost it derives from them."""
+    if policy.needs_attention:
+        stats, timings = run(policy, trace, seed)
+        prov = provenance(trace, policy, seed, timings)
+        note = policy.provenance(stats)
+        prov += f"; {note}" if note else ""
+    else:
+        stats, timings, prov = policy.definition_stats(), {}, DEFINITION
+    return PolicyResult(policy.name, dataclasses.asdict(policy.params),
+                        policy.decode_cost(stats), stats, prov, timings)

@@ -1,0 +1,67 @@
+"""The policies that keep a scored share of the context in HBM and never fetch (the top-k
+eviction and PoissonComp of the VerKV paper): one scorer call, one selection hook, one attention.
+
+A subclass overrides :meth:`ScoredPolicy.sample_budget` (the budget rule) and
+:meth:`ScoredPolicy.select` (scores -> additive log-weights on the context logits: 0 on a kept
+token, ``-log r`` on a reweighted sample, ``-inf`` on a dropped token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvsim.attention.weighted import weighted_attention_chunked
+from kvsim.contract import DecodeCost
+from kvsim.policies import options as O
+from kvsim.policies.base import KV_ELEM_BYTES, Compressed, Policy
+from kvsim.policies.scorers import context_scores
+
+
+@dataclass
+class NoFetchParams:
+    compression: float = O.compression_field()
+    eps: float = O.eps_field(" (only reported: the share of decisions whose true error exceeds "
+                             "it; these policies never fetch)")
+    scorer: str = O.scorer_field()
+    sink: int = O.sink_field()
+    local: int = O.local_field()
+
+    def validate(self) -> None:
+        O.check_common(self)
+
+
+class ScoredPolicy(Policy):
+    Params = NoFetchParams
+    needs_attention = True
+
+    def sample_budget(self, n_ctx: int) -> float:
+        """Tokens per KV head the selection may spend beyond sink and local (raises if none)."""
+        raise NotImplementedError
+
+    def select(self, scores: torch.Tensor, budget: float, generator: torch.Generator):
+        """(log-weights (n_kv, n_ctx), resident mask (n_kv, n_ctx), metadata bytes per KV head,
+        per-layer info) from the scorer's (n_kv, n_ctx) scores."""
+        raise NotImplementedError
+
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
+        p = self.params
+        n_kv, n_ctx, d = k.shape
+        budget = self.sample_budget(n_ctx)
+        s = context_scores(p.scorer, scores, k, obs_q, obs_pos)
+        log_w, resident, meta, info = self.select(s, budget, generator)
+        held = float(resident.sum(-1).to(torch.float64).mean())
+        return Compressed(log_w, held, held * 2 * d * KV_ELEM_BYTES + meta, meta, info)
+
+    def attend(self, log_w, q, q_pos, k, v):
+        g = q.shape[0] // k.shape[0]
+        lw = log_w.to(q.dtype).repeat_interleave(g, dim=0)[:, None, :]
+        out, log_d = weighted_attention_chunked(q, q_pos, k, v, lw)
+        return out, {"log_denominator": log_d}
+
+    def decode_cost(self, stats: dict) -> DecodeCost:
+        res = stats["resident_frac"]
+        return DecodeCost(resident_frac=res, hbm_read_frac=res, host_read_frac=0.0,
+                          host_frac=0.0, overlap=False, copies_per_layer=0.0,
+                          meta_frac=stats["meta_frac"])

@@ -1,0 +1,45 @@
+"""Token scorers by name: what top-k eviction and Poisson sampling rank a layer's context by.
+
+A scorer maps a layer's context keys, the per-token scores the trace or model provides and the
+observation window to (n_kv, n_ctx) scores. The harness adds an ``oracle`` score (the future
+attention of the question and decode rows) to ``scores``; a model run adds ``kvzip`` when asked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvsim.attention.scoring import snapkv_scores
+from kvsim.errors import KvsimError
+from kvsim.policies.options import SCORERS
+
+OBS_WINDOW = 64  # observation rows SnapKV pools over (the last question rows)
+
+
+def _snapkv(scores, k, obs_q, obs_pos):
+    if obs_q.shape[1]:  # from the question window; a captured "snapkv" score otherwise
+        return snapkv_scores(k, obs_q[:, -OBS_WINDOW:], obs_pos[-OBS_WINDOW:])
+    if "snapkv" in scores:
+        return scores["snapkv"].to(k.dtype)
+    raise KvsimError("scorer snapkv needs question rows in the trace (the observation "
+                     "window) or captured 'snapkv' scores; use --scorer kvzip or oracle")
+
+
+def _given(name: str):
+    def score(scores, k, obs_q, obs_pos):
+        if name not in scores:
+            have = ", ".join(sorted(scores)) or "none"
+            raise KvsimError(f"the trace has no {name!r} scores (it has: {have}); "
+                             f"use --scorer snapkv")
+        return scores[name].to(k.dtype)
+    return score
+
+
+SCORER = {"snapkv": _snapkv, "kvzip": _given("kvzip"), "oracle": _given("oracle")}
+assert tuple(SCORER) == SCORERS
+
+
+def context_scores(name: str, scores: dict[str, torch.Tensor], k: torch.Tensor,
+                   obs_q: torch.Tensor, obs_pos: torch.Tensor) -> torch.Tensor:
+    """The (n_kv, n_ctx) scores of scorer ``name`` for a layer's context ``k``."""
+    return SCORER[name](scores, k, obs_q, obs_pos)

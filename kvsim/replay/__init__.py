@@ -1,0 +1,137 @@
+"""``kvsim replay``: load trace -> analyse policy -> select costs -> simulate -> report.
+
+Each step is a call into the module that owns it; the report (:mod:`kvsim.replay.report`) says
+where every input figure came from. Policy analysis and trace loading are cached, so a sweep runs
+a policy on a trace's tensors once. Importing this module loads no tensor code: the harness (and
+torch) load when a policy that needs attention is analysed.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvsim import trace as tracefile
+from kvsim.contract import PolicyResult
+from kvsim.errors import KvsimError
+from kvsim.hw import catalog
+from kvsim.hw.catalog import GiB, ModelSpec
+from kvsim.hw.costs import costs_for
+from kvsim.io import atomic_write, check_destination
+from kvsim.policies.spec import PolicySpec, parse
+from kvsim.replay import report
+from kvsim.sim import timeline, workload
+from kvsim.sim.engine import Memory, Simulator
+
+DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "traces" / "smollm2-mk-2k.npz"
+DEFAULT_HOST_GIB = 256.0  # a 2 TiB host shared by 8 GPUs
+DEFAULT_WORKSPACE_GIB = 4.0  # CUDA context, activations, allocator slack
+
+
+@dataclass
+class ReplayConfig:
+    trace: str | Path | None = None  # None: the shipped default trace
+    policy: str = "dense-offload"  # a policy spec: NAME[:KEY=VALUE...]
+    policy_options: dict = field(default_factory=dict)
+    gpu: str | None = None  # catalog name; None: the trace's measured hardware, else h100-sxm
+    model: str | ModelSpec = "qwen3-4b"
+    context: int = 32768  # prompt tokens per request
+    batch: int = 1  # max concurrent sequences in the decode batch
+    qps: float | None = None  # Poisson arrivals; default is a closed loop
+    concurrency: int | None = None  # closed loop (default: = batch)
+    requests: int | None = None  # default: 2 x concurrency (closed) or 64 (Poisson)
+    output_len: int = 128
+    workload_csv: str | Path | None = None
+    seed: int = 0
+    host_gib: float | None = None
+    workspace_gib: float | None = None
+    timeline: str | Path | None = None  # write a Chrome/Perfetto trace of the first steps here
+    timeline_steps: int = 16
+    force: bool = False  # overwrite an existing timeline file
+
+    def check(self) -> None:
+        for name in ("context", "batch", "output_len", "timeline_steps"):
+            if getattr(self, name) < 1:
+                raise KvsimError(f"--{name.replace('_', '-')} must be positive, "
+                                 f"got {getattr(self, name)}")
+        if self.qps is not None and self.concurrency is not None:
+            raise KvsimError("give either --qps (open loop) or --concurrency (closed loop), "
+                             "not both")
+        for name in ("host_gib", "workspace_gib"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise KvsimError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        if self.timeline is not None:
+            check_destination(self.timeline, self.force)  # fail before the work, write nothing
+
+
+def run_replay(cfg: ReplayConfig) -> dict:
+    cfg.check()
+    spec = one_policy(cfg.policy, cfg.policy_options)
+    model = cfg.model if isinstance(cfg.model, ModelSpec) else catalog.model(cfg.model)
+    trace_path = Path(cfg.trace) if cfg.trace is not None else DEFAULT_TRACE
+    tr = load_trace(trace_path)
+    costs, cost_source = costs_for(cfg.gpu, tr.hardware)
+    analysis = analyze(trace_path, spec, cfg.seed)
+    memory = Memory(costs.hbm_bytes, _gib(cfg.host_gib, DEFAULT_HOST_GIB),
+                    model.weight_bytes, _gib(cfg.workspace_gib, DEFAULT_WORKSPACE_GIB))
+    work = workload.build(cfg.workload_csv, cfg.qps, cfg.concurrency, cfg.batch, cfg.requests,
+                          cfg.context, cfg.output_len, cfg.seed)
+    sim = Simulator(model, costs, analysis.cost, memory, cfg.batch)
+    res = sim.run(work)
+    out = report.build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, memory,
+                       work, res)
+    if cfg.timeline is not None:
+        events = timeline.build(sim, res, cfg.timeline_steps)
+        atomic_write(cfg.timeline, lambda f: f.write(json.dumps(events).encode()), cfg.force)
+        out["timeline"] = str(cfg.timeline)
+    return out
+
+
+def one_policy(text: str, options: dict) -> PolicySpec:
+    """The one policy a replay runs; options it does not take are an error here (the command
+    line reports flags meant for other policies before it gets this far)."""
+    specs, unused = parse(text, options)
+    if len(specs) != 1:
+        raise KvsimError(f"replay runs one policy; got {len(specs)} ({text})")
+    if unused:
+        raise KvsimError(f"{', '.join(unused)} does not apply to policy {specs[0].name}")
+    return specs[0]
+
+
+def _gib(value: float | None, default: float) -> float:
+    return (default if value is None else value) * GiB
+
+
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime if path.exists() else 0.0
+
+
+def load_trace(path: Path) -> tracefile.Trace:
+    return _load(str(path.resolve()), _mtime(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime: float) -> tracefile.Trace:
+    return tracefile.load(path)
+
+
+def analyze(path: Path, spec: PolicySpec, seed: int) -> PolicyResult:
+    """A policy's analysis of a trace; it does not depend on GPU, model, context or batch, so a
+    sweep computes it once per (trace, policy, options, seed)."""
+    return _analyze(str(path.resolve()), _mtime(path), spec.name,
+                    json.dumps(spec.options, sort_keys=True), seed)
+
+
+@functools.lru_cache(maxsize=256)
+def _analyze(path: str, mtime: float, name: str, options_json: str, seed: int) -> PolicyResult:
+    from kvsim.measure import harness  # tensor code loads here, when a policy runs
+    from kvsim.policies import make
+    policy = make(name, json.loads(options_json))
+    tr = _load(path, mtime)
+    if policy.needs_attention and tr.attention is None:
+        raise KvsimError(f"policy {name} needs a trace with an attention section "
+                         f"(kvsim capture); {path} has none")
+    return harness.analyze(policy, tr, seed)

@@ -1,0 +1,176 @@
+"""The replay report: what was asked, the headline figures, and the groups behind them.
+
+    {policy, policy_options, gpu, model, context, batch, output_len, seed,     what was asked
+     tpot_ms, throughput_tok_s, ttft_ms, e2e_s, hbm_gib, host_gib,            headline
+     link_util, kv_read_frac, hbm_meta_gib, <Table-2 statistics>,
+     sim: {...}, memory: {...},                                                the simulation
+     policy_cost: {...}, policy_stats: {...}, policy_timings: {...},           the policy
+     provenance: {...}, warnings: [...]}                                       where it came from
+
+Headline keys repeat values of their group; :func:`flatten` makes one table row of a report and
+refuses to drop a key whose value differs from one already there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from kvsim.hw import catalog
+from kvsim.hw.catalog import GiB
+from kvsim.policies.registry import resolve
+
+HEADLINE = ("tpot_ms", "throughput_tok_s", "ttft_ms", "e2e_s", "hbm_gib", "host_gib",
+            "link_util", "kv_read_frac", "hbm_meta_gib")
+# policy statistics earlier versions promised at the top level of the JSON (VerKV's Table 2)
+TABLE2 = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_frac",
+          "violation_rate", "output_rel_err_mean")
+
+
+def simulation(res, work) -> dict:
+    """Latency, throughput and utilisation of a simulated run."""
+    ttft = res.first_token - res.arrival
+    e2e = res.finish - res.arrival
+    multi = res.output > 1
+    tpot = (res.finish - res.first_token)[multi] / (res.output[multi] - 1)
+    makespan = float(res.finish.max() - res.arrival.min())
+    decode = [c for c in res.chunks if c.kind == "decode"]
+    decode_time = sum(c.duration for c in decode)
+    gpu_busy = sum(c.gpu_busy for c in res.chunks)
+    link_busy = sum(c.link_busy for c in res.chunks)
+    nan = float("nan")
+    pct = lambda a, q: float(np.percentile(a, q)) * 1e3 if len(a) else nan  # noqa: E731
+    per_s = lambda x: x / makespan if makespan > 0 else nan  # noqa: E731
+    return {
+        "tpot_ms": float(tpot.mean()) * 1e3 if len(tpot) else nan,
+        "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
+        "ttft_ms": float(ttft.mean()) * 1e3, "ttft_p50_ms": pct(ttft, 50),
+        "ttft_p99_ms": pct(ttft, 99),
+        "e2e_s": float(e2e.mean()),
+        "throughput_tok_s": per_s(float(res.output.sum())),
+        "decode_tok_s": (sum(c.batch * c.steps for c in decode) / decode_time
+                         if decode_time else nan),
+        "requests_per_s": per_s(work.n),
+        "requests": work.n,
+        "makespan_s": makespan,
+        "decode_steps": int(sum(c.steps for c in decode)),
+        "mean_batch": (sum(c.batch * c.duration for c in decode) / decode_time
+                       if decode_time else 0.0),
+        "mean_in_system": res.in_system_area / makespan if makespan > 0 else 0.0,
+        "gpu_util": gpu_busy / makespan if makespan > 0 else 0.0,
+        "link_util": link_busy / makespan if makespan > 0 else 0.0,
+    }
+
+
+def memory(res, cost, model, mem, batch: int) -> dict:
+    """Peak HBM and host use, with HBM split into weights, KV, policy metadata and workspace.
+
+    The KV state a request reserves per token is ``resident_frac`` (of which ``meta_frac`` is
+    metadata) plus its transfer staging; the peak KV state splits in those proportions."""
+    kv_state = res.peak_hbm_bytes - mem.weights_bytes - mem.workspace_bytes
+    staging = cost.staging_layers / model.layers * cost.host_read_frac
+    per_token = cost.resident_frac + staging
+    meta = kv_state * cost.meta_frac / per_token if per_token > 0 else 0.0
+    return {
+        "hbm_gib": res.peak_hbm_bytes / GiB, "host_gib": res.peak_host_bytes / GiB,
+        "hbm_weights_gib": mem.weights_bytes / GiB, "hbm_kv_gib": (kv_state - meta) / GiB,
+        "hbm_meta_gib": meta / GiB, "hbm_workspace_gib": mem.workspace_bytes / GiB,
+        "hbm_capacity_gib": mem.hbm_bytes / GiB, "host_capacity_gib": mem.host_bytes / GiB,
+        "max_batch_fit": res.max_batch_fit, "hbm_limited": res.max_batch_fit < batch,
+    }
+
+
+def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict) -> list[str]:
+    out = []
+    if res.max_batch_fit < cfg.batch:
+        out.append(f"memory admits at most {res.max_batch_fit} requests at once, "
+                   f"below --batch {cfg.batch}")
+    if cfg.context + cfg.output_len > model.max_context:
+        out.append(f"{cfg.context + cfg.output_len} tokens exceed {model.name}'s trained "
+                   f"context of {model.max_context}")
+    profiled = (tr.hardware.extra.get("model") or {}) if tr.hardware is not None else {}
+    if cost_source.startswith("trace") and profiled.get("dtype_bytes", model.dtype_bytes) \
+            != model.dtype_bytes:
+        out.append(f"kernel tables were profiled with {profiled['dtype_bytes']}-byte values; "
+                   f"{model.name} is planned with {model.dtype_bytes}-byte values")
+    out += [f"extrapolated beyond measured table: {e}" for e in sorted(costs.extrapolations)]
+    if "policy_transfer" in prov:
+        out.append(prov["policy_transfer"])
+    return out
+
+
+def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem,
+               work) -> dict:
+    meta = tr.meta
+    p = {
+        "trace": f"{trace_path} ({tr.describe()}; recorded by {meta.get('recorded_by')}, "
+                 f"{meta.get('created')})",
+        "costs": cost_source,
+        **{f"hw.{k}": v for k, v in costs.provenance.items()},
+        "model": f"catalog {model.name} ({model.source})" if model.name in catalog.MODELS
+                 else f"user-supplied shape {model.name}",
+        "policy": f"{analysis.name}: {analysis.provenance}",
+        "host_memory": f"{mem.host_bytes / GiB:g} GiB " + (
+            "(override --host-gib)" if cfg.host_gib is not None
+            else "(default: 2 TiB host / 8 GPUs)"),
+        "workspace": f"{mem.workspace_bytes / GiB:g} GiB " + (
+            "(override --workspace-gib)" if cfg.workspace_gib is not None
+            else "(default: CUDA context, activations, slack)"),
+        "workload": work.description,
+    }
+    if resolve(spec.name).needs_attention:
+        src_model, src_ctx = meta.get("model"), tr.attention.context_len
+        if src_model != model.name or src_ctx != cfg.context:
+            p["policy_transfer"] = (
+                f"policy statistics measured on {src_model} at {src_ctx} context tokens are "
+                f"applied to {model.name} at {cfg.context} tokens")
+    return p
+
+
+def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
+          res) -> dict:
+    sim = simulation(res, work)
+    mem_report = memory(res, analysis.cost, model, mem, cfg.batch)
+    prov = provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work)
+    stats = analysis.stats
+    top = {"kv_read_frac": analysis.cost.host_read_frac, **sim, **mem_report}
+    return {
+        "policy": spec.name, "policy_options": analysis.params, "gpu": costs.gpu_name,
+        "model": model.name, "context": cfg.context, "batch": cfg.batch,
+        "output_len": cfg.output_len, "seed": cfg.seed,
+        **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
+        "sim": sim, "memory": mem_report, "policy_cost": dataclasses.asdict(analysis.cost),
+        "policy_stats": stats, "policy_timings": analysis.timings,
+        "provenance": prov, "warnings": warnings(cfg, tr, model, costs, cost_source, res, prov),
+    }
+
+
+def flatten(report: dict, skip=("provenance", "warnings", "policy_options")) -> dict:
+    """One row of scalars: top-level values, then each group's, nested groups joined with ``_``
+    (``policy_stats.question.kv_read_frac`` -> ``question_kv_read_frac``). A key met twice must
+    carry the same value; otherwise this raises instead of silently keeping one of them."""
+    row: dict = {}
+
+    def put(key, value):
+        if key in row and not _same(row[key], value):
+            raise ValueError(f"report key {key!r} holds {row[key]!r} and {value!r}")
+        row.setdefault(key, value)
+
+    def walk(d: dict, prefix: str):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}_")
+            elif isinstance(v, (int, float, str, bool)) or v is None:
+                put(prefix + k, v)
+
+    walk({k: v for k, v in report.items() if k not in skip and not isinstance(v, dict)}, "")
+    for group in ("sim", "memory", "policy_cost", "policy_stats", "policy_timings"):
+        walk(report.get(group) or {}, "")
+    return row
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and np.isnan(a) and np.isnan(b):
+        return True
+    return a == b

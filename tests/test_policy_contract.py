@@ -1,0 +1,148 @@
+"""The policy contract, for every registered policy, and the one spec syntax of replay/plan/eval.
+
+Adding a policy is adding one file: these tests pick it up from the registry and hold it to what
+the harness, the simulator and the report rely on.
+"""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from kvsim.contract import SHARES, DecodeCost
+from kvsim.errors import KvsimError
+from kvsim.measure.harness import analyze
+from kvsim.model.synthetic import synthetic_attention_trace
+from kvsim.policies import REGISTRY, PolicySpec, load_all, make, parse
+from kvsim.policies.spec import expand
+from kvsim.replay import ReplayConfig, report, run_replay
+
+# options that make every policy fit a 512-token synthetic context (each takes those it has)
+FIT = {"sink": 4, "local": 4, "r_min": 2, "window": 16, "obs_window": 16, "compression": 4.0}
+REQUIRED = ("kv_read_frac", "output_rel_err_mean")
+REQUIRED_MEASURED = REQUIRED + ("decisions_fetch_frac", "kvhead_steps_fetch_frac",
+                                "tokens_per_fetch_frac", "resident_frac", "meta_frac",
+                                "context_tokens", "layers", "decisions", "traffic_basis")
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return synthetic_attention_trace(n_layers=2, n_q=4, n_kv=2, d=32, context=512, question=8,
+                                     decode=3, seed=0)
+
+
+def _policy(name):
+    cls = load_all()[name]
+    taken = {f.name for f in dataclasses.fields(cls.Params)}
+    return make(name, {k: v for k, v in FIT.items() if k in taken})
+
+
+@pytest.fixture(autouse=True)
+def _one_timing_run(monkeypatch):
+    from kvsim.measure import harness
+    monkeypatch.setattr(harness, "TIMING_REPEATS", 1)  # timings are reported, never asserted
+
+
+@pytest.mark.parametrize("name", sorted(load_all()))
+def test_every_registered_policy_keeps_the_contract(name, trace):
+    pol = _policy(name)
+    a = analyze(pol, trace if pol.needs_attention else None, seed=1)
+    b = analyze(_policy(name), trace if pol.needs_attention else None, seed=1)
+    assert isinstance(a.cost, DecodeCost) and a.name == name
+    for share in SHARES:
+        assert 0.0 <= getattr(a.cost, share) <= 1.0, share
+    assert a.cost.meta_frac <= a.cost.resident_frac
+    keys = REQUIRED_MEASURED if pol.needs_attention else REQUIRED
+    assert set(keys) <= set(a.stats), set(keys) - set(a.stats)
+    for key in ("kv_read_frac", "decisions_fetch_frac", "resident_frac", "meta_frac"):
+        if key in a.stats:
+            assert 0.0 <= a.stats[key] <= 1.0, key
+    # the same seed gives the same statistics and cost (timings are apart: wall clock)
+    assert json.dumps(a.stats, sort_keys=True, default=str) == \
+        json.dumps(b.stats, sort_keys=True, default=str)
+    assert a.cost == b.cost
+    assert a.provenance and (a.timings == {} or pol.times_compress)
+    if pol.needs_attention:
+        assert a.stats["question"] and a.stats["decode"] and a.stats["overall"]
+        assert a.cost.host_read_frac == pytest.approx(a.stats["kv_read_frac"]) or \
+            a.cost.host_read_frac == 0.0 == a.stats["kv_read_frac"]
+
+
+@pytest.mark.parametrize("name", sorted(load_all()))
+def test_every_policy_replays_and_its_report_flattens_without_loss(name, tmp_path, trace):
+    from kvsim import trace as T
+    path = tmp_path / "t.npz"
+    T.save(trace, path)
+    pol = _policy(name)
+    r = run_replay(ReplayConfig(trace=path, policy=name, policy_options=dataclasses.asdict(
+        pol.params), gpu="h100-sxm", model="qwen3-4b", context=8192, batch=2, output_len=4))
+    for key in report.HEADLINE:
+        assert key in r, key
+    assert r["memory"]["hbm_meta_gib"] >= 0
+    assert (r["hbm_meta_gib"] > 0) == (r["policy_cost"]["meta_frac"] > 0)
+    row = report.flatten(r)  # raises if two places of the report disagree on a key
+    assert row["tpot_ms"] == r["tpot_ms"] and "provenance" not in row
+
+
+def test_flatten_refuses_to_drop_a_differing_value():
+    with pytest.raises(ValueError, match="kv_read_frac"):
+        report.flatten({"kv_read_frac": 0.5, "policy_stats": {"kv_read_frac": 0.4}})
+    row = report.flatten({"a": 1, "sim": {"a": 1, "b": float("nan")},
+                          "memory": {"b": float("nan")}, "policy_stats": {"decode": {"x": 2}}})
+    assert set(row) == {"a", "b", "decode_x"} and math.isnan(row["b"]) and row["decode_x"] == 2
+
+
+# ------------------------------------------------------------------------------- specs
+
+def test_one_syntax_inline_options_override_flags():
+    specs, unused = parse("dense,verkv:sketch=perfect:eps=0.1", {"compression": 8.0, "eps": 0.2})
+    assert [s.name for s in specs] == ["dense-resident", "verkv"]
+    assert specs[0].options == {} and specs[0].label == "dense-resident"
+    assert specs[1].options == {"compression": 8.0, "sketch": "perfect", "eps": 0.1}
+    assert specs[1].label == "verkv:sketch=perfect:eps=0.1" and unused == []
+    specs, unused = parse("dense-offload", {"eps": 0.1, "sketch": "perfect"})
+    assert specs[0].options == {} and unused == ["--eps", "--sketch"]
+
+
+@pytest.mark.parametrize("text,flags,match", [
+    ("nope", {}, "unknown policy 'nope'"),
+    ("verkv:colour=red", {}, "no option 'colour'"),
+    ("verkv:eps=abc", {}, "expected float"),
+    ("verkv:eps", {}, "options are KEY=VALUE"),
+    ("verkv:eps=0", {}, "--eps must be > 0"),
+    ("verkv", {"delta": 2.0}, "--delta must lie strictly between"),
+    ("topk:sink=-1", {}, "--sink must be a whole number"),
+    ("verkv,verkv", {}, "twice"),
+    ("", {}, "--policy is empty"),
+])
+def test_bad_specs_are_one_line_errors(text, flags, match):
+    with pytest.raises(KvsimError, match=match) as e:
+        parse(text, flags)
+    assert "\n" not in str(e.value)
+
+
+def test_grids_expand_per_policy_and_keep_inline_options():
+    specs, unused = parse(["verkv:sketch=perfect", "topk"], {"eps": [0.05, 0.1],
+                                                            "sketch": ["2bit", "perfect"]},
+                          grid=True)
+    got = sorted((s.name, json.dumps(s.options, sort_keys=True)) for s in specs)
+    assert got == [("topk", '{"eps": 0.05}'), ("topk", '{"eps": 0.1}'),
+                   ("verkv", '{"eps": 0.05, "sketch": "perfect"}'),
+                   ("verkv", '{"eps": 0.1, "sketch": "perfect"}')]
+    assert unused == []
+    with pytest.raises(KvsimError, match="--eps must be > 0"):
+        expand(PolicySpec("verkv"), {"eps": [0.05, -1.0]})
+
+
+def test_make_rejects_foreign_options_and_aliases_resolve():
+    assert make("dense").name == "dense-resident"
+    with pytest.raises(KvsimError, match="does not apply to policy topk"):
+        make("topk", {"delta": 0.1})
+
+
+def test_registry_is_what_the_package_holds():
+    assert {"dense-resident", "dense-offload", "topk", "poissoncomp", "verkv", "varrate",
+            "flat"} <= set(REGISTRY)
+    for name, cls in REGISTRY.items():
+        assert cls.name == name and cls.summary  # --help explains every policy
