@@ -1,4 +1,5 @@
-"""The real-hardware profiler (``kvsim profile``) and its check (``kvsim validate``).
+"""The real-hardware profiler (``kvsim profile``): it only measures. Its check, ``kvsim validate``,
+lives beside the simulator it checks (:mod:`kvsim.validate`).
 
 Profile a GPU (CUDA events for times, NVML sampled in a background thread)::
 
@@ -25,7 +26,8 @@ working set larger than the last-level cache, as each layer of a real step has i
 * ``kernel_decode_attn`` (context, batch, tokens, seconds): one layer's decode attention for the
   model's head shape, ``tokens = batch x context``; ``kernel_gemm`` (batch, seconds): one layer's
   projections and gated MLP; ``kernel_lm_head``; ``kernel_decide`` (context, seconds,
-  fetched_frac): VerKV's decide pipeline for one layer and one sequence; ``kernel_matmul``,
+  fetched_frac): a policy's decide step for one layer and one sequence (the caller hands the
+  kernel in; ``kvsim profile`` gives VerKV's); ``kernel_matmul``,
   ``mem_gemv``, ``mem_copy``: throughput and bandwidth references;
 * ``nvml`` (t, sweep, one column per supported field): link generation/width, PCIe rx/tx,
   clocks, power, memory, temperature, utilisation; unsupported fields are listed in ``missing``.
@@ -36,7 +38,7 @@ and every sweep a lack of memory cut short (``shrunk``). The simulator reads
 ``link_h2d_pinned``, ``link_d2h_pinned``, ``link_gather_gpu``, ``kernel_decode_attn``,
 ``kernel_gemm``, ``kernel_decide`` and those three extras (``kvsim.hw.costs``).
 
-``kvsim validate`` runs real decode steps (see :mod:`profiler.validate`) and prints, per
+``kvsim validate`` runs real decode steps (see :mod:`kvsim.validate`) and prints, per
 configuration, the measured TPOT (median wall time of a step), the simulator's TPOT from the
 profile and the error, then the MAPE. On a shared CPU it also reports the error with the
 main thread's wait for a core removed (``mape_excl_wait``).

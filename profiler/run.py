@@ -16,7 +16,7 @@ from kvsim.errors import KvsimError
 from kvsim.io import check_destination
 from kvsim.hw import catalog
 from kvsim.hw.catalog import ModelSpec
-from kvsim.hw.costs import fit_alpha_beta
+from kvsim.hw.fit import fit_alpha_beta
 from profiler import kernels, link
 from profiler.backend import Backend, make_backend
 from profiler.identity import device_identity

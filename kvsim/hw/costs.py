@@ -18,23 +18,13 @@ import numpy as np
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.catalog import GB, GiB, GPUSpec, ModelSpec
+from kvsim.hw.fit import fit_alpha_beta
 
 DEFAULT_GPU = "h100-sxm"
 
 HBM_EFFICIENCY = 0.85  # achievable / spec HBM bandwidth (design note, public measurements)
 FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-size GEMMs
 GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA (design note)
-
-
-def fit_alpha_beta(nbytes: np.ndarray, seconds: np.ndarray) -> tuple[float, float]:
-    """Least-squares fit of ``t = alpha + n / beta``, weighted by 1/t so small copies count."""
-    n, t = np.asarray(nbytes, float), np.asarray(seconds, float)
-    w = 1.0 / t
-    A = np.stack([np.ones_like(n), n], axis=1) * w[:, None]
-    (alpha, inv_beta), *_ = np.linalg.lstsq(A, t * w, rcond=None)
-    if inv_beta <= 0:
-        raise KvsimError("measured link times do not grow with size; cannot fit a bandwidth")
-    return max(float(alpha), 0.0), 1.0 / float(inv_beta)
 
 
 @dataclass
