@@ -5,7 +5,8 @@ by side in one run on one device. Prints the ratio decide / dense (goal on CPU: 
     python benchmarks/bench_verkv_decide.py [--device cpu|cuda] [--context 32768] [--repeat 10]
 
 Shapes: 32 query heads, 8 KV heads, head dim 128 (Llama-3-8B-like), float32. The layer is a
-synthetic one (kvsim.model.synthetic) compressed at 16x with the 2-bit sketch (not timed). "dense" is
+synthetic one (kvsim.model.synthetic) compressed at 16x with the 2-bit sketch (not timed).
+"dense" is
 grouped-query attention without copying K/V per query head (matmul + softmax + matmul), which is
 faster than kvsim.attention.dense.dense_attention (the float64 reference, which expands K/V).
 The decide step is also timed with a full sort of the context instead of the top-4096 head.
@@ -23,10 +24,10 @@ import time
 
 import torch
 
+from kvsim.model.synthetic import synthetic_attention_trace
+from kvsim.policies import make
 from kvsim.policies.verkv.certificate import FETCH_HEAD, SHRINK_HEAD
 from kvsim.policies.verkv.kvfetch import DecideConfig, decide
-from kvsim.policies import make
-from kvsim.model.synthetic import synthetic_attention_trace
 
 
 def dense_gqa(q, k, v):

@@ -1,13 +1,41 @@
-"""Safe output files: check the destination first, write to a temporary name, then rename."""
+"""Safe files: reading a kvsim ``.npz`` (a JSON ``meta`` plus arrays, never pickles), and writing
+outputs (check the destination first, write to a temporary name, then rename)."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import Callable, IO
+from typing import IO, Callable
+
+import numpy as np
 
 from kvsim.errors import KvsimError
+
+
+def read_npz(path: str | os.PathLike, what: str, fmt: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(meta, arrays) of a kvsim ``.npz`` whose JSON ``meta`` has ``format == fmt``; every
+    problem is one :class:`KvsimError` line naming the file and ``what`` it should be."""
+    where = str(path)
+    if not Path(path).exists():
+        raise KvsimError(f"{where}: no such {what} file")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        raise KvsimError(f"{where}: not a readable .npz {what} ({type(e).__name__}: {e})") \
+            from None
+    if "meta" not in arrays:
+        raise KvsimError(f"{where}: not a kvsim {what} (no 'meta' entry)")
+    try:
+        meta = json.loads(str(arrays.pop("meta")))
+    except json.JSONDecodeError as e:
+        raise KvsimError(f"{where}: meta is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        raise KvsimError(f"{where}: not a kvsim {what} (meta.format != {fmt!r})")
+    return meta, arrays
 
 
 def check_destination(path: str | os.PathLike, force: bool = False) -> Path:

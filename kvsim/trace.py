@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from kvsim.errors import KvsimError
-from kvsim.io import atomic_write, check_destination
+from kvsim.io import atomic_write, check_destination, read_npz
 
 FORMAT = "kvsim-trace"
 SCHEMA_VERSION = 1
@@ -116,6 +115,7 @@ def new_meta(recorded_by: str, machine: dict | None = None, model: str | None = 
     """The top of every trace's meta; sections add their own provenance on save."""
     import datetime
     import platform
+
     from kvsim import __version__
     return {
         "format": FORMAT,
@@ -169,23 +169,8 @@ def _to_arrays(trace: Trace) -> tuple[dict[str, np.ndarray], dict]:
 
 def load(path: str | os.PathLike) -> Trace:
     """Read and validate a trace; every problem is one :class:`KvsimError` line."""
-    path = Path(path)
     where = str(path)
-    if not path.exists():
-        raise KvsimError(f"{where}: no such trace file")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
-        raise KvsimError(f"{where}: not a readable .npz trace ({type(e).__name__}: {e})") from None
-    if "meta" not in arrays:
-        raise KvsimError(f"{where}: not a kvsim trace (no 'meta' entry)")
-    try:
-        meta = json.loads(str(arrays.pop("meta")))
-    except json.JSONDecodeError as e:
-        raise KvsimError(f"{where}: meta is not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise KvsimError(f"{where}: not a kvsim trace (meta.format != {FORMAT!r})")
+    meta, arrays = read_npz(path, "trace", FORMAT)
     if meta.get("schema_version") != SCHEMA_VERSION:
         raise KvsimError(f"{where}: schema version {meta.get('schema_version')!r} is not "
                          f"supported (this kvsim reads version {SCHEMA_VERSION})")

@@ -25,6 +25,7 @@ from kvsim.errors import KvsimError
 from kvsim.hw.catalog import ModelSpec
 from profiler.backend import Backend, is_oom
 
+
 @dataclass
 class LayerWeights:
     ln1: torch.Tensor

@@ -13,10 +13,10 @@ from tqdm import tqdm
 
 from kvsim import trace as tracefile
 from kvsim.errors import KvsimError
-from kvsim.io import check_destination
 from kvsim.hw import catalog
 from kvsim.hw.catalog import ModelSpec
 from kvsim.hw.fit import fit_alpha_beta
+from kvsim.io import check_destination
 from profiler import kernels, link
 from profiler.backend import Backend, make_backend
 from profiler.identity import device_identity

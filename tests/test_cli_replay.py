@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import run_cli
 
 KEYS = ["policy", "gpu", "model", "context", "batch", "tpot_ms", "throughput_tok_s", "ttft_ms",

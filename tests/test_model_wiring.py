@@ -13,14 +13,17 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from kvsim import trace as T  # noqa: E402
-from kvsim.model.capture import capture  # noqa: E402
-from kvsim.measure.evaluate import PolicySpec, evaluate  # noqa: E402
 from kvsim.attention.dense import dense_attention  # noqa: E402
-from kvsim.model import LoadedModel, model_info  # noqa: E402
-from kvsim.model import runner  # noqa: E402
+from kvsim.measure.evaluate import PolicySpec, evaluate  # noqa: E402
+from kvsim.model import (  # noqa: E402
+    LoadedModel,
+    model_info,
+    runner,  # noqa: E402
+)
+from kvsim.model.capture import capture  # noqa: E402
 from kvsim.model.hooks import install  # noqa: E402
-from kvsim.policies import make  # noqa: E402
 from kvsim.model.tasks import Prompt  # noqa: E402
+from kvsim.policies import make  # noqa: E402
 
 
 class ByteCodec:

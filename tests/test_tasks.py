@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from kvsim.model import tasks
 from kvsim.errors import KvsimError
+from kvsim.model import tasks
 
 
 def count(text: str) -> int:  # a stand-in tokenizer: words and punctuation

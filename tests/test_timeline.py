@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import run_cli
+
 from kvsim.policies import load_all
 from kvsim.replay import ReplayConfig, run_replay
 

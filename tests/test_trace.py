@@ -5,8 +5,8 @@ import zipfile
 
 import numpy as np
 import pytest
-
 from conftest import tiny_attention, tiny_hardware
+
 from kvsim import trace as T
 from kvsim.errors import KvsimError
 

@@ -17,6 +17,7 @@ from kvsim.policies import make
 from kvsim.policies.varrate import calibrate
 from kvsim.policies.varrate import codec as vc
 
+
 @pytest.fixture(autouse=True)
 def _one_timing_run(monkeypatch):
     from kvsim.measure import harness

@@ -8,12 +8,22 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
+from kvsim.attention.sampling import (
+    always_kept,
+    inclusion_probs,
+    poisson_compress,
+    solve_c,
+    topk_keep,
+)
+from kvsim.attention.scoring import to_tau
 from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv.kvfetch import DecideConfig, decide, make_layer
-from kvsim.attention.sampling import (always_kept, inclusion_probs, poisson_compress, solve_c,
-                                   topk_keep)
-from kvsim.attention.scoring import to_tau
-from kvsim.policies.verkv.sketch import build_sketch, rope_pairs, sketch_bits_per_token, sketch_bytes
+from kvsim.policies.verkv.sketch import (
+    build_sketch,
+    rope_pairs,
+    sketch_bits_per_token,
+    sketch_bytes,
+)
 
 F64 = torch.float64
 DELTA = 0.1

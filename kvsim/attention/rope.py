@@ -14,6 +14,7 @@ import torch
 
 from kvsim.errors import KvsimError
 
+
 @dataclass(frozen=True)
 class Rope:
     inv_freq: torch.Tensor  # (d_rot / 2,) float32, as the model holds it

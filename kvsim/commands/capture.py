@@ -7,7 +7,6 @@ from pathlib import Path
 
 from kvsim.errors import KvsimError
 
-
 HELP = "record a trace of real attention (K/V, queries, scorer outputs)"
 
 
@@ -38,9 +37,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvsim import trace
-    from kvsim.model import tasks
+    from kvsim.model import load_model, tasks
     from kvsim.model.capture import capture, parse_layers
-    from kvsim.model import load_model
     out = Path(args.out)
     if out.suffix != ".npz":
         raise KvsimError(f"{out}: a trace file must end in .npz")

@@ -7,7 +7,6 @@ import dataclasses
 from kvsim.commands._out import print_json, table
 from kvsim.hw import catalog
 
-
 HELP = "list catalog GPUs and model shapes with their sources"
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-
-HELP = "measure a GPU (--gpu N) or the CPU (--device cpu): link bandwidth, kernel times, NVML; writes a trace"
+HELP = ("measure a GPU (--gpu N) or the CPU (--device cpu): link bandwidth, kernel times, NVML; "
+        "writes a trace")
 
 
 def add_parser(sub) -> None:

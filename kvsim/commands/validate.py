@@ -7,8 +7,8 @@ import argparse
 from kvsim.commands._out import fmt, print_json, table
 from kvsim.errors import KvsimError
 
-
-HELP = "run real decode loops on the profiled device and compare measured with predicted TPOT (MAPE)"
+HELP = ("run real decode loops on the profiled device and compare measured with predicted TPOT "
+        "(MAPE)")
 
 
 def _ints(s: str) -> list[int]:

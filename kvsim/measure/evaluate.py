@@ -15,6 +15,7 @@ import math
 import sys
 import time
 import traceback
+
 import torch
 
 from kvsim.attention.scoring import attention_mass

@@ -17,8 +17,15 @@ import torch
 from kvsim import trace as tr
 from kvsim.errors import KvsimError
 from kvsim.model.hooks import Controller
-from kvsim.model.runner import (KVZIP_CHUNK, KVZIP_PROMPT, SNAPKV_WINDOW, cache_kv, generate,
-                                prefill, truncate)
+from kvsim.model.runner import (
+    KVZIP_CHUNK,
+    KVZIP_PROMPT,
+    SNAPKV_WINDOW,
+    cache_kv,
+    generate,
+    prefill,
+    truncate,
+)
 from kvsim.model.tasks import Prompt, score
 
 

@@ -127,7 +127,7 @@ PLOT_TEXT = {
 
 def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality) -> None:
     ok = df[df.status == "ok"]
-    lines = [f"# kvsim capacity plan", "",
+    lines = ["# kvsim capacity plan", "",
              f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by "
              f"kvsim {__version__} on {platform.node()} ({platform.machine()}).", "",
              f"Command: `{command}`" if command else "", "",

@@ -43,6 +43,14 @@ def _ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["status"] == "ok"] if "status" in df else df
 
 
+def _lines(ax, p: pd.DataFrame, x: str, y: str, series: dict, prefix: str) -> None:
+    """One line per label of ``p``: ``y`` against ``x``, recorded in ``series``."""
+    for lab, g in p.groupby("label"):
+        g = g.sort_values(x)
+        ax.plot(g[x], g[y], marker="o", label=lab)
+        series[f"{prefix}|{lab}"] = (g[x].tolist(), g[y].tolist())
+
+
 def throughput_vs_batch(df: pd.DataFrame, out: Path) -> dict:
     d = _ok(df)
     d = d[d["qps"].isna()] if "qps" in d else d
@@ -53,10 +61,7 @@ def throughput_vs_batch(df: pd.DataFrame, out: Path) -> dict:
     fig, axes = _grid(len(panels))
     for ax, (gpu, model, ctx) in zip(axes, panels):
         p = d[(d.gpu == gpu) & (d.model == model) & (d.context == ctx)]
-        for lab, g in p.groupby("label"):
-            g = g.sort_values("batch")
-            ax.plot(g.batch, g.decode_tok_s, marker="o", label=lab)
-            series[f"{gpu}|{model}|{ctx}|{lab}"] = (g.batch.tolist(), g.decode_tok_s.tolist())
+        _lines(ax, p, "batch", "decode_tok_s", series, f"{gpu}|{model}|{ctx}")
         ax.set(xscale="log", yscale="log", xlabel="max batch", ylabel="decode tokens / s",
                title=f"{gpu}, {model}, {ctx // 1024}K context")
         ax.grid(alpha=0.3, which="both")
@@ -77,10 +82,7 @@ def tpot_vs_context(df: pd.DataFrame, out: Path) -> dict:
     fig, axes = _grid(len(panels))
     for ax, (gpu, model) in zip(axes, panels):
         p = d[(d.gpu == gpu) & (d.model == model)]
-        for lab, g in p.groupby("label"):
-            g = g.sort_values("context")
-            ax.plot(g.context, g.tpot_ms, marker="o", label=lab)
-            series[f"{gpu}|{model}|{lab}"] = (g.context.tolist(), g.tpot_ms.tolist())
+        _lines(ax, p, "context", "tpot_ms", series, f"{gpu}|{model}")
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="TPOT (ms)",
                title=f"{gpu}, {model}, batch {int(p.batch.iloc[0])}")
         ax.set_xscale("log", base=2)

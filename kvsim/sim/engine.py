@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from kvsim.contract import DecodeCost
 from kvsim.errors import Infeasible
 from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import CostModel
-from kvsim.contract import DecodeCost
 from kvsim.sim.pipeline import step_time
 from kvsim.sim.workload import Workload
 

@@ -166,7 +166,7 @@ def decide_step(be, st: Stack, host: KVStore, B: int, n: int, vk):
     the policy's reweighting, MLP."""
     from profiler.link import uva_view
     m = st.m
-    L, g, T = m.layers, m.q_heads // m.kv_heads, vk.t_max
+    L, T = m.layers, vk.t_max
     rows = lambda t: t[:B * n * host.per_tok].view(B, m.kv_heads * n, m.head_dim)  # noqa: E731
     src = [(uva_view(be, rows(host.k[l])), uva_view(be, rows(host.v[l]))) for l in range(L)]
     # per layer: the resident sample (filled once) with room for the fetched rows behind it

@@ -17,16 +17,15 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvsim.errors import KvsimError
-from kvsim.io import atomic_write, check_destination
 from kvsim.attention import rope as rp
+from kvsim.errors import KvsimError
+from kvsim.io import atomic_write, check_destination, read_npz
 from kvsim.policies.varrate import codec as vc
 from kvsim.trace import Trace
 from kvsim.trace import load as load_trace
@@ -147,18 +146,8 @@ def save(basis: Basis, path: str | os.PathLike, force: bool = False) -> Path:
 
 
 def load(path: str | os.PathLike) -> Basis:
-    path = Path(path)
     where = str(path)
-    if not path.exists():
-        raise KvsimError(f"{where}: no such basis file (make one with `kvsim calibrate`)")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-        meta = json.loads(str(arrays.pop("meta")))
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
-        raise KvsimError(f"{where}: not a readable basis file ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise KvsimError(f"{where}: not a VarRate basis file (meta.format != {FORMAT!r})")
+    meta, arrays = read_npz(path, "VarRate basis (from kvsim calibrate)", FORMAT)
     layers, svs = {}, {}
     for l in meta.get("layers", []):
         key = f"L{l}/basis"

@@ -352,8 +352,8 @@ def encode(k: torch.Tensor, v: torch.Tensor, basis: torch.Tensor, rope: Rope, ka
     exact = prep.exact
     code = Code(n, g, d, stride, window, rank_cap, k[:, exact].clone(), v[:, exact].clone(), ids,
                 ranks.to(torch.uint16), qc)
-    info = {"budget": budget, "budget_unspent": unspent, "s_hat": s_hat, "ranks": ranks, "n_coded": n_c,
-            "n_exact": n - n_c, "coef": coef}
+    info = {"budget": budget, "budget_unspent": unspent, "s_hat": s_hat, "ranks": ranks,
+            "n_coded": n_c, "n_exact": n - n_c, "coef": coef}
     return code, info
 
 

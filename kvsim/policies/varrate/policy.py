@@ -32,7 +32,7 @@ from kvsim.policies.varrate import codec as vc
 SELF_BASIS = ("basis fit on the evaluated context itself (in-sample, optimistic; NOT the paper's "
               "protocol, which calibrates on other contexts: pass --basis FILE from `kvsim "
               "calibrate`)")
-META_PARTS = ("scales", "anchor_ids", "ranks")  # stored bytes that are neither tokens nor coefficients
+META_PARTS = ("scales", "anchor_ids", "ranks")  # stored bytes: neither tokens nor coefficients
 
 
 @dataclass

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsim.policies.verkv import certificate as C
 from kvsim.attention.sampling import PoissonSample
+from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv.sketch import KeySketch, shortlist, sketch_logits
 
 VARIANTS = ("independent", "paper")

@@ -44,10 +44,19 @@ from kvsim.policies import options as O
 from kvsim.policies.base import KV_ELEM_BYTES, Compressed, Policy
 from kvsim.policies.registry import register
 from kvsim.policies.scorers import context_scores
-from kvsim.policies.verkv.kvfetch import (VARIANTS, DecideConfig, decide, make_layer,
-                                          reweighted_log_factor)
-from kvsim.policies.verkv.sketch import (build_sketch, rope_pairs, sketch_bits_per_token,
-                                         sketch_bytes)
+from kvsim.policies.verkv.kvfetch import (
+    VARIANTS,
+    DecideConfig,
+    decide,
+    make_layer,
+    reweighted_log_factor,
+)
+from kvsim.policies.verkv.sketch import (
+    build_sketch,
+    rope_pairs,
+    sketch_bits_per_token,
+    sketch_bytes,
+)
 
 SKETCHES = ("2bit", "perfect")
 SHRINKAGES = ("binary", "bounded")
