@@ -56,7 +56,8 @@ def test_plots_draw_the_expected_series(attn_trace, tmp_path):
     ctx, ms = tpot["h100-sxm|qwen3-4b|dense-offload"]
     assert ctx == [4096, 16384, 65536] and ms[0] < ms[1] < ms[2]
     hbm = plots.hbm_breakdown(df, tmp_path)
-    assert set(hbm) == {"weights", "resident KV", "sketch / metadata", "workspace"}
+    assert set(hbm) == {"weights", "resident KV", "transfer staging", "sketch / metadata",
+                        "workspace"}
     quality = pd.DataFrame({"label": ["dense-resident", "dense-offload"], "policy": ["a", "b"],
                             "relative_accuracy": [1.0, 1.0]})
     par = plots.pareto(df, quality, tmp_path)
@@ -122,3 +123,28 @@ def test_plan_cli_errors(attn_trace, tmp_path):
         code, _, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context",
                                "8192", "--policy", "dense-offload", "--trace", attn_trace, *args)
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_hbm_plot_shows_verkv_metadata(tmp_path):
+    """VerKV's sketch and inclusion probabilities are metadata in HBM, not resident KV."""
+    df = sweep(SweepSpec(gpus=["h100-sxm"], models=["qwen3-4b"], contexts=[32768],
+                         policies=["verkv", "dense-offload"],
+                         option_grid={"sink": [4], "local": [4]}), LocalExecutor(1),
+               progress=False)
+    labels, meta = plots.hbm_breakdown(df, tmp_path)["sketch / metadata"]
+    _, staging = plots.hbm_breakdown(df, tmp_path)["transfer staging"]
+    by = dict(zip(labels, meta))
+    assert by["verkv local4 sink4"] > 0 and by["dense-offload"] == 0
+    assert all(s > 0 for s in staging)  # both stream KV through HBM buffers
+    row = df[df.policy == "verkv"].iloc[0]
+    assert row.hbm_meta_gib == pytest.approx(
+        row.hbm_gib - row.hbm_weights_gib - row.hbm_workspace_gib - row.hbm_kv_gib
+        - row.hbm_staging_gib)
+
+
+def test_a_sweep_whose_every_run_fails_still_writes_its_table_and_report(tmp_path):
+    out = tmp_path / "p"
+    s = plan(SweepSpec(gpus=["h100-sxm"], models=["qwen3-4b"], contexts=[4096],
+                       policies=["dense-resident"], trace=str(tmp_path / "missing.npz")), out,
+             LocalExecutor(1), progress=False)
+    assert s["failed"] == 1 and "no such trace" in (out / "report.md").read_text()

@@ -95,6 +95,8 @@ def tpot_vs_context(df: pd.DataFrame, out: Path) -> dict:
 
 def max_batch_fit(df: pd.DataFrame, out: Path) -> dict:
     d = _ok(df)
+    if d.empty:  # every run failed: nothing to draw
+        return {}
     d = d[d.context == d.context.max()]
     t = d.groupby(["label", "gpu"])["max_batch_fit"].max().unstack("gpu")
     series = {}
@@ -117,7 +119,8 @@ def max_batch_fit(df: pd.DataFrame, out: Path) -> dict:
 
 
 HBM_PARTS = [("hbm_weights_gib", "weights"), ("hbm_kv_gib", "resident KV"),
-             ("hbm_meta_gib", "sketch / metadata"), ("hbm_workspace_gib", "workspace")]
+             ("hbm_staging_gib", "transfer staging"), ("hbm_meta_gib", "sketch / metadata"),
+             ("hbm_workspace_gib", "workspace")]
 
 
 def hbm_breakdown(df: pd.DataFrame, out: Path) -> dict:
@@ -130,7 +133,7 @@ def hbm_breakdown(df: pd.DataFrame, out: Path) -> dict:
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows)), 3.6))
     bottom = np.zeros(len(rows))
     for col, name in HBM_PARTS:
-        vals = rows[col].fillna(0).to_numpy(float)
+        vals = rows[col].fillna(0).to_numpy(float) if col in rows else np.zeros(len(rows))
         ax.bar(rows.label, vals, bottom=bottom, label=name)
         bottom += vals
         series[name] = (rows.label.tolist(), vals.tolist())

@@ -64,17 +64,20 @@ def simulation(res, work) -> dict:
 
 
 def memory(res, cost, model, mem, batch: int) -> dict:
-    """Peak HBM and host use, with HBM split into weights, KV, policy metadata and workspace.
+    """Peak HBM and host use, with HBM split into weights, resident KV, transfer staging, policy
+    metadata and workspace.
 
     The KV state a request reserves per token is ``resident_frac`` (of which ``meta_frac`` is
     metadata) plus its transfer staging; the peak KV state splits in those proportions."""
     kv_state = res.peak_hbm_bytes - mem.weights_bytes - mem.workspace_bytes
     staging = cost.staging_layers / model.layers * cost.host_read_frac
     per_token = cost.resident_frac + staging
-    meta = kv_state * cost.meta_frac / per_token if per_token > 0 else 0.0
+    share = (lambda f: kv_state * f / per_token) if per_token > 0 else (lambda f: 0.0)
+    meta, stage = share(cost.meta_frac), share(staging)
     return {
         "hbm_gib": res.peak_hbm_bytes / GiB, "host_gib": res.peak_host_bytes / GiB,
-        "hbm_weights_gib": mem.weights_bytes / GiB, "hbm_kv_gib": (kv_state - meta) / GiB,
+        "hbm_weights_gib": mem.weights_bytes / GiB,
+        "hbm_kv_gib": (kv_state - meta - stage) / GiB, "hbm_staging_gib": stage / GiB,
         "hbm_meta_gib": meta / GiB, "hbm_workspace_gib": mem.workspace_bytes / GiB,
         "hbm_capacity_gib": mem.hbm_bytes / GiB, "host_capacity_gib": mem.host_bytes / GiB,
         "max_batch_fit": res.max_batch_fit, "hbm_limited": res.max_batch_fit < batch,
