@@ -3,9 +3,12 @@
     python docs/quality_table.py docs/eval-smollm2/*.json
 
 Rows are policies (with the options that name them), columns budgets; a cell is the accuracy as a
-share of dense on the same prompts (right / n) and the KV read per forward pass (decode steps
-alone in brackets) as measured by the policy's own statistics. For VarRate the cell gives the
-measured footprint instead (nothing is read from host memory).
+share of dense on the same prompts (right / n) and the KV read per forward pass, question pass
+and decode steps alike (decode steps alone in brackets), as measured by the policy's own
+statistics. For VarRate the cell gives the measured footprint instead (nothing is read from host
+memory). Reads the output of every kvsim version: ``kv_read_frac_overall`` and
+``stats["footprint_frac"]`` now; ``kv_read_frac`` (then the per-pass mean) and per-key
+``{"decode_per_call": ...}`` statistics in the files shipped in docs/eval-smollm2/.
 """
 
 from __future__ import annotations
@@ -51,9 +54,12 @@ def main(paths: list[str]) -> None:
             dense[k] += r["dense_accuracy"] * r["n"]  # the same prompts, dense
             n[k] += r["n"]
             stats = r.get("stats", {})
-            kv[k].append(r.get("kv_read_frac") or 0.0)
-            kv_dec[k].append((stats.get("kv_read_frac") or {}).get("decode_per_call"))
-            foot[k].append((stats.get("footprint_frac") or {}).get("mean_per_call"))
+            new = "kv_read_frac_overall" in r
+            kv[k].append((r["kv_read_frac_overall"] if new else r.get("kv_read_frac")) or 0.0)
+            kv_dec[k].append(r["kv_read_frac_decode"] if new else
+                             (stats.get("kv_read_frac") or {}).get("decode_per_call"))
+            f = stats.get("footprint_frac")
+            foot[k].append(f.get("mean_per_call") if isinstance(f, dict) else f)
     budgets = sorted({b for _, b in n if b != "-"})
     mean = lambda xs: (sum(xs) / len(xs)) if xs else None  # noqa: E731
     print(f"prompts: {dict(tasks)}; dense answered {right[('dense', '-')]:.0f}/{n[('dense', '-')]}")

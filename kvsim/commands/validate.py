@@ -22,8 +22,20 @@ def _ints(s: str) -> list[int]:
     return out
 
 
+EPILOG = """examples:
+  kvsim validate --device cpu --json                       profiles first (--quick); ~25 s here
+  kvsim validate --gpu 0 --profile traces/h200-qwen3-4b.npz
+  kvsim validate --device cpu --policies dense,topk:compression=8:sink=4:local=4 --contexts 4096
+
+Each configuration runs real decode steps of a model-shaped stack (random weights) built from
+the policy's decode cost, and compares their median time with the simulator's prediction from
+the same profile.
+"""
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("validate", help=HELP)
+    p = sub.add_parser("validate", help=HELP, description=__doc__, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", type=int, default=None, metavar="N", help="CUDA device index")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--profile", default=None,
@@ -37,7 +49,10 @@ def add_parser(sub) -> None:
                    help="layers of the validation stack (default: the model's on a GPU, at "
                         "most 12 on the CPU)")
     p.add_argument("--policies", default="dense-resident,dense-offload,verkv",
-                   help="comma-separated (verkv runs at contexts its budget allows)")
+                   metavar="SPEC[,SPEC...]",
+                   help="any registered policies, NAME[:KEY=VALUE...] each; those that run on "
+                        "attention skip (with a note) contexts their budget does not fit "
+                        "[default: dense-resident,dense-offload,verkv]")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per config")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=None,
