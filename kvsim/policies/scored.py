@@ -8,6 +8,7 @@ token, ``-log r`` on a reweighted sample, ``-inf`` on a dropped token).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +37,14 @@ class ScoredPolicy(Policy):
     Params = NoFetchParams
     needs_attention = True
 
+    @abstractmethod
     def sample_budget(self, n_ctx: int) -> float:
         """Tokens per KV head the selection may spend beyond sink and local (raises if none)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def select(self, scores: torch.Tensor, budget: float, generator: torch.Generator):
         """(log-weights (n_kv, n_ctx), resident mask (n_kv, n_ctx), metadata bytes per KV head,
         per-layer info) from the scorer's (n_kv, n_ctx) scores."""
-        raise NotImplementedError
 
     def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
         p = self.params
