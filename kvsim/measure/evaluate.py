@@ -20,12 +20,11 @@ import torch
 
 from kvsim.attention.scoring import attention_mass
 from kvsim.errors import KvsimError
-from kvsim.measure.stats import Calls
+from kvsim.measure.stats import Calls, kept
 from kvsim.model.hooks import Controller
 from kvsim.model.runner import KVZIP_PROMPT, cache_kv, generate, prefill
 from kvsim.model.tasks import Prompt, score
 from kvsim.policies import PolicySpec, make
-from kvsim.policies.base import KV_ELEM_BYTES
 
 DEFAULT_MAX_NEW = {"niah": 12, "mk": 12, "qa": 12, "mv": 40, "cwe": 48, "prompts": 32}
 
@@ -104,7 +103,7 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
             r["forwards"] += g.forwards
             for (layer, m, st), ph in zip(g.stats, g.phases):
                 r["calls"].add(ph, st, pre.n_ctx)
-            r["held"].append(_held(g.compressed, pre.n_ctx, lm.info["head_dim"], pol))
+            r["held"].append(kept(pol, g.compressed, pre.n_ctx, lm.info["head_dim"]))
             if len(r["examples"]) < 3:
                 r["examples"].append({"prompt": p.id, "answers": p.answers, "dense": d.text,
                                       "policy": g.text})
@@ -148,15 +147,6 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
                    "model_load_s": lm.load_s},
         "kvzip_scores": want_kvzip, "oracle_scores": want_oracle, "warnings": warnings,
     }
-
-
-def _held(compressed: list, n_ctx: int, head_dim: int, policy) -> dict:
-    """What the policy kept of one prompt's context, as shares of the full 16-bit cache."""
-    full = n_ctx * 2 * head_dim * KV_ELEM_BYTES
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    out = {"resident_frac": mean([c.held_bytes / full for c in compressed]),
-           "meta_frac": mean([c.meta_bytes / full for c in compressed])}
-    return out | policy.summarize([c.info for c in compressed])
 
 
 def _mean_dicts(rows: list[dict]) -> dict:

@@ -8,7 +8,7 @@ dense attention and the per-decision statistics go to the one aggregator
 
 An ``oracle`` score (attention mass of every question and decode row over the context) is added
 to the scores unless the trace has one. Bytes assume a 16-bit KV cache (2 bytes per element),
-whatever the trace's dtype. Policies that ask for it (``times_compress``) have ``compress`` timed
+whatever the trace's dtype (``kvsim.policies.base.KV_ELEM_BYTES``). Policies that ask for it (``times_compress``) have ``compress`` timed
 against one layer's dense causal prefill attention on this machine; those timings are reported
 apart from the statistics, which the same seed reproduces exactly.
 """
@@ -26,8 +26,7 @@ from kvsim.attention.dense import dense_attention, expand_kv
 from kvsim.attention.scoring import attention_mass
 from kvsim.contract import PolicyResult
 from kvsim.errors import KvsimError
-from kvsim.measure.stats import Calls
-from kvsim.policies.base import KV_ELEM_BYTES
+from kvsim.measure.stats import Calls, kept
 from kvsim.trace import Trace
 
 DEFINITION = "by definition (exact attention; no trace statistics needed)"
@@ -114,15 +113,8 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
                 rec["denominator_rel_err"] = den.abs()
             calls.add(phase, rec, n_ctx)
     stats = calls.summary(getattr(policy.params, "eps", None))
-    full = n_ctx * 2 * a.head_dim * KV_ELEM_BYTES  # one layer's K+V per KV head, 16-bit
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     stats |= {"context_tokens": n_ctx, "layers": len(a.layers), "decisions": calls.decisions,
-              "head_dim": a.head_dim,
-              "held_tokens": mean([c.held_tokens for c in compressed]),
-              "held_bytes": mean([c.held_bytes for c in compressed]),
-              "resident_frac": min(1.0, mean([c.held_bytes / full for c in compressed])),
-              "meta_frac": min(1.0, mean([c.meta_bytes / full for c in compressed]))}
-    stats |= policy.summarize([c.info for c in compressed])
+              "head_dim": a.head_dim, **kept(policy, compressed, n_ctx, a.head_dim)}
     return stats, _timings(compressed, t_comp, t_dense, n_ctx)
 
 

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from kvsim.policies.base import KV_ELEM_BYTES
+
 TRAFFIC = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_frac",
            "kv_read_frac")
 PHASES = ("question", "decode")
@@ -65,6 +67,19 @@ class Calls:
         out: dict = {k: (traffic[k] if k in TRAFFIC else v) for k, v in parts["overall"].items()}
         out["traffic_basis"] = "decode steps" if d else "question pass (no decode rows)"
         return out | {p: s for p, s in parts.items() if s}
+
+
+def kept(policy, compressed: list, n_ctx: int, head_dim: int) -> dict:
+    """What ``policy`` kept of a context, from the ``Compressed`` of each layer: tokens and bytes
+    per KV head (means over layers), as shares of the full 16-bit cache (``resident_frac``,
+    ``meta_frac``), and the policy's own summary of its per-layer facts."""
+    full = n_ctx * 2 * head_dim * KV_ELEM_BYTES  # one layer's K+V of one KV head
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"held_tokens": mean([c.held_tokens for c in compressed]),
+            "held_bytes": mean([c.held_bytes for c in compressed]),
+            "resident_frac": min(1.0, mean([c.held_bytes / full for c in compressed])),
+            "meta_frac": min(1.0, mean([c.meta_bytes / full for c in compressed]))} \
+        | policy.summarize([c.info for c in compressed])
 
 
 def _cat(recs: list[dict], key: str) -> torch.Tensor | None:
