@@ -38,6 +38,24 @@ class DecodeCost:
                              f"{self.resident_frac}: metadata is part of the resident state")
 
 
+@dataclass(frozen=True)
+class PrefillWork:
+    """A policy's own work after a context's prefill (scoring, sampling, sketching, coding), for
+    one sequence of ``n`` context tokens on the planned model, all layers:
+    ``flops = flops_per_token * n + flops_per_token_sq * n**2``, ``hbm_bytes = bytes_per_token * n``,
+    charged at the GPU's achievable rates (a roofline)."""
+    flops_per_token: float = 0.0
+    flops_per_token_sq: float = 0.0
+    bytes_per_token: float = 0.0
+    source: str = "none: the policy does no work at prefill"
+
+    def flops(self, n):
+        return self.flops_per_token * n + self.flops_per_token_sq * n * n
+
+    def bytes(self, n):
+        return self.bytes_per_token * n
+
+
 @dataclass
 class PolicyResult:
     name: str

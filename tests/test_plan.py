@@ -88,14 +88,16 @@ def default_trace_ok(attn_trace, monkeypatch):
 
 
 def test_slo_search_brackets_the_answer_and_is_monotone(default_trace_ok):
-    loose = slo.max_qps(_probe, tpot_ms=20, ttft_ms=2000)
-    tight = slo.max_qps(_probe, tpot_ms=9, ttft_ms=2000)
+    limits = lambda tpot: [slo.Limit("tpot_ms", tpot), slo.Limit("ttft_ms", 2000)]  # noqa: E731
+    loose = slo.max_qps(_probe, limits(20))
+    tight = slo.max_qps(_probe, limits(9))
     assert 0 < tight.qps <= loose.qps
     for res, tpot in ((loose, 20), (tight, 9)):
-        assert slo.meets(_probe(res.qps), tpot, 2000)
-        assert not slo.meets(_probe(res.fails_at), tpot, 2000)
+        assert slo.check(_probe(res.qps), limits(tpot))[0]
+        assert not slo.check(_probe(res.fails_at), limits(tpot))[0]
         assert res.fails_at / res.qps <= 1.02 + 1e-9
-    assert slo.max_qps(_probe, tpot_ms=0.001, ttft_ms=1).qps == 0.0
+        assert res.at_qps["tpot_p99_ms"] <= tpot and res.why_fails
+    assert slo.max_qps(_probe, [slo.Limit("tpot_ms", 0.001)]).qps == 0.0
 
 
 def test_ray_and_local_give_identical_results(attn_trace):

@@ -17,7 +17,7 @@ def test_timeline_is_valid_and_resources_never_overlap(attn_trace, tmp_path, pol
     out = tmp_path / "tl.json"
     r = run_replay(ReplayConfig(trace=attn_trace, policy=policy, gpu="h100-sxm", model="qwen3-4b",
                                 context=8192, batch=4, output_len=6, timeline=out,
-                                timeline_steps=5))
+                                timeline_steps=5, scheduler="prefill-first"))
     d = json.loads(out.read_text())
     ev = [e for e in d["traceEvents"] if e["ph"] == "X"]
     assert d["otherData"]["decode_steps"] == 5
@@ -135,7 +135,8 @@ def test_every_policy_timeline_matches_the_engine(synthetic_path, tmp_path, poli
     r = run_replay(ReplayConfig(trace=synthetic_path, policy=policy,
                                 policy_options={k: v for k, v in FIT.items() if k in taken},
                                 gpu="h100-sxm", model="qwen3-4b", context=8192, batch=2,
-                                output_len=4, timeline=out, timeline_steps=3))
+                                output_len=4, timeline=out, timeline_steps=3,
+                                scheduler="prefill-first"))
     ev = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
     for tid in {e["tid"] for e in ev}:
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["tid"] == tid)
@@ -145,3 +146,15 @@ def test_every_policy_timeline_matches_the_engine(synthetic_path, tmp_path, poli
     step_ms = (heads[-1]["ts"] + heads[-1]["dur"] - prefill["ts"] - prefill["dur"]) / 1e3 / 3
     assert step_ms == pytest.approx(r["tpot_ms"], rel=1e-6)
     assert any(e["name"].endswith("decide") for e in ev) == (policy == "verkv")
+
+
+def test_chunked_prefill_timeline_shows_mixed_steps_without_overlap(attn_trace, tmp_path):
+    out = tmp_path / "tl.json"
+    run_replay(ReplayConfig(trace=attn_trace, policy="dense-offload", gpu="h100-sxm",
+                            model="qwen3-4b", context=8192, batch=4, output_len=8, timeline=out,
+                            timeline_steps=12, max_batched_tokens=2048))
+    ev = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    for tid in {e["tid"] for e in ev}:
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["tid"] == tid)
+        assert all(b[0] >= a[1] - 1e-6 for a, b in zip(spans, spans[1:])), tid
+    assert any(e["name"].startswith("step: ") and "prefill tokens" in e["name"] for e in ev)

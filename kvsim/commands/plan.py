@@ -42,9 +42,19 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, help="requests per run (default as kvsim replay)")
     p.add_argument("--trace", help="trace with attention (for policies that need one) and/or "
                                    "hardware; default: the shipped default trace")
-    p.add_argument("--slo-tpot-ms", type=float, help="find the highest QPS with p99 TPOT <= this")
-    p.add_argument("--slo-ttft-ms", type=float, help="... and p99 TTFT <= this")
-    p.add_argument("--slo-requests", type=int, default=200, help="requests per SLO probe")
+    slo_group = p.add_argument_group(
+        "SLO search", "find the highest Poisson rate the deployment sustains (completions keep "
+                      "pace with arrivals, the queue stays bounded) within every limit given; "
+                      "a limit is VALUE or VALUE@p50 / VALUE@p99 (default p99); they also set "
+                      "the goodput of every run")
+    for metric, what in (("tpot_ms", "TPOT, ms"), ("ttft_ms", "TTFT, ms"),
+                         ("e2e_s", "end-to-end latency, s")):
+        slo_group.add_argument(f"--slo-{metric.replace('_', '-')}", metavar="LIMIT",
+                               dest=f"slo_{metric}", help=what)
+    slo_group.add_argument("--slo-requests", type=int, default=200,
+                           help="requests per SLO probe [default: 200]")
+    from kvsim.commands.replay import add_scheduling_flags
+    add_scheduling_flags(p)
     p.add_argument("--quality", nargs="+", metavar="JSON",
                    help="kvsim eval --json results for the quality-vs-throughput plot")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable)")
@@ -60,13 +70,16 @@ def run(args) -> int:
     from kvsim.commands._policy_flags import policy_options
     from kvsim.plan.executors import make_executor
     from kvsim.plan.planner import SUMMARY, plan
+    from kvsim.commands.replay import scheduling_options
+    from kvsim.plan.slo import parse_limit
     from kvsim.plan.sweep import SweepSpec
+    limits = [parse_limit(m, getattr(args, f"slo_{m}")) for m in ("tpot_ms", "ttft_ms", "e2e_s")
+              if getattr(args, f"slo_{m}") is not None]
     spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context,
                      policies=args.policy, batches=args.batch, qps=args.qps,
                      option_grid=policy_options(args), output_len=args.output_len,
-                     requests=args.requests, seed=args.seed, trace=args.trace,
-                     slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms,
-                     slo_requests=args.slo_requests)
+                     requests=args.requests, seed=args.seed, trace=args.trace, slo=limits,
+                     slo_requests=args.slo_requests, scheduling=scheduling_options(args))
     spec.validate()
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -51,6 +51,10 @@ def add_parser(sub) -> None:
                    help="requests to simulate (default: 2 x concurrency, or 64 with --qps)")
     p.add_argument("--host-gib", type=float, help="host memory for the KV cache (default 256)")
     p.add_argument("--workspace-gib", type=float, help="HBM for activations etc. (default 4)")
+    add_scheduling_flags(p)
+    p.add_argument("--slo-tpot-ms", type=float, help="per-request TPOT limit for goodput")
+    p.add_argument("--slo-ttft-ms", type=float, help="per-request TTFT limit for goodput")
+    p.add_argument("--slo-e2e-s", type=float, help="per-request end-to-end limit for goodput")
     p.add_argument("--timeline", metavar="JSON",
                    help="write a Chrome/Perfetto trace of the first decode steps, layer by layer")
     p.add_argument("--timeline-steps", type=int, default=16,
@@ -60,6 +64,30 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_policy_flags(p)
     p.set_defaults(run=run)
+
+
+def add_scheduling_flags(p) -> None:
+    """How the engine batches: shared by replay and plan."""
+    g = p.add_argument_group("scheduling", "how the simulated engine batches (vLLM's defaults)")
+    g.add_argument("--scheduler", choices=["chunked", "prefill-first"], default="chunked",
+                   help="chunked: a token budget per step, decodes first, then prefill chunks "
+                        "(vLLM); prefill-first: admitted prompts prefill whole while decodes "
+                        "wait [default: chunked]")
+    g.add_argument("--max-batched-tokens", type=int, metavar="N",
+                   help="chunked: tokens per step [default: vLLM's for the GPU: 8192 on GPUs "
+                        "of 70 GiB or more other than A100, else 2048]")
+    g.add_argument("--admission", choices=["reserve", "grow"], default="reserve",
+                   help="reserve: HBM for a request's whole length at admission, never "
+                        "preempted; grow: per token as vLLM, preempting when HBM runs out "
+                        "[default: reserve]")
+    g.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
+                   help="grow admission: drop the victim's KV and prefill it again, or copy it "
+                        "to host memory over the link and back [default: recompute]")
+
+
+def scheduling_options(args) -> dict:
+    return {"scheduler": args.scheduler, "max_batched_tokens": args.max_batched_tokens,
+            "admission": args.admission, "preemption": args.preemption}
 
 
 def run(args) -> int:
@@ -77,7 +105,10 @@ def run(args) -> int:
                        output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
                        host_gib=args.host_gib, workspace_gib=args.workspace_gib,
                        timeline=args.timeline, timeline_steps=args.timeline_steps,
-                       force=args.force)
+                       force=args.force, **scheduling_options(args),
+                       slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
+                                              ("ttft_ms", args.slo_ttft_ms),
+                                              ("e2e_s", args.slo_e2e_s)) if v is not None})
     r = run_replay(cfg)
     if ignored:
         r["warnings"].insert(0, f"{', '.join(ignored)} ignored: not options of {spec.name}")
@@ -90,6 +121,11 @@ def run(args) -> int:
     cols = ["tpot_ms", "throughput_tok_s", "ttft_ms", "e2e_s", "mean_batch", "hbm_gib",
             "host_gib", "link_util", "kv_read_frac"]
     table([{c: r[c] if c in r else r["sim"][c] for c in cols}])
+    if "goodput_rps" in r["sim"]:
+        s = r["sim"]
+        print(f"goodput {s['goodput_rps']:.4g} requests/s ({100 * s['slo_attainment']:.1f}% of "
+              f"requests meet every SLO given); p99 TPOT {s['tpot_p99_ms']:.4g} ms, p99 TTFT "
+              f"{s['ttft_p99_ms']:.4g} ms")
     stats = {k: v for k, v in r["policy_stats"].items() if isinstance(v, (int, float))}
     if stats and set(stats) - {"kv_read_frac", "output_rel_err_mean"}:
         print("\npolicy statistics (measured on the trace; --json has them by phase: question, "

@@ -87,6 +87,23 @@ class ModelSpec:
     def weight_bytes(self) -> int:
         return self.params * self.dtype_bytes
 
+    def prefill_flops(self, size, prefix=0):
+        """FLOPs of the layers for ``size`` prompt tokens that follow ``prefix`` tokens already in
+        the cache (a whole prompt: ``prefix`` 0; a chunk of chunked prefill otherwise), counting a
+        multiply-add as 2 FLOPs:
+
+        * GEMMs (QKV, O and the gated MLP): ``2 * layer_params`` per token and layer;
+        * causal attention: each new token attends to the prefix and to itself and the new
+          tokens before it, ``size * prefix + size * (size + 1) / 2`` query-key pairs per query
+          head; QK^T and PV each cost ``2 * head_dim`` FLOPs per pair:
+          ``4 * q_heads * head_dim * pairs`` per layer.
+
+        Embedding lookups are not FLOPs; the LM head runs on the last token of a prompt only and
+        is charged apart (``CostModel.head_time``). Numbers or numpy arrays alike."""
+        pairs = size * prefix + size * (size + 1) / 2
+        return self.layers * (2.0 * self.layer_params * size
+                              + 4.0 * self.q_heads * self.head_dim * pairs)
+
     note: str = ""
 
     @property

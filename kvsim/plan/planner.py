@@ -17,7 +17,8 @@ from kvsim.plan.sweep import SweepSpec, label, sweep
 
 DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
 SUMMARY = ["gpu", "model", "context", "label", "batch", "qps", "tpot_ms", "decode_tok_s",
-           "ttft_ms", "hbm_gib", "max_batch_fit", "link_util", "kv_read_frac", "slo_max_qps",
+           "ttft_ms", "hbm_gib", "max_batch_fit", "link_util", "kv_read_frac", "goodput_rps",
+           "slo_max_qps",
            "status"]
 
 
@@ -122,6 +123,9 @@ PLOT_TEXT = {
     "link_utilisation": "Share of time the host link is busy.",
     "crossover": "TPOT ratio VerKV / dense offload; where a line crosses 1, VerKV stops winning.",
     "pareto": "Task accuracy (kvsim eval, % of dense) vs decode throughput.",
+    "goodput_vs_rate": "Requests per second that meet every SLO given, against the offered "
+                       "Poisson rate (DistServe's goodput); where a line leaves the diagonal, "
+                       "requests start missing their SLO.",
 }
 
 
@@ -155,10 +159,23 @@ def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality)
         lines += ["## Crossovers", ""]
         lines += [f"- {k}: ratio crosses 1 at about {v:,.0f} tokens" for k, v in crossings.items()]
         lines.append("")
-    if spec.slo_tpot_ms or spec.slo_ttft_ms:
-        lines += ["## SLO", "", f"Highest Poisson rate with p99 TPOT <= {spec.slo_tpot_ms} ms and "
-                  f"p99 TTFT <= {spec.slo_ttft_ms} ms ({spec.slo_requests} requests per probe): "
-                  "column `slo_max_qps`.", ""]
+    if spec.slo:
+        from kvsim.plan import slo
+        lines += ["## SLO", "", f"The highest Poisson rate that is sustained (completions keep "
+                  f"pace with arrivals, the queue stays bounded) with {slo.describe(spec.slo)} "
+                  f"({spec.slo_requests} requests per probe): column `slo_max_qps`, with the "
+                  f"p50/p99 TPOT and TTFT measured at it (`slo_at_*`), what binds there "
+                  f"(`slo_binding`) and what failed at the next rate (`slo_fails_because`).", ""]
+        for r in ok.itertuples():
+            if getattr(r, "slo_max_qps", None) is not None:
+                lines.append(f"- {r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
+                             f"{r.slo_max_qps:.3g} req/s (p99 TPOT {r.slo_at_tpot_p99_ms:.3g} ms, "
+                             f"p99 TTFT {r.slo_at_ttft_p99_ms:.4g} ms; {r.slo_binding}); at "
+                             f"{r.slo_qps_fails:.3g} req/s: {r.slo_fails_because}"
+                             if r.slo_max_qps > 0 else
+                             f"- {r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
+                             f"no rate from {r.slo_qps_fails:g} req/s up: {r.slo_fails_because}")
+        lines.append("")
     lines += ["## Runs", "", _md_table(df), ""]
     bad = df[df.status != "ok"]
     if len(bad):

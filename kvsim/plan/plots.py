@@ -234,8 +234,35 @@ def pareto(df: pd.DataFrame, quality: pd.DataFrame, out: Path) -> dict:
             "front": (list(fx), list(fy))}
 
 
+def goodput_vs_rate(df: pd.DataFrame, out: Path) -> dict:
+    """Goodput (requests per second meeting every SLO) against the offered Poisson rate; the
+    diagonal is what a system that meets every SLO would serve."""
+    d = _ok(df)
+    if "goodput_rps" not in d or "qps" not in d:
+        return {}
+    d = d[d["qps"].notna() & d["goodput_rps"].notna()]
+    panels = sorted(d.groupby(["gpu", "model", "context"]).groups)
+    series = {}
+    if not panels:
+        return series
+    fig, axes = _grid(len(panels))
+    for ax, (gpu, model, ctx) in zip(axes, panels):
+        p = d[(d.gpu == gpu) & (d.model == model) & (d.context == ctx)]
+        _lines(ax, p, "qps", "goodput_rps", series, f"{gpu}|{model}|{ctx}")
+        lim = [p.qps.min(), p.qps.max()]
+        ax.plot(lim, lim, color="grey", lw=0.8, ls=":", label="every request within SLO")
+        ax.set(xlabel="offered rate (requests / s)", ylabel="goodput (requests / s)",
+               ylim=(0, None), title=f"{gpu}, {model}, {ctx // 1024}K context")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle("Goodput vs offered rate: requests per second meeting every SLO")
+    _save(fig, out, "goodput_vs_rate")
+    return series
+
+
 def draw_all(df: pd.DataFrame, out: Path, quality: pd.DataFrame | None = None) -> dict:
     return {name: fn(df, out) for name, fn in (
+        ("goodput_vs_rate", goodput_vs_rate),
         ("throughput_vs_batch", throughput_vs_batch), ("tpot_vs_context", tpot_vs_context),
         ("max_batch_fit", max_batch_fit), ("hbm_breakdown", hbm_breakdown),
         ("link_utilisation", link_utilisation), ("crossover", crossover),

@@ -20,7 +20,7 @@ from kvsim.policies.spec import PolicySpec, parse
 from kvsim.replay import ReplayConfig, report, run_replay
 
 CONFIG_COLUMNS = ["gpu", "model", "context", "policy", "options", "batch", "qps", "output_len",
-                  "requests", "seed", "trace"]
+                  "requests", "seed", "trace", "scheduling"]
 
 
 @dataclass
@@ -36,9 +36,9 @@ class SweepSpec:
     requests: int | None = None
     seed: int = 0
     trace: str | None = None
-    slo_tpot_ms: float | None = None
-    slo_ttft_ms: float | None = None
+    slo: list[slo.Limit] = field(default_factory=list)  # search the highest sustained rate
     slo_requests: int = 200
+    scheduling: dict = field(default_factory=dict)  # ReplayConfig scheduler fields
 
     def policy_specs(self) -> list[PolicySpec]:
         """One validated spec per policy and combination of the option grid's values."""
@@ -59,10 +59,10 @@ class SweepSpec:
                              ("--qps", self.qps or [1])):
             if not values or min(values) <= 0:
                 raise KvsimError(f"{name} needs positive values")
-        for name in ("slo_tpot_ms", "slo_ttft_ms"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise KvsimError(f"--{name.replace('_', '-')} must be positive")
+        if self.slo_requests < 10:
+            raise KvsimError(f"--slo-requests must be at least 10 (the first fifth warms the "
+                             f"system up); got {self.slo_requests}")
+        ReplayConfig(**self.scheduling).check()
 
 
 def expand(spec: SweepSpec) -> list[dict]:
@@ -79,7 +79,7 @@ def expand(spec: SweepSpec) -> list[dict]:
                 "batch": int(value) if kind == "batch" else int(max(spec.batches)),
                 "qps": float(value) if kind == "qps" else None,
                 "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
-                "trace": spec.trace})
+                "trace": spec.trace, "scheduling": json.dumps(spec.scheduling, sort_keys=True)})
     return configs
 
 
@@ -102,26 +102,30 @@ def _replay_config(c: dict, **over) -> ReplayConfig:
         gpu, trace = None, gpu
     kw = dict(trace=trace, policy=c["policy"], policy_options=json.loads(c["options"]), gpu=gpu,
               model=c["model"], context=c["context"], batch=c["batch"], qps=c["qps"],
-              requests=c["requests"], output_len=c["output_len"], seed=c["seed"])
+              requests=c["requests"], output_len=c["output_len"], seed=c["seed"],
+              **json.loads(c.get("scheduling") or "{}"))
     kw.update(over)
     return ReplayConfig(**kw)
 
 
-def run_config(c: dict, spec_slo: tuple | None) -> dict:
+def run_config(c: dict, limits: list, probe_requests: int) -> dict:
     row = {**c, "label": label(c["policy"], c["options"]), "key": config_key(c)}
     try:
-        r = run_replay(_replay_config(c))
+        goodput_slo = {lim.metric: lim.value for lim in limits}
+        r = run_replay(_replay_config(c, slo=goodput_slo))
         for k, v in report.flatten(r).items():
             row.setdefault(k, v)  # the configuration's own columns come first
         row["warnings"] = " | ".join(r["warnings"])
         row["provenance"] = json.dumps(r["provenance"], sort_keys=True)
         row["status"], row["error"] = "ok", ""
-        if spec_slo is not None:
-            tpot, ttft, n = spec_slo
-            found = slo.max_qps(lambda q: run_replay(_replay_config(c, qps=q, requests=n)),
-                                tpot, ttft)
+        if limits:
+            found = slo.max_qps(lambda q: run_replay(_replay_config(
+                c, qps=q, requests=probe_requests, slo=goodput_slo)), limits)
             row.update({"slo_max_qps": found.qps, "slo_qps_fails": found.fails_at,
-                        "slo_evaluations": found.evaluations})
+                        "slo_fails_because": found.why_fails,
+                        "slo_evaluations": found.evaluations,
+                        "slo_binding": slo.binding(found.at_qps),
+                        **{f"slo_at_{k}": v for k, v in found.at_qps.items()}})
     except Infeasible as e:
         row["status"], row["error"] = "infeasible", str(e)
     except KvsimError as e:
@@ -134,11 +138,12 @@ def run_config(c: dict, spec_slo: tuple | None) -> dict:
 @dataclass
 class GroupTask:
     configs: list[dict]
-    slo: tuple | None  # (TPOT ms, TTFT ms, requests per probe) or None
+    slo: list  # the limits of the SLO search (none: no search)
+    slo_requests: int = 200
 
 
 def run_group(task: GroupTask) -> list[dict]:
-    return [run_config(c, task.slo) for c in task.configs]
+    return [run_config(c, task.slo, task.slo_requests) for c in task.configs]
 
 
 def groups(configs: list[dict], spec: SweepSpec) -> list[GroupTask]:
@@ -147,12 +152,10 @@ def groups(configs: list[dict], spec: SweepSpec) -> list[GroupTask]:
     for c in configs:
         by.setdefault((c["trace"], c["gpu"] if str(c["gpu"]).endswith(".npz") else None,
                        c["policy"], c["options"], c["seed"]), []).append(c)
-    slo_args = ((spec.slo_tpot_ms or float("inf")), (spec.slo_ttft_ms or float("inf")),
-                spec.slo_requests) if (spec.slo_tpot_ms or spec.slo_ttft_ms) else None
     tasks = []
     for cs in by.values():
         for i in range(0, len(cs), 16):
-            tasks.append(GroupTask(cs[i:i + 16], slo_args))
+            tasks.append(GroupTask(cs[i:i + 16], list(spec.slo), spec.slo_requests))
     return tasks
 
 

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from kvsim.attention.dense import dense_attention
-from kvsim.contract import DecodeCost
+from kvsim.contract import DecodeCost, PrefillWork
 
 KV_ELEM_BYTES = 2  # bytes per K or V element of the cache a policy is costed against (16-bit)
 
@@ -98,6 +98,12 @@ class Policy(ABC):
         """The cost the simulator charges, from the statistics the harness measured (keys of
         :mod:`kvsim.measure.stats`, plus ``resident_frac``, ``meta_frac`` and ``head_dim`` for
         policies that run on attention; an empty dict for those that need none)."""
+
+    def prefill_work(self, model) -> PrefillWork:
+        """The policy's own work after a context's prefill on ``model`` (a ModelSpec: layers,
+        heads, head dim, dtype), counted from its algorithm: FLOPs and HBM bytes per context
+        token (and per token squared). Default: none."""
+        return PrefillWork()
 
     def decide_kernel(self, device, model, context: int, seed: int = 0):
         """For a policy that decides per step what to fetch (``decide_bytes_per_token > 0``):

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from kvsim.attention.weighted import weighted_attention_chunked
-from kvsim.contract import DecodeCost
+from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.policies import options as O
 from kvsim.policies.base import KV_ELEM_BYTES, Compressed, Policy
-from kvsim.policies.scorers import context_scores
+from kvsim.policies.scorers import context_scores, scoring_work
 
 
 @dataclass
@@ -60,6 +60,12 @@ class ScoredPolicy(Policy):
         lw = log_w.to(q.dtype).repeat_interleave(g, dim=0)[:, None, :]
         out, log_d = weighted_attention_chunked(q, q_pos, k, v, lw)
         return out, {"log_denominator": log_d}
+
+    def prefill_work(self, model) -> PrefillWork:
+        """Scoring the context (the selection itself, a top-k or a sample, is linear in n and
+        reads the scores only: left out)."""
+        f, f2, b, what = scoring_work(self.params.scorer, model)
+        return PrefillWork(f, f2, b, f"modelled: {what}")
 
     def decode_cost(self, stats: dict) -> DecodeCost:
         res = stats["resident_frac"]

@@ -39,6 +39,21 @@ SCORER = {"snapkv": _snapkv, "kvzip": _given("kvzip"), "oracle": _given("oracle"
 assert tuple(SCORER) == SCORERS
 
 
+def scoring_work(name: str, m) -> tuple[float, float, float, str]:
+    """(FLOPs per token, per token squared, HBM bytes per token) of scorer ``name`` on model
+    ``m`` after a context's prefill, all layers, and what the count is."""
+    kv_read = m.layers * m.kv_heads * m.head_dim * m.dtype_bytes  # the keys, read once
+    if name == "snapkv":  # the window's queries against every key: 2 d FLOPs per pair and head
+        return (m.layers * m.q_heads * 2.0 * OBS_WINDOW * m.head_dim, 0.0, kv_read,
+                f"SnapKV: {OBS_WINDOW} window queries x every context key, per query head")
+    if name == "kvzip":  # KVzip re-feeds the context after a repeat prompt: a second prefill
+        half = m.prefill_flops(1.0) - m.layers * 4.0 * m.q_heads * m.head_dim  # GEMMs per token
+        return (half + m.layers * 2.0 * m.q_heads * m.head_dim,
+                m.layers * 2.0 * m.q_heads * m.head_dim, m.kv_bytes_per_token,
+                "KVzip: a second prefill of the context (the reconstruction pass)")
+    return 0.0, 0.0, 0.0, "oracle: not a realisable scorer (it reads the future); charged nothing"
+
+
 def context_scores(name: str, scores: dict[str, torch.Tensor], k: torch.Tensor,
                    obs_q: torch.Tensor, obs_pos: torch.Tensor) -> torch.Tensor:
     """The (n_kv, n_ctx) scores of scorer ``name`` for a layer's context ``k``."""

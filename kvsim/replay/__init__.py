@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvsim import trace as tracefile
-from kvsim.contract import PolicyResult
+from kvsim.contract import PolicyResult, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.catalog import GiB, ModelSpec
@@ -23,7 +23,9 @@ from kvsim.io import atomic_write, check_destination
 from kvsim.policies.spec import PolicySpec, parse
 from kvsim.replay import report
 from kvsim.sim import timeline, workload
-from kvsim.sim.engine import Memory, Simulator
+from kvsim.sim.engine import Memory, Scheduling, Simulator, default_token_budget
+
+SLO_KEYS = ("tpot_ms", "ttft_ms", "e2e_s")
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "traces" / "smollm2-mk-2k.npz"
 DEFAULT_HOST_GIB = 256.0  # a 2 TiB host shared by 8 GPUs
@@ -50,6 +52,11 @@ class ReplayConfig:
     timeline: str | Path | None = None  # write a Chrome/Perfetto trace of the first steps here
     timeline_steps: int = 16
     force: bool = False  # overwrite an existing timeline file
+    scheduler: str = "chunked"  # or "prefill-first"
+    max_batched_tokens: int | None = None  # chunked: tokens per step; None: vLLM's default
+    admission: str = "reserve"  # or "grow" (preempts when HBM runs out)
+    preemption: str = "recompute"  # or "swap"
+    slo: dict = field(default_factory=dict)  # per-request limits for goodput: tpot_ms, ttft_ms, e2e_s
 
     def check(self) -> None:
         for name in ("context", "batch", "output_len", "timeline_steps"):
@@ -63,8 +70,17 @@ class ReplayConfig:
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise KvsimError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        for k, v in self.slo.items():
+            if k not in SLO_KEYS or not (isinstance(v, (int, float)) and v > 0):
+                raise KvsimError(f"SLO {k}={v!r}: give a positive --slo-tpot-ms, --slo-ttft-ms "
+                                 f"or --slo-e2e-s")
+        self.scheduling(8192).check()
         if self.timeline is not None:
             check_destination(self.timeline, self.force)  # fail before the work, write nothing
+
+    def scheduling(self, default_budget: int) -> Scheduling:
+        return Scheduling(self.scheduler, self.max_batched_tokens or default_budget,
+                          self.admission, self.preemption)
 
 
 def run_replay(cfg: ReplayConfig) -> dict:
@@ -75,14 +91,16 @@ def run_replay(cfg: ReplayConfig) -> dict:
     tr = load_trace(trace_path)
     costs, cost_source = costs_for(cfg.gpu, tr.hardware)
     analysis = analyze(trace_path, spec, cfg.seed)
+    work_at_prefill = prefill_work(spec, model)
     memory = Memory(costs.hbm_bytes, _gib(cfg.host_gib, DEFAULT_HOST_GIB),
                     model.weight_bytes, _gib(cfg.workspace_gib, DEFAULT_WORKSPACE_GIB))
     work = workload.build(cfg.workload_csv, cfg.qps, cfg.concurrency, cfg.batch, cfg.requests,
                           cfg.context, cfg.output_len, cfg.seed)
-    sim = Simulator(model, costs, analysis.cost, memory, cfg.batch)
+    scheduling = cfg.scheduling(default_token_budget(costs.gpu_name, costs.hbm_bytes))
+    sim = Simulator(model, costs, analysis.cost, memory, cfg.batch, scheduling, work_at_prefill)
     res = sim.run(work)
     out = report.build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, memory,
-                       work, res)
+                       work, res, scheduling, work_at_prefill)
     if cfg.timeline is not None:
         events = timeline.build(sim, res, cfg.timeline_steps)
         atomic_write(cfg.timeline, lambda f: f.write(json.dumps(events).encode()), cfg.force)
@@ -135,3 +153,9 @@ def _analyze(path: str, mtime: float, name: str, options_json: str, seed: int) -
         raise KvsimError(f"policy {name} needs a trace with an attention section "
                          f"(kvsim capture); {path} has none")
     return harness.analyze(policy, tr, seed)
+
+
+def prefill_work(spec: PolicySpec, model: ModelSpec) -> PrefillWork:
+    """The policy's own work after a prefill on the planned model (counted by the policy)."""
+    from kvsim.policies import make
+    return make(spec.name, spec.options).prefill_work(model)

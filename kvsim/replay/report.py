@@ -28,15 +28,53 @@ TABLE2 = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_f
           "violation_rate", "output_rel_err_mean")
 
 
-def simulation(res, work) -> dict:
+def per_request(res) -> dict[str, np.ndarray]:
+    """TTFT (ms), TPOT (ms; NaN for one-token requests) and end-to-end latency (s) per request."""
+    multi = res.output > 1
+    tpot = np.full(len(res.output), np.nan)
+    tpot[multi] = (res.finish - res.first_token)[multi] / (res.output[multi] - 1) * 1e3
+    return {"ttft_ms": (res.first_token - res.arrival) * 1e3, "tpot_ms": tpot,
+            "e2e_s": res.finish - res.arrival}
+
+
+def goodput(res, slo: dict, makespan: float) -> dict:
+    """Requests per second that meet every SLO given (DistServe's goodput), and their share."""
+    req = per_request(res)
+    ok = np.ones(len(res.output), bool)
+    for key, limit in slo.items():
+        v = req[key]
+        ok &= np.isnan(v) | (v <= limit)  # a one-token request has no TPOT to miss
+    return {"goodput_rps": float(ok.sum()) / makespan if makespan > 0 else float("nan"),
+            "slo_attainment": float(ok.mean())}
+
+
+WARMUP = 0.2  # the first fifth of the arrivals warms the system up
+
+
+def keeping_up(res, work) -> dict:
+    """Of an open-loop run, over the measured window (the arrival of the first fifth of the
+    requests to the last arrival): the arrivals, the share of them the system served (its
+    completions in the window over its arrivals) and how much the number in system grew."""
+    if work.concurrency is not None or work.n < 10:
+        return {"arrivals_window": None, "served_frac_window": None, "queue_growth_window": None}
+    t0, t1 = np.sort(res.arrival)[int(WARMUP * work.n)], res.arrival.max()
+    in_system = lambda t: int((res.arrival <= t).sum() - (res.finish <= t).sum())  # noqa: E731
+    arrived = int(((res.arrival > t0) & (res.arrival <= t1)).sum())
+    served = int(((res.finish > t0) & (res.finish <= t1)).sum())
+    return {"arrivals_window": arrived,
+            "served_frac_window": served / arrived if arrived else None,
+            "queue_growth_window": in_system(t1) - in_system(t0)}
+
+
+def simulation(res, work, slo: dict | None = None) -> dict:
     """Latency, throughput and utilisation of a simulated run."""
     ttft = res.first_token - res.arrival
     e2e = res.finish - res.arrival
     multi = res.output > 1
     tpot = (res.finish - res.first_token)[multi] / (res.output[multi] - 1)
     makespan = float(res.finish.max() - res.arrival.min())
-    decode = [c for c in res.chunks if c.kind == "decode"]
-    decode_time = sum(c.duration for c in decode)
+    decode = [c for c in res.chunks if c.kind in ("decode", "mixed")]
+    decode_time = sum(c.decode_seconds for c in decode)  # a mixed step: its decodes' share
     gpu_busy = sum(c.gpu_busy for c in res.chunks)
     link_busy = sum(c.link_busy for c in res.chunks)
     nan = float("nan")
@@ -47,7 +85,9 @@ def simulation(res, work) -> dict:
         "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
         "ttft_ms": float(ttft.mean()) * 1e3, "ttft_p50_ms": pct(ttft, 50),
         "ttft_p99_ms": pct(ttft, 99),
-        "e2e_s": float(e2e.mean()),
+        "e2e_s": float(e2e.mean()), "e2e_p50_s": pct(e2e, 50) / 1e3,
+        "e2e_p99_s": pct(e2e, 99) / 1e3,
+        "queue_wait_p99_ms": pct(res.admitted - res.arrival, 99),
         "throughput_tok_s": per_s(float(res.output.sum())),
         "decode_tok_s": (sum(c.batch * c.steps for c in decode) / decode_time
                          if decode_time else nan),
@@ -55,11 +95,14 @@ def simulation(res, work) -> dict:
         "requests": work.n,
         "makespan_s": makespan,
         "decode_steps": int(sum(c.steps for c in decode)),
-        "mean_batch": (sum(c.batch * c.duration for c in decode) / decode_time
+        "mean_batch": (sum(c.batch * c.decode_seconds for c in decode) / decode_time
                        if decode_time else 0.0),
         "mean_in_system": res.in_system_area / makespan if makespan > 0 else 0.0,
         "gpu_util": gpu_busy / makespan if makespan > 0 else 0.0,
         "link_util": link_busy / makespan if makespan > 0 else 0.0,
+        "preemptions": res.preemptions,
+        **keeping_up(res, work),
+        **(goodput(res, slo, makespan) if slo else {}),
     }
 
 
@@ -104,7 +147,7 @@ def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict) -> list[s
 
 
 def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem,
-               work) -> dict:
+               work, scheduling, work_at_prefill) -> dict:
     meta = tr.meta
     p = {
         "trace": f"{trace_path} ({tr.describe()}; recorded by {meta.get('recorded_by')}, "
@@ -121,6 +164,10 @@ def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, m
             "(override --workspace-gib)" if cfg.workspace_gib is not None
             else "(default: CUDA context, activations, slack)"),
         "workload": work.description,
+        "scheduler": scheduler_words(cfg, scheduling),
+        "prefill": "FLOPs of the model's GEMMs and causal attention counted by hand "
+                   "(kvsim.hw.catalog.ModelSpec.prefill_flops), at achievable compute; policy "
+                   f"work: {work_at_prefill.source}",
     }
     if resolve(spec.name).needs_attention:
         src_model, src_ctx = meta.get("model"), tr.attention.context_len
@@ -131,11 +178,30 @@ def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, m
     return p
 
 
+def scheduler_words(cfg, s) -> str:
+    if s.scheduler == "chunked":
+        budget = (f"{s.max_batched_tokens} tokens per step "
+                  + ("(override --max-batched-tokens)" if cfg.max_batched_tokens else
+                     "(default: vLLM's for this GPU, EngineArgs' OpenAI-server default)"))
+        text = f"chunked prefill, decodes first, {budget}"
+    else:
+        text = "prefill-first: admitted prompts prefill whole while decodes wait"
+    if s.admission == "reserve":
+        return text + "; admission reserves each request's whole length (never preempted)"
+    return text + f"; admission grows per token, preemption by {s.preemption}"
+
+
 def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
-          res) -> dict:
-    sim = simulation(res, work)
+          res, scheduling, work_at_prefill) -> dict:
+    sim = simulation(res, work, cfg.slo)
+    sim |= {"scheduler": scheduling.scheduler,
+            "max_batched_tokens": scheduling.max_batched_tokens
+            if scheduling.scheduler == "chunked" else None,
+            "admission": scheduling.admission,
+            "preemption": scheduling.preemption if scheduling.admission == "grow" else None}
     mem_report = memory(res, analysis.cost, model, mem, cfg.batch)
-    prov = provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work)
+    prov = provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
+                      scheduling, work_at_prefill)
     stats = analysis.stats
     top = {"kv_read_frac": analysis.cost.host_read_frac, **sim, **mem_report}
     return {

@@ -1,43 +1,52 @@
 """The simpy model: requests, continuous batching with HBM and host admission, prefill and decode
 on a GPU stream, KV transfers on the host link.
 
-Granularity: one simpy event per *change of the batch* (an arrival that can be admitted, a
-completion), not per layer or per step. Between two such events the batch is fixed, so the times
-of its next k decode steps are computed at once, vectorised over steps and sequences (each step's
-context grows by one token). Per layer, a decode step costs
+Scheduling, as vLLM does it (``chunked``, the default): every step has a token budget
+(``max_batched_tokens``); each running sequence spends one token on its next decode first, then
+prompts take chunks of what is left, in arrival order (new requests are admitted while the budget,
+the batch slots and memory allow). ``prefill-first`` is the earlier model: newly admitted prompts
+prefill together, whole, while every decode waits. What a step costs is :mod:`kvsim.sim.steps`.
 
-    c = GEMMs(batch) + attention(KV read from HBM)  [+ decide, for policies that decide]
-    x = transfer of that layer's KV over the host link
+Granularity: while prompts are being prefilled, one simpy event per step; between two changes of
+a batch that only decodes (an arrival that can be admitted, a completion), the times of its next
+k steps are computed at once, vectorised over steps and sequences.
 
-and the layers of a step form the pipeline of :mod:`kvsim.sim.pipeline` (overlapped: double
-buffering; serial: decide, fetch, compute), plus the LM head once per step. Prefill is
-compute-bound (and, for policies that keep the cache in host memory, overlapped with writing it
-there).
+Memory: HBM and host memory are ``simpy.Container`` s of whole bytes. ``reserve`` admission (the
+default) puts a request's bytes for its whole length (prompt + output) and gets them back when it
+completes, so nothing is ever preempted. ``grow`` admission (vLLM's) puts the prompt's bytes and
+one token's more at every decode step; when a step does not fit, the most recently admitted
+running request is preempted: ``recompute`` drops its KV and prefills prompt and generated tokens
+again later, ``swap`` copies its HBM state to host memory over the link and back when it resumes.
 
 Why the GPU and the link are not simpy resources: one scheduler process drives one GPU stream,
 and within a step the link's work is placed by the pipeline's closed form, so no two processes
-ever contend for either; a queueing resource would only add events. HBM and host memory are
-``simpy.Container`` s: admission puts a request's bytes for its whole length (prompt + output),
-completion gets them back, so admitted requests are never preempted. Bytes are whole numbers
-(rounded up per request), so a container's level is exact.
+ever contend for either; a queueing resource would only add events.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-import simpy
 
-from kvsim.contract import DecodeCost
-from kvsim.errors import Infeasible
+from kvsim.contract import DecodeCost, PrefillWork
+from kvsim.errors import Infeasible, KvsimError
 from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import CostModel
-from kvsim.sim.pipeline import step_time
+from kvsim.sim.steps import StepCosts
 from kvsim.sim.workload import Workload
 
 MAX_CHUNK = 2048  # decode steps computed at once (bounds the size of the vectorised arrays)
+SCHEDULERS = ("chunked", "prefill-first")
+ADMISSIONS = ("reserve", "grow")
+PREEMPTIONS = ("recompute", "swap")
+# vLLM's default token budget for its OpenAI server (EngineArgs.get_batch_defaults): 8192 on GPUs
+# with at least 70 GiB that are not A100s, 2048 on the others
+VLLM_BUDGET_SOURCE = "vLLM EngineArgs default for the OpenAI server"
+
+
+def default_token_budget(gpu_name: str, hbm_bytes: float) -> int:
+    return 8192 if hbm_bytes >= 70 * GiB and "a100" not in gpu_name.lower() else 2048
 
 
 @dataclass
@@ -53,16 +62,41 @@ class Memory:
 
 
 @dataclass
+class Scheduling:
+    scheduler: str = "chunked"
+    max_batched_tokens: int = 8192  # chunked: tokens per step, decodes and prefill chunks
+    admission: str = "reserve"
+    preemption: str = "recompute"
+
+    def check(self) -> None:
+        for name, allowed in (("scheduler", SCHEDULERS), ("admission", ADMISSIONS),
+                              ("preemption", PREEMPTIONS)):
+            if getattr(self, name) not in allowed:
+                raise KvsimError(f"--{name} must be one of {', '.join(allowed)}; "
+                                 f"got {getattr(self, name)!r}")
+        if int(self.max_batched_tokens) != self.max_batched_tokens or self.max_batched_tokens < 1:
+            raise KvsimError(f"--max-batched-tokens must be a whole number >= 1; got "
+                             f"{self.max_batched_tokens}")
+
+
+@dataclass
 class Chunk:
-    """k decode steps (or one prefill, k = 0) of a fixed batch, for timelines and utilisation."""
+    """k decode steps, one mixed step (decodes + prefill chunks) or one prefill of a batch, for
+    timelines and utilisation; ``batch`` sequences emit a decode token per step."""
     start: float
     duration: float
     steps: int
     batch: int
     gpu_busy: float
     link_busy: float
-    kind: str  # "decode" | "prefill"
-    ctx: np.ndarray | None = None  # tokens per sequence at the chunk's first step (decode)
+    kind: str  # "decode" | "mixed" | "prefill"
+    ctx: np.ndarray | None = None  # tokens per decoding sequence at the chunk's first step
+    prefill_tokens: int = 0
+    decode_time: float | None = None  # of ``duration``, what its decodes alone would take
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.duration if self.decode_time is None else self.decode_time
 
 
 @dataclass
@@ -71,11 +105,13 @@ class SimResult:
     first_token: np.ndarray
     finish: np.ndarray
     output: np.ndarray
+    admitted: np.ndarray  # when each request was first admitted (its wait ends)
     chunks: list[Chunk]
     peak_hbm_bytes: float
     peak_host_bytes: float
     in_system_area: float  # integral of the number of requests in the system over time
     max_batch_fit: int  # how many requests of the largest size fit in memory at once
+    preemptions: int = 0
 
 
 @dataclass
@@ -85,20 +121,25 @@ class Simulator:
     policy: DecodeCost
     memory: Memory
     max_batch: int
+    scheduling: Scheduling = field(default_factory=Scheduling)
+    prefill_work: PrefillWork = field(default_factory=PrefillWork)
     chunks: list[Chunk] = field(default_factory=list)
 
+    def __post_init__(self):
+        self.scheduling.check()
+        self.steps = StepCosts(self.model, self.costs, self.policy, self.prefill_work)
+
     # ----------------------------------------------------------------------- memory
-    def hbm_need(self, tokens: np.ndarray) -> np.ndarray:
-        """HBM bytes reserved by requests of ``tokens`` total length (state + transfer
-        staging), whole bytes."""
+    def hbm_need(self, tokens) -> np.ndarray:
+        """HBM bytes held by requests of ``tokens`` tokens (state + transfer staging), whole
+        bytes."""
         p = self.policy
         staging = p.staging_layers / self.model.layers * p.host_read_frac
         return np.ceil((p.resident_frac + staging) * self.model.kv_bytes_per_token
                        * np.asarray(tokens, float)).astype(np.int64)
 
-    def host_need(self, tokens: np.ndarray) -> np.ndarray:
-        return np.ceil(self.policy.host_frac * self.model.kv_bytes_per_token
-                       * np.asarray(tokens, float)).astype(np.int64)
+    def host_need(self, tokens) -> np.ndarray:
+        return np.ceil(self.steps.host_bytes(tokens)).astype(np.int64)
 
     def capacity(self) -> tuple[int, int]:
         """Whole bytes of HBM left for KV state, and of host memory."""
@@ -128,154 +169,14 @@ class Simulator:
         fit_host = cap_host // host if host > 0 else np.inf
         return int(min(fit_hbm, fit_host, 1e9))
 
-    # ------------------------------------------------------------------------ costs
-    def layer_costs(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-layer (compute, decide, link) seconds of the next ``k`` decode steps, each (k,).
-
-        ``ctx``: tokens held by each sequence of the batch; each step adds one per sequence.
-        """
-        m, c, p = self.model, self.costs, self.policy
-        B = len(ctx)
-        j = np.arange(k, dtype=float)
-        tokens = float(ctx.sum()) + B * j  # KV tokens of the batch at each step
-        kv_layer = m.kv_bytes_per_token / m.layers * tokens  # bytes of one layer's KV
-        compute = c.gemm_time(B, m) + c.attention_time(p.hbm_read_frac * kv_layer,
-                                                       p.hbm_read_frac * tokens)
-        link = c.link_time(p.host_read_frac * kv_layer, p.path, copies=p.copies_per_layer * B) \
-            if p.host_read_frac > 0 else np.zeros(k)
-        decide = np.zeros(k)
-        if p.decide_bytes_per_token > 0:
-            per_seq = c.decide_time(ctx[None, :] + j[:, None], m, p.decide_bytes_per_token)
-            decide = per_seq.sum(axis=1)
-        return compute + np.zeros(k), decide, link
-
-    def decode_steps(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Times of the next ``k`` decode steps: (step, GPU-busy, link-busy) seconds, each (k,)."""
-        L = self.model.layers
-        compute, decide, link = self.layer_costs(ctx, k)
-        layer_total = step_time(compute, decide, link, L, self.policy.overlap)
-        head = self.costs.head_time(len(ctx), self.model)
-        return layer_total + head, L * (compute + decide) + head, L * link
-
-    def prefill(self, prompts: np.ndarray) -> tuple[float, float]:
-        """(seconds, link-busy seconds) to prefill ``prompts`` together."""
-        m, c = self.model, self.costs
-        compute = float(c.prefill_time(prompts.sum(), (prompts.astype(float) ** 2).sum() / 2, m))
-        write = float(c.link_time(self.host_need(prompts).sum(), "d2h",
-                                  copies=2 * m.layers * len(prompts))) \
-            if self.policy.host_frac > 0 else 0.0
-        return max(compute, write), write
-
     # ------------------------------------------------------------------------- run
     def run(self, workload: Workload) -> SimResult:
+        from kvsim.sim.batching import Run
         max_fit = self.check_feasible(workload)
-        env = simpy.Environment()
-        cap_hbm, cap_host = self.capacity()
-        hbm = simpy.Container(env, capacity=max(cap_hbm, 1))
-        host = simpy.Container(env, capacity=max(cap_host, 1))
-        n = workload.n
-        first_token = np.full(n, np.nan)
-        finish = np.full(n, np.nan)
-        arrival = workload.arrival.astype(float).copy()
-        lengths = workload.prompt + workload.output
-        hbm_need, host_need = self.hbm_need(lengths), self.host_need(lengths)
-        waiting: deque[int] = deque()
-        st = {"next": 0, "in_system": 0, "area": 0.0, "t": 0.0, "peak_hbm": 0, "peak_host": 0,
-              "wake": env.event()}
-
-        def mark(delta: int) -> None:  # integrate the number in system, then change it
-            st["area"] += st["in_system"] * (env.now - st["t"])
-            st["t"], st["in_system"] = env.now, st["in_system"] + delta
-
-        def arrive(i: int) -> None:
-            arrival[i] = env.now
-            waiting.append(i)
-            mark(+1)
-            if not st["wake"].triggered:
-                st["wake"].succeed()
-
-        def open_arrivals():
-            for i in range(n):
-                yield env.timeout(max(arrival[i] - env.now, 0.0))
-                st["next"] = i + 1
-                arrive(i)
-
-        def fits(i: int) -> bool:
-            return (hbm.level + hbm_need[i] <= cap_hbm
-                    and host.level + host_need[i] <= cap_host)
-
-        if workload.concurrency is None:
-            env.process(open_arrivals())
-        else:
-            for i in range(min(workload.concurrency, n)):
-                arrive(i)
-            st["next"] = min(workload.concurrency, n)
-
-        def scheduler():
-            run_ids = np.zeros(0, dtype=np.int64)
-            ctx = np.zeros(0)
-            left = np.zeros(0, dtype=np.int64)
-            done = 0
-            while done < n:
-                # admit in arrival order while slots and memory allow (puts that fit succeed at
-                # once: a container's level changes when put is called)
-                new = []
-                while waiting and len(run_ids) + len(new) < self.max_batch and fits(waiting[0]):
-                    i = waiting.popleft()
-                    for box, need in ((hbm, hbm_need[i]), (host, host_need[i])):
-                        if need:
-                            box.put(int(need))
-                    new.append(i)
-                st["peak_hbm"] = max(st["peak_hbm"], hbm.level)
-                st["peak_host"] = max(st["peak_host"], host.level)
-                if new:
-                    new = np.array(new)
-                    seconds, link_s = self.prefill(workload.prompt[new])
-                    self.chunks.append(Chunk(env.now, seconds, 0, len(new), seconds, link_s,
-                                             "prefill"))
-                    yield env.timeout(seconds)
-                    first_token[new] = env.now
-                    run_ids = np.concatenate([run_ids, new])
-                    ctx = np.concatenate([ctx, workload.prompt[new] + 1.0])
-                    left = np.concatenate([left, workload.output[new] - 1])
-                elif len(run_ids) == 0:  # idle until the next arrival
-                    st["wake"] = env.event()
-                    yield st["wake"]
-                    continue
-                else:
-                    k = int(min(left.min(), MAX_CHUNK))
-                    steps, gpu_s, link_s = self.decode_steps(ctx, k)
-                    ends = np.cumsum(steps)
-                    nxt = st["next"]
-                    if workload.concurrency is None and nxt < n and not waiting:
-                        # stop at the step boundary after the next arrival (it may be admitted)
-                        k = min(k, int(np.searchsorted(ends, arrival[nxt] - env.now)) + 1)
-                    self.chunks.append(Chunk(env.now, float(ends[k - 1]), k, len(run_ids),
-                                             float(gpu_s[:k].sum()), float(link_s[:k].sum()),
-                                             "decode", ctx.copy()))
-                    yield env.timeout(float(ends[k - 1]))
-                    ctx += k
-                    left -= k
-                # release finished requests (also those whose only token came from prefill)
-                fin = left <= 0
-                if fin.any():
-                    ids = run_ids[fin]
-                    finish[ids] = env.now
-                    for box, need in ((hbm, hbm_need[ids].sum()), (host, host_need[ids].sum())):
-                        if need:
-                            box.get(int(need))
-                    run_ids, ctx, left = run_ids[~fin], ctx[~fin], left[~fin]
-                    done += len(ids)
-                    mark(-len(ids))
-                    if workload.concurrency is not None:  # closed loop: replace each at once
-                        for _ in ids:
-                            if st["next"] < n:
-                                arrive(st["next"])
-                                st["next"] += 1
-
-        proc = env.process(scheduler())
-        env.run(until=proc)
-        mark(0)
-        return SimResult(arrival, first_token, finish, workload.output, self.chunks,
-                         self.memory.weights_bytes + self.memory.workspace_bytes + st["peak_hbm"],
-                         float(st["peak_host"]), st["area"], max_fit)
+        r = Run(self, workload)
+        r.env.run(until=r.env.process(r.scheduler()))
+        r.mark(0)
+        return SimResult(r.arrival, r.first_token, r.finish, workload.output, r.admitted,
+                         self.chunks,
+                         self.memory.weights_bytes + self.memory.workspace_bytes + r.peak_hbm,
+                         float(r.peak_host), r.area, max_fit, r.preemptions)

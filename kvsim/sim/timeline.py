@@ -34,7 +34,7 @@ def step_events(sim: Simulator, start: float, compute: float, decide: float, lin
                              link, step=step))
         ev.append(_event(f"L{l} compute", GPU, start + comp[l], compute, step=step, batch=batch))
     t = start + float(step_time(compute, decide, link, L, overlap))
-    head = float(sim.costs.head_time(batch, sim.model))
+    head = float(sim.costs.head_time(batch, sim.model))  # once per step
     ev.append(_event("LM head", GPU, t, head, step=step, batch=batch))
     return ev, t + head
 
@@ -50,14 +50,20 @@ def build(sim: Simulator, res: SimResult, max_steps: int = 16) -> dict:
     for ch in res.chunks:
         if steps >= max_steps:
             break
-        if ch.kind == "prefill":
-            events.append(_event(f"prefill x{ch.batch}", GPU, ch.start, ch.duration,
-                                 batch=ch.batch))
+        if ch.kind in ("prefill", "mixed", "swap"):  # one event: a whole forward pass or copy
+            name = {"prefill": f"prefill {ch.prefill_tokens} tokens",
+                    "mixed": f"step: {ch.batch} decodes + {ch.prefill_tokens} prefill tokens",
+                    "swap": "swap KV over the link"}[ch.kind]
+            if ch.kind != "swap":
+                events.append(_event(name, GPU, ch.start, ch.duration, batch=ch.batch,
+                                     step=steps))
             if ch.link_busy > 0:
-                events.append(_event("KV write to host", LINK, ch.start, ch.link_busy))
+                events.append(_event(name if ch.kind == "swap" else "KV to/from host", LINK,
+                                     ch.start, min(ch.link_busy, ch.duration)))
+            steps += ch.steps
             continue
         k = min(ch.steps, max_steps - steps)
-        compute, decide, link = sim.layer_costs(ch.ctx, k)
+        compute, decide, link = sim.steps.layer_costs(ch.ctx, k)
         t = ch.start
         for i in range(k):
             ev, t = step_events(sim, t, float(compute[i]), float(decide[i]), float(link[i]),

@@ -23,7 +23,7 @@ import torch
 
 from kvsim.attention.dense import dense_attention
 from kvsim.attention.rope import rope_from_meta
-from kvsim.contract import DecodeCost
+from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.policies.base import Compressed, Policy
 from kvsim.policies.registry import register
@@ -239,6 +239,24 @@ class VarRate(Policy):
                                      " (a fused kernel is assumed, not measured: HBM follows the "
                                      "footprint)"),
         }
+
+    def prefill_work(self, model):
+        """Counted from the codec, per layer and context token, D = 2 x KV heads x head dim:
+        salience (the window's queries against every key, 2 d FLOPs per pair and query head),
+        the nearest-anchor search (every token against every anchor: 2 D / stride FLOPs per
+        token squared), the projection on R = rank cap basis rows (2 D R) and the rebuilt cache
+        in reconstruct mode (2 R D more); the joint K/V is read once."""
+        p, m = self.params, model
+        dim = 2 * m.kv_heads * m.head_dim
+        rank = p.rank_cap or dim // 2
+        window = 0.0 if self.flat else 2.0 * p.obs_window * m.head_dim * m.q_heads
+        per_token = window + 2.0 * dim * rank * (2 if p.mode == "reconstruct" else 1)
+        return PrefillWork(m.layers * per_token, m.layers * 2.0 * dim / p.stride,
+                           m.kv_bytes_per_token,
+                           f"modelled: salience, anchor search, projection on {rank} rows"
+                           + (" and reconstruction" if p.mode == "reconstruct" else "")
+                           + "; the measured CPU ratio to dense prefill attention is in "
+                             "policy_timings")
 
     def provenance(self, stats: dict) -> str:
         return (f"footprint measured from the stored bytes; basis: {stats['basis_source']}; "

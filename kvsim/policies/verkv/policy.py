@@ -38,12 +38,12 @@ from kvsim.attention.dense import logits
 from kvsim.attention.sampling import poisson_compress
 from kvsim.attention.scoring import to_tau
 from kvsim.attention.weighted import row_chunks, weighted_attention
-from kvsim.contract import DecodeCost
+from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.policies import options as O
 from kvsim.policies.base import KV_ELEM_BYTES, Compressed, Policy
 from kvsim.policies.registry import register
-from kvsim.policies.scorers import context_scores
+from kvsim.policies.scorers import context_scores, scoring_work
 from kvsim.policies.verkv.kvfetch import (
     VARIANTS,
     DecideConfig,
@@ -168,6 +168,17 @@ class VerKV(Policy):
         stats["kv_read_frac"] = read.to(q.dtype).repeat_interleave(g)[:, None].expand(n_q, m)
         stats["log_denominator"] = torch.cat(logds, 1)
         return torch.cat(outs, 1), stats
+
+    def prefill_work(self, model):
+        """Scoring the context, then one more pass over the keys to build the 2-bit sketch
+        (sampling is linear in n on the scores; the full cache's copy to host memory is the
+        simulator's KV write)."""
+        f, f2, b, what = scoring_work(self.params.scorer, model)
+        keys = model.layers * model.kv_heads * model.head_dim * model.dtype_bytes
+        sketch = keys if self.params.sketch == "2bit" else 0.0
+        return PrefillWork(f, f2, b + sketch, f"modelled: {what}; "
+                           + ("the keys read once more for the sketch" if sketch else
+                              "no sketch (perfect)"))
 
     def decide_kernel(self, device, model, context, seed=0):
         from kvsim.policies.verkv.bench import DecideBench
