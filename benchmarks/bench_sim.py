@@ -1,40 +1,56 @@
 """Simulator speed: 1,000 requests (4K prompt, 256 output tokens) with continuous batching.
 
 Prints wall seconds and simulated decode steps per wall second, for an open-loop (Poisson) and a
-closed-loop workload, dense-resident and dense-offload, on the catalog H100-SXM with Qwen3-4B.
+closed-loop workload, dense-resident and dense-offload, on the catalog H100-SXM with Qwen3-4B,
+under both schedulers, side by side in one run: ``chunked`` (the default: vLLM's token budget,
+one simpy event per step while prompts prefill) and ``prefill-first`` (whole prompts, decodes
+vectorised between batch changes); the last column is chunked's wall time over prefill-first's.
 
-    python benchmarks/bench_sim.py [--requests 1000]
+    python benchmarks/bench_sim.py [--requests 1000] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from kvsim.policies import load_all
 from kvsim.replay import ReplayConfig, run_replay
 
 
+def timed(cfg: ReplayConfig, repeats: int) -> tuple[float, dict]:
+    walls, r = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        r = run_replay(cfg)
+        walls.append(time.perf_counter() - t0)
+    return statistics.median(walls), r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is shown")
     ap.add_argument("--trace", default=None, help="trace (default: the shipped default)")
     args = ap.parse_args()
     load_all()  # the policy registry (and torch) loads once per process: not the simulator's time
-    print(f"{'workload':<34} {'policy':<15} {'wall_s':>7} {'steps':>7} {'steps/s':>9} "
-          f"{'sim_s':>8} {'sim/wall':>9}")
+    print(f"{'workload':<30} {'policy':<15} {'scheduler':<13} {'wall_s':>7} {'steps':>7} "
+          f"{'steps/s':>9} {'sim/wall':>9} {'x pf':>6}")
     for label, extra in (("Poisson 4 req/s, max batch 64", dict(qps=4.0, batch=64)),
                          ("closed loop, concurrency 64", dict(concurrency=64, batch=64))):
         for policy in ("dense-resident", "dense-offload"):
-            cfg = ReplayConfig(trace=args.trace, policy=policy, gpu="h100-sxm", model="qwen3-4b",
-                               context=4096, output_len=256, requests=args.requests, seed=0,
-                               **extra)
-            t0 = time.perf_counter()
-            r = run_replay(cfg)
-            wall = time.perf_counter() - t0
-            print(f"{label:<34} {policy:<15} {wall:7.3f} {r['sim']['decode_steps']:7d} "
-                  f"{r['sim']['decode_steps'] / wall:9.0f} {r['sim']['makespan_s']:8.1f} "
-                  f"{r['sim']['makespan_s'] / wall:9.0f}")
+            base = None
+            for scheduler in ("prefill-first", "chunked"):
+                cfg = ReplayConfig(trace=args.trace, policy=policy, gpu="h100-sxm",
+                                   model="qwen3-4b", context=4096, output_len=256,
+                                   requests=args.requests, seed=0, scheduler=scheduler, **extra)
+                wall, r = timed(cfg, args.repeats)
+                base = base or wall
+                s = r["sim"]
+                print(f"{label:<30} {policy:<15} {scheduler:<13} {wall:7.3f} "
+                      f"{s['decode_steps']:7d} {s['decode_steps'] / wall:9.0f} "
+                      f"{s['makespan_s'] / wall:9.0f} {wall / base:6.2f}")
 
 
 if __name__ == "__main__":

@@ -339,9 +339,10 @@ print(json.dumps({"import_s": t1 - t0, "run_s": time.perf_counter() - t1,
 
 def kvsim_config(trace: str | None, requests: int, workload: str) -> dict:
     extra = dict(qps=QPS) if workload == "poisson" else dict(concurrency=BATCH)
+    # prefill-first: Vidur's vllm scheduler never mixes prefills and decodes in one batch
     return dict(trace=trace, policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
                 context=PROMPT, output_len=OUTPUT, requests=requests, seed=0, batch=BATCH,
-                **extra)
+                scheduler="prefill-first", **extra)
 
 
 def run_kvsim(trace: str | None, requests: int, workload: str) -> dict:

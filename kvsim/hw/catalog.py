@@ -100,9 +100,12 @@ class ModelSpec:
 
         Embedding lookups are not FLOPs; the LM head runs on the last token of a prompt only and
         is charged apart (``CostModel.head_time``). Numbers or numpy arrays alike."""
+        return self.layers * 2.0 * self.layer_params * size + self.attention_flops(size, prefix)
+
+    def attention_flops(self, size, prefix=0):
+        """The causal-attention part of :meth:`prefill_flops`, all layers."""
         pairs = size * prefix + size * (size + 1) / 2
-        return self.layers * (2.0 * self.layer_params * size
-                              + 4.0 * self.q_heads * self.head_dim * pairs)
+        return self.layers * 4.0 * self.q_heads * self.head_dim * pairs
 
     note: str = ""
 

@@ -79,8 +79,8 @@ class ReplayConfig:
             check_destination(self.timeline, self.force)  # fail before the work, write nothing
 
     def scheduling(self, default_budget: int) -> Scheduling:
-        return Scheduling(self.scheduler, self.max_batched_tokens or default_budget,
-                          self.admission, self.preemption)
+        budget = default_budget if self.max_batched_tokens is None else self.max_batched_tokens
+        return Scheduling(self.scheduler, budget, self.admission, self.preemption)
 
 
 def run_replay(cfg: ReplayConfig) -> dict:

@@ -181,7 +181,7 @@ def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, m
 def scheduler_words(cfg, s) -> str:
     if s.scheduler == "chunked":
         budget = (f"{s.max_batched_tokens} tokens per step "
-                  + ("(override --max-batched-tokens)" if cfg.max_batched_tokens else
+                  + ("(override --max-batched-tokens)" if cfg.max_batched_tokens is not None else
                      "(default: vLLM's for this GPU, EngineArgs' OpenAI-server default)"))
         text = f"chunked prefill, decodes first, {budget}"
     else:

@@ -8,12 +8,14 @@ Requests wait, prefill (in chunks or whole), decode, are swapped out, and finish
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import numpy as np
 import simpy
 
 from kvsim.sim.engine import MAX_CHUNK, Chunk
+from kvsim.sim.steps import Chunks
 
 
 class Run:
@@ -98,23 +100,37 @@ class Run:
         return self.sim.max_batch - len(self.running) - len(self.prefilling)
 
     def admit(self) -> None:
-        """Waiting requests start prefilling, in order, while seats and memory allow."""
-        grow = self.sched.admission == "grow"
-        while self.waiting and self.seats() > 0 and not self.pressure:
-            i = self.waiting[0]
-            whole = self.prompt[i] + self.work.output[i]
-            hbm = int(self.sim.hbm_need(self.target[i] if grow else whole))
-            host = 0 if self.held_host[i] else int(self.sim.host_need(whole))
-            if hbm > self.free_hbm() or self.host.level + host > self.cap_host:
-                return
+        """Waiting requests start prefilling, in order, while seats and memory allow (the
+        longest prefix of the queue that fits, in one put per memory)."""
+        seats = self.seats()
+        if not self.waiting or seats <= 0 or self.pressure:
+            return
+        ids = np.fromiter(itertools.islice(self.waiting, seats), np.int64,
+                          count=min(seats, len(self.waiting)))
+        whole = self.prompt[ids] + self.work.output[ids]
+        hbm = self.sim.hbm_need(self.target[ids] if self.sched.admission == "grow" else whole)
+        host = np.where(self.held_host[ids] > 0, 0, self.sim.host_need(whole))
+        fits = (np.cumsum(hbm) <= self.free_hbm()) & \
+            (np.cumsum(host) <= self.cap_host - self.host.level)
+        m = int(np.argmin(fits)) if not fits.all() else len(ids)
+        if not m:
+            return
+        ids, hbm, host = ids[:m], hbm[:m], host[:m]
+        for _ in range(m):
             self.waiting.popleft()
-            self.hold(i, hbm, host)
-            if np.isnan(self.admitted[i]):
-                self.admitted[i] = self.env.now
-            self.admissions += 1
-            self.order[i] = self.admissions
-            self.prefilled[i] = 0
-            self.prefilling.append(i)
+        for box, b in ((self.hbm, int(hbm.sum())), (self.host, int(host.sum()))):
+            if b:
+                box.put(b)
+        self.held_hbm[ids] += hbm
+        self.held_host[ids] += host
+        self.peak_hbm = max(self.peak_hbm, self.hbm.level)
+        self.peak_host = max(self.peak_host, self.host.level)
+        new = np.isnan(self.admitted[ids])
+        self.admitted[ids[new]] = self.env.now
+        self.order[ids] = self.admissions + 1 + np.arange(m)
+        self.admissions += m
+        self.prefilled[ids] = 0
+        self.prefilling += ids.tolist()
 
     def resume_swapped(self):
         """Swapped-out requests come back first, over the link, when their HBM state fits."""
@@ -186,51 +202,115 @@ class Run:
                 self.hold(int(i), int(more))
 
     # ------------------------------------------------------------------------------ steps
-    def emitted(self, ids) -> None:
-        """``ids`` finished a prefill: each emits a token (the first one, or the next after a
-        recompute) and starts or resumes decoding."""
-        for i in ids:
-            if np.isnan(self.first_token[i]):
-                self.first_token[i] = self.env.now
-                self.ctx[i] = self.prompt[i] + 1
-            else:
-                self.ctx[i] += 1
-            self.left[i] -= 1
-        self.running = np.concatenate([self.running, np.asarray(ids, np.int64)])
-
-    def prefill_step(self):
-        """One step with prefill chunks: the decodes first (chunked), then chunks in order."""
-        chunked = self.sched.scheduler == "chunked"
+    def prefill_phase(self):
+        """Steps with prefill chunks, as many at once as nothing else changes: each step's
+        decodes first (chunked), then chunks of the prompts in order; a prompt that finishes
+        emits a token and decodes from the next step. The run ends with the prefills, at a
+        decode's completion, at the step after the next arrival, or after one step when memory
+        grows per token (grow admission) or prompts prefill whole (prefill-first)."""
+        sim, chunked = self.sim, self.sched.scheduler == "chunked"
+        grow = self.sched.admission == "grow"
         dec = self.running if chunked else np.zeros(0, np.int64)
-        while chunked and self.grow_fit(dec, 1) < 1:
+        while chunked and grow and self.grow_fit(dec, 1) < 1:
             yield from self.preempt()
             dec = self.running
-        budget = self.sched.max_batched_tokens - len(dec) if chunked else np.inf
-        sizes, prefixes, ids = [], [], []
-        for i in self.prefilling:
-            size = int(min(self.target[i] - self.prefilled[i], max(budget, 0)))
-            if size <= 0:
+        plan = self.plan_phase(dec, single=grow or not chunked)
+        S = len(plan["D"])
+        ctxm = None
+        if self.sim.policy.decide_bytes_per_token > 0:
+            start = np.concatenate([np.full(len(ids), s, float) for ids, s, _ in plan["members"]])
+            base = np.concatenate([c for _, _, c in plan["members"]]).astype(float)
+            j = np.arange(S, dtype=float)[:, None]
+            ctxm = lambda: np.where(j >= start, base + j - start, np.nan)  # noqa: E731
+        step, gpu, link, alone = sim.steps.run(plan["D"], plan["tokens"], ctxm, plan["chunks"])
+        ends = np.cumsum(step)
+        k = S
+        if self.work.concurrency is None and self.next < self.n and not self.waiting:
+            k = min(k, int(np.searchsorted(ends, self.arrival[self.next] - self.env.now)) + 1)
+        t0 = self.env.now
+        for j in range(k):
+            sim.chunks.append(Chunk(t0 + (ends[j - 1] if j else 0.0), float(step[j]),
+                                    1 if plan["D"][j] else 0, int(plan["D"][j]), float(gpu[j]),
+                                    float(link[j]), "mixed" if plan["D"][j] else "prefill",
+                                    None, int(plan["chunks"].tokens[j]), float(alone[j])))
+        yield self.env.timeout(float(ends[k - 1]))
+        if grow:
+            self.grow(dec, 1)
+        self.ctx[dec] += k
+        self.left[dec] -= k
+        for j in range(k):
+            for i, size in plan["assign"][j]:
+                self.prefilled[i] += size
+        fin = [(i, j) for j in range(k) for i in plan["done"][j]]
+        if fin:  # each emitted at the end of its step, then decoded k - 1 - j more
+            ids, js = np.array([i for i, _ in fin], np.int64), np.array([j for _, j in fin])
+            done_ids = set(ids.tolist())
+            self.prefilling = [i for i in self.prefilling if i not in done_ids]
+            first = np.isnan(self.first_token[ids])
+            self.first_token[ids[first]] = t0 + ends[js[first]]
+            self.ctx[ids[first]] = self.prompt[ids[first]]
+            more = 1 + (k - 1 - js) * chunked
+            self.ctx[ids] += more
+            self.left[ids] -= more
+            self.running = np.concatenate([self.running, ids])
+
+    def plan_phase(self, dec: np.ndarray, single: bool) -> dict:
+        """The schedule of the next steps, in scalars: per step the decodes (how many, their KV
+        tokens), the chunks given out, the prompts that finish; stops where it must."""
+        sim, m = self.sim, self.sim.model
+        budget0 = self.sched.max_batched_tokens if self.sched.scheduler == "chunked" else np.inf
+        pf = np.array(self.prefilling, np.int64)
+        queue = [list(q) for q in zip(pf.tolist(), (self.target[pf] - self.prefilled[pf]).tolist(),
+                                      self.prefilled[pf].tolist())]
+        D, tokens = len(dec), float(self.ctx[dec].sum())
+        min_left = int(self.left[dec].min()) if D else None
+        members = [(dec, 0, self.ctx[dec])]  # (ids, the step they start decoding, their ctx)
+        rows = {k: [] for k in ("D", "tokens", "ctok", "cflops", "count", "ndone", "wf", "wb")}
+        assign, done = [], []
+        work = sim.prefill_work
+        while queue and len(assign) < MAX_CHUNK:
+            left = budget0 - D
+            a, fin, ctok, cflops = [], [], 0, 0.0
+            for q in queue:
+                if left <= 0:
+                    break
+                size = int(min(q[1], left))
+                a.append((q[0], size))
+                cflops += m.attention_flops(float(size), float(q[2]))
+                ctok += size
+                left -= size
+                q[1] -= size
+                q[2] += size
+                if q[1] == 0:
+                    fin.append(q[0])
+            lengths = self.target[fin].astype(float)
+            for key, v in (("D", D), ("tokens", tokens), ("ctok", ctok), ("cflops", cflops),
+                           ("count", len(a)), ("ndone", len(fin)),
+                           ("wf", float(work.flops(lengths).sum())),
+                           ("wb", float(work.bytes(lengths).sum()))):
+                rows[key].append(v)
+            assign.append(a)
+            done.append(fin)
+            queue = [q for q in queue if q[1] > 0]
+            step_no = len(assign)
+            tokens += D  # each decode appended a token
+            if min_left is not None:
+                min_left -= 1
+            if fin:  # they join the decodes with their first (or next) token
+                f = np.array(fin, np.int64)
+                c = np.where(np.isnan(self.first_token[f]), self.prompt[f], self.ctx[f]) + 1.0
+                members.append((f, step_no, c))
+                tokens += float(c.sum())
+                D += len(f)
+                lft = int(self.left[f].min()) - 1
+                min_left = lft if min_left is None else min(min_left, lft)
+            if single or (min_left is not None and min_left <= 0):
                 break
-            sizes.append(size)
-            prefixes.append(int(self.prefilled[i]))
-            ids.append(i)
-            budget -= size
-        done = [i for i, s, p in zip(ids, sizes, prefixes) if p + s >= self.target[i]]
-        step, gpu, link = self.sim.steps.mixed(self.ctx[dec], np.array(sizes), np.array(prefixes),
-                                               self.target[done].astype(float))
-        kind = "mixed" if len(dec) else "prefill"
-        alone = float(self.sim.steps.decode(self.ctx[dec], 1)[0][0]) if len(dec) else 0.0
-        self.sim.chunks.append(Chunk(self.env.now, step, 1 if len(dec) else 0, len(dec), gpu,
-                                     link, kind, self.ctx[dec].copy(), int(sum(sizes)),
-                                     min(alone, step)))
-        yield self.env.timeout(step)
-        self.grow(dec, 1)
-        self.ctx[dec] += 1
-        self.left[dec] -= 1
-        for i, s in zip(ids, sizes):
-            self.prefilled[i] += s
-        self.prefilling = [i for i in self.prefilling if i not in done]
-        self.emitted(done)
+        arr = {k: np.array(v, float) for k, v in rows.items()}
+        return {"D": arr["D"], "tokens": arr["tokens"], "assign": assign, "done": done,
+                "members": members,
+                "chunks": Chunks(arr["ctok"], arr["cflops"], arr["count"], arr["ndone"],
+                                 arr["wf"], arr["wb"])}
 
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
@@ -276,7 +356,7 @@ class Run:
             yield from self.resume_swapped()
             self.admit()
             if self.prefilling:
-                yield from self.prefill_step()
+                yield from self.prefill_phase()
             elif len(self.running):
                 yield from self.decode_steps()
             else:  # idle until the next arrival

@@ -1,22 +1,21 @@
-"""What one engine step costs: decode tokens of the running sequences and, in the same forward
-pass, prefill chunks of newly admitted prompts.
+"""What engine steps cost: decode tokens of the running sequences and, in the same forward pass,
+prefill chunks of newly admitted prompts. Vectorised over a run of steps.
 
-Per layer of a step with ``D`` decoding sequences and prefill chunks (``size`` new tokens after
-``prefix`` cached ones each):
+Per layer of a step with ``D`` decoding sequences holding ``tokens`` KV tokens and prefill chunks
+(``size`` new tokens after ``prefix`` cached ones each):
 
     c = GEMMs + decode attention (KV read from HBM) + chunk attention
-        GEMMs = max(decode GEMM time(D), 2 * layer_params * (D + chunk tokens) / FLOP/s): one
-                pass over the weights for every token of the step, memory-bound for a few decode
-                tokens, compute-bound once chunks ride along
-        chunk attention = 4 * q_heads * head_dim * (size * prefix + size (size + 1) / 2) / FLOP/s
-    d = the policy's decide step per decoding sequence
+        GEMMs = max(decode GEMM time(D), one pass over the layer's weights,
+                    2 * layer_params * (D + chunk tokens) / FLOP/s)
+        chunk attention = causal attention FLOPs of the chunks (ModelSpec.prefill_flops) / FLOP/s
+    d = the policy's decide step, per decoding sequence
     x = the policy's KV transfer of the decoding sequences over the host link
 
 and the layers form the pipeline of :mod:`kvsim.sim.pipeline`. Per step: the LM head for every
 sequence that emits a token (decodes and chunks that finish a prompt), the policy's own prefill
 work (:class:`kvsim.contract.PrefillWork`) for every prompt that finishes, and, for policies that
 keep the cache in host memory, the chunks' KV written to host memory (D2H, overlapped with the
-step). A step without chunks is the decode step the engine vectorises over many steps.
+step). A step without chunks is a plain decode step.
 """
 
 from __future__ import annotations
@@ -32,6 +31,17 @@ from kvsim.sim.pipeline import step_time
 
 
 @dataclass
+class Chunks:
+    """Per step of a run of steps: the prefill work riding along, each (S,)."""
+    tokens: np.ndarray  # prompt tokens prefilled
+    attn_flops: np.ndarray  # their causal attention FLOPs, all layers
+    count: np.ndarray  # chunks
+    done: np.ndarray  # prompts that finish (each emits a token)
+    work_flops: np.ndarray  # the policy's prefill work for those prompts
+    work_bytes: np.ndarray
+
+
+@dataclass
 class StepCosts:
     model: ModelSpec
     costs: CostModel
@@ -42,57 +52,60 @@ class StepCosts:
         """Bytes of KV the policy keeps in host memory for ``tokens`` tokens."""
         return self.policy.host_frac * self.model.kv_bytes_per_token * np.asarray(tokens, float)
 
-    def layer_costs(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-layer (compute, decide, link) seconds of the next ``k`` decode steps, each (k,).
-
-        ``ctx``: tokens held by each sequence of the batch; each step adds one per sequence.
-        """
+    def layer_costs(self, D, tokens, ctxm=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-layer (decode compute, decide, link) seconds of steps whose decodes are ``D``
+        sequences holding ``tokens`` KV tokens, each (S,). ``ctxm()`` gives the (S, N)
+        contexts of the sequences (NaN where absent), needed only by a policy that decides."""
         m, c, p = self.model, self.costs, self.policy
-        B = len(ctx)
-        j = np.arange(k, dtype=float)
-        tokens = float(ctx.sum()) + B * j  # KV tokens of the batch at each step
+        tokens = np.asarray(tokens, float)
         kv_layer = m.kv_bytes_per_token / m.layers * tokens  # bytes of one layer's KV
-        compute = c.gemm_time(B, m) + c.attention_time(p.hbm_read_frac * kv_layer,
-                                                       p.hbm_read_frac * tokens)
-        link = c.link_time(p.host_read_frac * kv_layer, p.path, copies=p.copies_per_layer * B) \
-            if p.host_read_frac > 0 and B else np.zeros(k)
-        decide = np.zeros(k)
-        if p.decide_bytes_per_token > 0 and B:
-            per_seq = c.decide_time(ctx[None, :] + j[:, None], m, p.decide_bytes_per_token)
-            decide = per_seq.sum(axis=1)
-        return compute + np.zeros(k), decide, link
+        gemm = (c.gemm_time(D, m) if D else 0.0) if np.ndim(D) == 0 else \
+            np.where(np.asarray(D) > 0, c.gemm_time(D, m), 0.0)
+        compute = gemm + c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens)
+        link = c.link_time(p.host_read_frac * kv_layer, p.path, copies=p.copies_per_layer * D) \
+            if p.host_read_frac > 0 else np.zeros_like(tokens)
+        decide = np.zeros_like(tokens)
+        if p.decide_bytes_per_token > 0 and ctxm is not None:
+            x = ctxm()
+            decide = np.where(np.isnan(x), 0.0, c.decide_time(np.nan_to_num(x), m,
+                                                              p.decide_bytes_per_token)).sum(1)
+        return compute, decide, link
+
+    def run(self, D, tokens, ctxm=None, chunks: Chunks | None = None):
+        """(step, GPU-busy, link-busy, decodes-alone) seconds of each of a run of steps, (S,)
+        each; decodes-alone is what the decode tokens of the step would take without chunks."""
+        m, c, p = self.model, self.costs, self.policy
+        L = m.layers
+        D = np.asarray(D, float)
+        if D.any():
+            compute, decide, link = self.layer_costs(D, tokens, ctxm)
+            head = np.where(D > 0, c.head_time(D, m), 0.0)
+            alone = np.where(D > 0, step_time(compute, decide, link, L, p.overlap) + head, 0.0)
+        else:  # prefill only: no decode work at all
+            compute = decide = link = head = alone = np.zeros_like(D)
+        if chunks is None:
+            return alone, L * (compute + decide) + head, L * link, alone
+        dec_gemm = np.where(D > 0, c.gemm_time(D, m), 0.0) if D.any() else 0.0
+        weights = m.layer_params * m.dtype_bytes / c.hbm_bw  # one pass over a layer's weights
+        gemm = np.maximum(np.maximum(dec_gemm, weights),
+                          2.0 * m.layer_params * (D + chunks.tokens) / c.flops)
+        compute = compute - dec_gemm + gemm + chunks.attn_flops / L / c.flops
+        layers = step_time(compute, decide, link, L, p.overlap)
+        emit = D + chunks.done
+        extra = np.where(emit > 0, c.head_time(emit, m), 0.0) + np.maximum(
+            chunks.work_flops / c.flops, chunks.work_bytes / c.hbm_bw)
+        write = c.link_time(self.host_bytes(chunks.tokens), "d2h", copies=2 * L * chunks.count) \
+            if p.host_frac > 0 else np.zeros_like(layers)
+        return (np.maximum(layers + extra, write), L * (compute + decide) + extra,
+                L * link + write, alone)
 
     def decode(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Times of the next ``k`` decode steps: (step, GPU-busy, link-busy) seconds, each (k,)."""
-        L = self.model.layers
-        compute, decide, link = self.layer_costs(ctx, k)
-        layer_total = step_time(compute, decide, link, L, self.policy.overlap)
-        head = self.costs.head_time(len(ctx), self.model)
-        return layer_total + head, L * (compute + decide) + head, L * link
-
-    def mixed(self, ctx: np.ndarray, size: np.ndarray, prefix: np.ndarray,
-              finished: np.ndarray) -> tuple[float, float, float]:
-        """(step, GPU-busy, link-busy) seconds of one step: a decode token for each sequence of
-        ``ctx`` and prefill chunks (``size`` tokens after ``prefix``); ``finished``: the prompt
-        lengths of the chunks that complete their prompt (they emit a first token and the
-        policy does its prefill work on them)."""
-        m, c, p = self.model, self.costs, self.policy
-        L, D = m.layers, len(ctx)
-        size, prefix = np.asarray(size, float), np.asarray(prefix, float)
-        dec_compute, decide, link = (x[0] for x in self.layer_costs(ctx, 1)) if D else (0, 0, 0)
-        dec_gemm = float(c.gemm_time(D, m)) if D else 0.0
-        weights = m.layer_params * m.dtype_bytes / c.hbm_bw  # one pass over the layer's weights
-        step_tokens = D + float(size.sum())
-        gemm = max(dec_gemm, weights, 2.0 * m.layer_params * step_tokens / c.flops)
-        chunk_attn = (float(m.prefill_flops(size, prefix).sum()) / L
-                      - 2.0 * m.layer_params * float(size.sum())) / c.flops
-        compute = dec_compute - dec_gemm + gemm + chunk_attn
-        layers = float(step_time(compute, decide, link, L, p.overlap))
-        done = np.asarray(finished, float)
-        work = self.prefill_work
-        extra = float(c.head_time(D + len(done), m)) + float(np.maximum(
-            work.flops(done) / c.flops, work.bytes(done) / c.hbm_bw).sum())
-        gpu = L * (compute + decide) + extra
-        write = float(c.link_time(self.host_bytes(size.sum()), "d2h", copies=2 * L * len(size))) \
-            if p.host_frac > 0 and len(size) else 0.0
-        return max(layers + extra, write), gpu, L * link + write
+        """Times of the next ``k`` decode steps of a fixed batch with contexts ``ctx`` (each step
+        adds a token per sequence): (step, GPU-busy, link-busy) seconds, each (k,). The hot
+        path of the engine: :meth:`run` without chunks, for a batch size that does not change."""
+        m, L, B, j = self.model, self.model.layers, len(ctx), np.arange(k, dtype=float)
+        compute, decide, link = self.layer_costs(B, float(ctx.sum()) + B * j,
+                                                 lambda: ctx[None, :] + j[:, None])
+        head = self.costs.head_time(B, m)
+        return (step_time(compute, decide, link, L, self.policy.overlap) + head,
+                L * (compute + decide) + head, L * link)

@@ -10,6 +10,8 @@ Open the JSON in https://ui.perfetto.dev or chrome://tracing.
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvsim.sim.engine import SimResult, Simulator
 from kvsim.sim.pipeline import layer_starts, step_time
 
@@ -63,7 +65,9 @@ def build(sim: Simulator, res: SimResult, max_steps: int = 16) -> dict:
             steps += ch.steps
             continue
         k = min(ch.steps, max_steps - steps)
-        compute, decide, link = sim.steps.layer_costs(ch.ctx, k)
+        B, j = len(ch.ctx), np.arange(k, dtype=float)
+        compute, decide, link = sim.steps.layer_costs(
+            np.full(k, B), float(ch.ctx.sum()) + B * j, lambda: ch.ctx[None, :] + j[:, None])
         t = ch.start
         for i in range(k):
             ev, t = step_events(sim, t, float(compute[i]), float(decide[i]), float(link[i]),
