@@ -9,6 +9,7 @@ Requests wait, prefill (in chunks or whole), decode, are swapped out, and finish
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 
 import numpy as np
@@ -105,17 +106,23 @@ class Run:
         seats = self.seats()
         if not self.waiting or seats <= 0 or self.pressure:
             return
-        ids = np.fromiter(itertools.islice(self.waiting, seats), np.int64,
-                          count=min(seats, len(self.waiting)))
-        whole = self.prompt[ids] + self.work.output[ids]
-        hbm = self.sim.hbm_need(self.target[ids] if self.sched.admission == "grow" else whole)
-        host = np.where(self.held_host[ids] > 0, 0, self.sim.host_need(whole))
-        fits = (np.cumsum(hbm) <= self.free_hbm()) & \
-            (np.cumsum(host) <= self.cap_host - self.host.level)
-        m = int(np.argmin(fits)) if not fits.all() else len(ids)
+        grow, per_hbm, per_host = (self.sched.admission == "grow", self.sim.hbm_per_token,
+                                   self.sim.host_per_token)
+        free_hbm, free_host = self.free_hbm(), self.cap_host - self.host.level
+        take, hbm, host = [], [], []
+        for i in itertools.islice(self.waiting, seats):  # scalars: usually one or a few
+            whole = int(self.prompt[i]) + int(self.work.output[i])
+            h = math.ceil(per_hbm * float(self.target[i] if grow else whole))
+            o = 0 if self.held_host[i] else math.ceil(per_host * float(whole))
+            if sum(hbm) + h > free_hbm or sum(host) + o > free_host:
+                break
+            take.append(i)
+            hbm.append(h)
+            host.append(o)
+        m = len(take)
         if not m:
             return
-        ids, hbm, host = ids[:m], hbm[:m], host[:m]
+        ids, hbm, host = np.array(take, np.int64), np.array(hbm, np.int64), np.array(host, np.int64)
         for _ in range(m):
             self.waiting.popleft()
         for box, b in ((self.hbm, int(hbm.sum())), (self.host, int(host.sum()))):
@@ -202,37 +209,73 @@ class Run:
                 self.hold(int(i), int(more))
 
     # ------------------------------------------------------------------------------ steps
+    def prefill_whole(self):
+        """Prefill-first: every admitted prompt prefills whole, in one step, while decodes
+        wait; each then emits its first (or next) token."""
+        pf = np.array(self.prefilling, np.int64)
+        size, prefix = self.target[pf] - self.prefilled[pf], self.prefilled[pf]
+        lengths = self.target[pf].astype(float)
+        step, gpu, link, _ = self.sim.steps.step(
+            0, 0.0, None, float(size.sum()), float(self.sim.model.attention_flops(
+                size.astype(float), prefix.astype(float)).sum()), len(pf), lengths)
+        self.sim.chunks.append(Chunk(self.env.now, step, 0, 0, gpu, link, "prefill", None,
+                                     int(size.sum()), 0.0))
+        yield self.env.timeout(step)
+        self.prefilled[pf] = self.target[pf]
+        self.prefilling = []
+        first = np.isnan(self.first_token[pf])
+        self.first_token[pf[first]] = self.env.now
+        self.ctx[pf[first]] = self.prompt[pf[first]]
+        self.ctx[pf] += 1
+        self.left[pf] -= 1
+        self.running = np.concatenate([self.running, pf])
+
     def prefill_phase(self):
-        """Steps with prefill chunks, as many at once as nothing else changes: each step's
-        decodes first (chunked), then chunks of the prompts in order; a prompt that finishes
-        emits a token and decodes from the next step. The run ends with the prefills, at a
-        decode's completion, at the step after the next arrival, or after one step when memory
-        grows per token (grow admission) or prompts prefill whole (prefill-first)."""
-        sim, chunked = self.sim, self.sched.scheduler == "chunked"
+        """Steps with prefill chunks (chunked scheduler), as many at once as nothing else
+        changes: each step's decodes first, then chunks of the prompts in order; a prompt that
+        finishes emits a token and decodes from the next step. The run ends with the prefills,
+        at a decode's completion, at the step after the next arrival, or after one step when
+        memory grows per token (grow admission)."""
+        if self.sched.scheduler != "chunked":
+            yield from self.prefill_whole()
+            return
+        sim = self.sim
         grow = self.sched.admission == "grow"
-        dec = self.running if chunked else np.zeros(0, np.int64)
-        while chunked and grow and self.grow_fit(dec, 1) < 1:
+        dec = self.running
+        while grow and self.grow_fit(dec, 1) < 1:
             yield from self.preempt()
             dec = self.running
-        plan = self.plan_phase(dec, single=grow or not chunked)
-        S = len(plan["D"])
-        ctxm = None
-        if self.sim.policy.decide_bytes_per_token > 0:
-            start = np.concatenate([np.full(len(ids), s, float) for ids, s, _ in plan["members"]])
-            base = np.concatenate([c for _, _, c in plan["members"]]).astype(float)
-            j = np.arange(S, dtype=float)[:, None]
-            ctxm = lambda: np.where(j >= start, base + j - start, np.nan)  # noqa: E731
-        step, gpu, link, alone = sim.steps.run(plan["D"], plan["tokens"], ctxm, plan["chunks"])
+        plan = self.plan_phase(dec, single=grow)
+        rows = plan["rows"]
+        S = len(rows["D"])
+        if S == 1:  # the common case, in scalars
+            lengths = self.target[plan["done"][0]].astype(float)
+            one = sim.steps.step(len(dec), rows["tokens"][0], self.ctx[dec], rows["ctok"][0],
+                                 rows["cflops"][0], rows["count"][0], lengths)
+            step, gpu, link, alone = (np.array([x]) for x in one)
+        else:
+            arr = {k: np.array(v, float) for k, v in rows.items()}
+            ch = Chunks(arr["ctok"], arr["cflops"], arr["count"], arr["ndone"], arr["wf"],
+                        arr["wb"])
+            ctxm = None
+            if self.sim.policy.decide_bytes_per_token > 0:
+                start = np.concatenate([np.full(len(ids), s, float)
+                                        for ids, s, _ in plan["members"]])
+                base = np.concatenate([c for _, _, c in plan["members"]]).astype(float)
+                j = np.arange(S, dtype=float)[:, None]
+                ctxm = lambda: np.where(j >= start, base + j - start, np.nan)  # noqa: E731
+            step, gpu, link, alone = sim.steps.run(arr["D"], arr["tokens"], ctxm, ch)
         ends = np.cumsum(step)
         k = S
         if self.work.concurrency is None and self.next < self.n and not self.waiting:
             k = min(k, int(np.searchsorted(ends, self.arrival[self.next] - self.env.now)) + 1)
         t0 = self.env.now
         for j in range(k):
+            Dj = rows["D"][j]
             sim.chunks.append(Chunk(t0 + (ends[j - 1] if j else 0.0), float(step[j]),
-                                    1 if plan["D"][j] else 0, int(plan["D"][j]), float(gpu[j]),
-                                    float(link[j]), "mixed" if plan["D"][j] else "prefill",
-                                    None, int(plan["chunks"].tokens[j]), float(alone[j])))
+                                    1 if Dj else 0, Dj, float(gpu[j]), float(link[j]),
+                                    "mixed" if Dj else "prefill", None, rows["ctok"][j],
+                                    float(alone[j])))
         yield self.env.timeout(float(ends[k - 1]))
         if grow:
             self.grow(dec, 1)
@@ -249,7 +292,7 @@ class Run:
             first = np.isnan(self.first_token[ids])
             self.first_token[ids[first]] = t0 + ends[js[first]]
             self.ctx[ids[first]] = self.prompt[ids[first]]
-            more = 1 + (k - 1 - js) * chunked
+            more = k - js
             self.ctx[ids] += more
             self.left[ids] -= more
             self.running = np.concatenate([self.running, ids])
@@ -258,8 +301,9 @@ class Run:
         """The schedule of the next steps, in scalars: per step the decodes (how many, their KV
         tokens), the chunks given out, the prompts that finish; stops where it must."""
         sim, m = self.sim, self.sim.model
-        budget0 = self.sched.max_batched_tokens if self.sched.scheduler == "chunked" else np.inf
+        budget0 = self.sched.max_batched_tokens
         pf = np.array(self.prefilling, np.int64)
+        work = sim.prefill_work
         queue = [list(q) for q in zip(pf.tolist(), (self.target[pf] - self.prefilled[pf]).tolist(),
                                       self.prefilled[pf].tolist())]
         D, tokens = len(dec), float(self.ctx[dec].sum())
@@ -267,7 +311,7 @@ class Run:
         members = [(dec, 0, self.ctx[dec])]  # (ids, the step they start decoding, their ctx)
         rows = {k: [] for k in ("D", "tokens", "ctok", "cflops", "count", "ndone", "wf", "wb")}
         assign, done = [], []
-        work = sim.prefill_work
+        any_work = bool(work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token)
         while queue and len(assign) < MAX_CHUNK:
             left = budget0 - D
             a, fin, ctok, cflops = [], [], 0, 0.0
@@ -283,11 +327,11 @@ class Run:
                 q[2] += size
                 if q[1] == 0:
                     fin.append(q[0])
-            lengths = self.target[fin].astype(float)
+            lengths = [float(self.target[i]) for i in fin]
             for key, v in (("D", D), ("tokens", tokens), ("ctok", ctok), ("cflops", cflops),
                            ("count", len(a)), ("ndone", len(fin)),
-                           ("wf", float(work.flops(lengths).sum())),
-                           ("wb", float(work.bytes(lengths).sum()))):
+                           ("wf", sum(work.flops(x) for x in lengths) if any_work else 0.0),
+                           ("wb", sum(work.bytes(x) for x in lengths) if any_work else 0.0)):
                 rows[key].append(v)
             assign.append(a)
             done.append(fin)
@@ -297,20 +341,16 @@ class Run:
             if min_left is not None:
                 min_left -= 1
             if fin:  # they join the decodes with their first (or next) token
-                f = np.array(fin, np.int64)
-                c = np.where(np.isnan(self.first_token[f]), self.prompt[f], self.ctx[f]) + 1.0
-                members.append((f, step_no, c))
-                tokens += float(c.sum())
-                D += len(f)
-                lft = int(self.left[f].min()) - 1
+                c = [float(self.prompt[i] if math.isnan(self.first_token[i]) else self.ctx[i])
+                     + 1.0 for i in fin]
+                members.append((np.array(fin, np.int64), step_no, np.array(c)))
+                tokens += sum(c)
+                D += len(fin)
+                lft = min(int(self.left[i]) for i in fin) - 1
                 min_left = lft if min_left is None else min(min_left, lft)
             if single or (min_left is not None and min_left <= 0):
                 break
-        arr = {k: np.array(v, float) for k, v in rows.items()}
-        return {"D": arr["D"], "tokens": arr["tokens"], "assign": assign, "done": done,
-                "members": members,
-                "chunks": Chunks(arr["ctok"], arr["cflops"], arr["count"], arr["ndone"],
-                                 arr["wf"], arr["wb"])}
+        return {"rows": rows, "assign": assign, "done": done, "members": members}
 
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
@@ -353,7 +393,8 @@ class Run:
 
     def scheduler(self):
         while self.done < self.n:
-            yield from self.resume_swapped()
+            if self.swapped:
+                yield from self.resume_swapped()
             self.admit()
             if self.prefilling:
                 yield from self.prefill_phase()

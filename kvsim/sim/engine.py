@@ -128,18 +128,19 @@ class Simulator:
     def __post_init__(self):
         self.scheduling.check()
         self.steps = StepCosts(self.model, self.costs, self.policy, self.prefill_work)
+        p, kv = self.policy, self.model.kv_bytes_per_token
+        staging = p.staging_layers / self.model.layers * p.host_read_frac
+        self.hbm_per_token = (p.resident_frac + staging) * kv  # state + transfer staging
+        self.host_per_token = p.host_frac * kv
 
     # ----------------------------------------------------------------------- memory
     def hbm_need(self, tokens) -> np.ndarray:
         """HBM bytes held by requests of ``tokens`` tokens (state + transfer staging), whole
-        bytes."""
-        p = self.policy
-        staging = p.staging_layers / self.model.layers * p.host_read_frac
-        return np.ceil((p.resident_frac + staging) * self.model.kv_bytes_per_token
-                       * np.asarray(tokens, float)).astype(np.int64)
+        bytes (``math.ceil(hbm_per_token * tokens)`` for one request, the same figure)."""
+        return np.ceil(self.hbm_per_token * np.asarray(tokens, float)).astype(np.int64)
 
     def host_need(self, tokens) -> np.ndarray:
-        return np.ceil(self.steps.host_bytes(tokens)).astype(np.int64)
+        return np.ceil(self.host_per_token * np.asarray(tokens, float)).astype(np.int64)
 
     def capacity(self) -> tuple[int, int]:
         """Whole bytes of HBM left for KV state, and of host memory."""

@@ -48,6 +48,18 @@ class StepCosts:
     policy: DecodeCost
     prefill_work: PrefillWork = field(default_factory=PrefillWork)
 
+    def __post_init__(self):
+        self._per_batch: dict[int, tuple[float, float]] = {}
+
+    def per_batch(self, B: int) -> tuple[float, float]:
+        """(GEMM seconds per layer, LM head seconds) of a decode batch of ``B`` sequences,
+        remembered: a run asks for the same few batch sizes thousands of times."""
+        got = self._per_batch.get(B)
+        if got is None:
+            m, c = self.model, self.costs
+            got = self._per_batch[B] = (float(c.gemm_time(B, m)), float(c.head_time(B, m)))
+        return got
+
     def host_bytes(self, tokens) -> np.ndarray:
         """Bytes of KV the policy keeps in host memory for ``tokens`` tokens."""
         return self.policy.host_frac * self.model.kv_bytes_per_token * np.asarray(tokens, float)
@@ -59,7 +71,7 @@ class StepCosts:
         m, c, p = self.model, self.costs, self.policy
         tokens = np.asarray(tokens, float)
         kv_layer = m.kv_bytes_per_token / m.layers * tokens  # bytes of one layer's KV
-        gemm = (c.gemm_time(D, m) if D else 0.0) if np.ndim(D) == 0 else \
+        gemm = (self.per_batch(D)[0] if D else 0.0) if isinstance(D, int) else \
             np.where(np.asarray(D) > 0, c.gemm_time(D, m), 0.0)
         compute = gemm + c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens)
         link = c.link_time(p.host_read_frac * kv_layer, p.path, copies=p.copies_per_layer * D) \
@@ -99,6 +111,39 @@ class StepCosts:
         return (np.maximum(layers + extra, write), L * (compute + decide) + extra,
                 L * link + write, alone)
 
+    def step(self, D: int, tokens: float, ctx: np.ndarray | None, chunk_tokens: float,
+             attn_flops: float, count: int, done: np.ndarray) -> tuple[float, float, float, float]:
+        """:meth:`run` for one step, in scalars (the engine's hot path: most runs of prefill
+        steps are one step long): ``D`` decodes holding ``tokens`` KV tokens (``ctx``: their
+        contexts, for a policy that decides), ``count`` chunks of ``chunk_tokens`` tokens in
+        all with ``attn_flops`` of attention, ``done``: the lengths of the prompts that finish.
+        ``tests/test_serving.py`` holds the two equal."""
+        m, c, p = self.model, self.costs, self.policy
+        L, work = m.layers, self.prefill_work
+        gemm_d = attn = link = decide = alone = 0.0
+        if D:
+            gemm_d, head_d = self.per_batch(D)
+            kv_layer = m.kv_bytes_per_token / L * tokens
+            attn = float(c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens))
+            if p.host_read_frac > 0:
+                link = float(c.link_time(p.host_read_frac * kv_layer, p.path,
+                                         copies=p.copies_per_layer * D))
+            if p.decide_bytes_per_token > 0 and ctx is not None:
+                decide = float(c.decide_time(ctx, m, p.decide_bytes_per_token).sum())
+            alone = float(step_time(gemm_d + attn, decide, link, L, p.overlap)) + head_d
+        weights = m.layer_params * m.dtype_bytes / c.hbm_bw
+        gemm = max(gemm_d, weights, 2.0 * m.layer_params * (D + chunk_tokens) / c.flops)
+        compute = attn + gemm + attn_flops / L / c.flops
+        layers = float(step_time(compute, decide, link, L, p.overlap))
+        emit = D + len(done)
+        extra = (self.per_batch(emit)[1] if emit else 0.0) + (float(np.maximum(
+            work.flops(done) / c.flops, work.bytes(done) / c.hbm_bw).sum())
+            if work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token else 0.0)
+        write = float(c.link_time(self.host_bytes(chunk_tokens), "d2h", copies=2 * L * count)) \
+            if p.host_frac > 0 and count else 0.0
+        return (max(layers + extra, write), L * (compute + decide) + extra, L * link + write,
+                alone)
+
     def decode(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Times of the next ``k`` decode steps of a fixed batch with contexts ``ctx`` (each step
         adds a token per sequence): (step, GPU-busy, link-busy) seconds, each (k,). The hot
@@ -106,6 +151,6 @@ class StepCosts:
         m, L, B, j = self.model, self.model.layers, len(ctx), np.arange(k, dtype=float)
         compute, decide, link = self.layer_costs(B, float(ctx.sum()) + B * j,
                                                  lambda: ctx[None, :] + j[:, None])
-        head = self.costs.head_time(B, m)
+        head = self.per_batch(B)[1]
         return (step_time(compute, decide, link, L, self.policy.overlap) + head,
                 L * (compute + decide) + head, L * link)
