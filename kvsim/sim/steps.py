@@ -148,7 +148,7 @@ class StepCosts:
         """Times of the next ``k`` decode steps of a fixed batch with contexts ``ctx`` (each step
         adds a token per sequence): (step, GPU-busy, link-busy) seconds, each (k,). The hot
         path of the engine: :meth:`run` without chunks, for a batch size that does not change."""
-        m, L, B, j = self.model, self.model.layers, len(ctx), np.arange(k, dtype=float)
+        L, B, j = self.model.layers, len(ctx), np.arange(k, dtype=float)
         compute, decide, link = self.layer_costs(B, float(ctx.sum()) + B * j,
                                                  lambda: ctx[None, :] + j[:, None])
         head = self.per_batch(B)[1]
