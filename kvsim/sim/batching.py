@@ -209,18 +209,22 @@ class Run:
                 self.hold(int(i), int(more))
 
     # ------------------------------------------------------------------------------ steps
-    def prefill_whole(self):
-        """Prefill-first: every admitted prompt prefills whole, in one step, while decodes
-        wait; each then emits its first (or next) token."""
-        pf = np.array(self.prefilling, np.int64)
-        size, prefix = self.target[pf] - self.prefilled[pf], self.prefilled[pf]
+    def prefill_whole(self, dec: np.ndarray, pf: np.ndarray, size: np.ndarray):
+        """One step in which every admitted prompt prefills the rest of itself (``size``
+        tokens each), with a decode token for each of ``dec`` (prefill-first: none); each
+        prompt then emits its first (or next) token. Scalars: the common step."""
+        prefix = self.prefilled[pf]
         lengths = self.target[pf].astype(float)
-        step, gpu, link, _ = self.sim.steps.step(
-            0, 0.0, None, float(size.sum()), float(self.sim.model.attention_flops(
-                size.astype(float), prefix.astype(float)).sum()), len(pf), lengths)
-        self.sim.chunks.append(Chunk(self.env.now, step, 0, 0, gpu, link, "prefill", None,
-                                     int(size.sum()), 0.0))
+        D = len(dec)
+        step, gpu, link, alone = self.sim.steps.step(
+            D, float(self.ctx[dec].sum()), self.ctx[dec], float(size.sum()),
+            float(self.sim.model.attention_flops(size.astype(float), prefix.astype(float)).sum()),
+            len(pf), lengths)
+        self.sim.chunks.append(Chunk(self.env.now, step, 1 if D else 0, D, gpu, link,
+                                     "mixed" if D else "prefill", None, int(size.sum()), alone))
         yield self.env.timeout(step)
+        self.ctx[dec] += 1
+        self.left[dec] -= 1
         self.prefilled[pf] = self.target[pf]
         self.prefilling = []
         first = np.isnan(self.first_token[pf])
@@ -236,11 +240,16 @@ class Run:
         finishes emits a token and decodes from the next step. The run ends with the prefills,
         at a decode's completion, at the step after the next arrival, or after one step when
         memory grows per token (grow admission)."""
-        if self.sched.scheduler != "chunked":
-            yield from self.prefill_whole()
-            return
         sim = self.sim
         grow = self.sched.admission == "grow"
+        pf = np.array(self.prefilling, np.int64)
+        rest = self.target[pf] - self.prefilled[pf]
+        if self.sched.scheduler != "chunked":  # prefill-first: whole prompts, decodes wait
+            yield from self.prefill_whole(np.zeros(0, np.int64), pf, rest)
+            return
+        if not grow and rest.sum() <= self.sched.max_batched_tokens - len(self.running):
+            yield from self.prefill_whole(self.running, pf, rest)  # it all fits in one step
+            return
         dec = self.running
         while grow and self.grow_fit(dec, 1) < 1:
             yield from self.preempt()
