@@ -43,6 +43,17 @@ def _ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["status"] == "ok"] if "status" in df else df
 
 
+def _panels(d: pd.DataFrame, keys: list[str]):
+    """A figure with one panel per combination of ``keys`` in ``d``, and (axis, key values,
+    rows) for each; (None, []) when ``d`` is empty."""
+    groups = d.groupby(keys)
+    names = sorted(groups.groups)
+    if not names:
+        return None, []
+    fig, axes = _grid(len(names))
+    return fig, [(ax, name, groups.get_group(name)) for ax, name in zip(axes, names)]
+
+
 def _lines(ax, p: pd.DataFrame, x: str, y: str, series: dict, prefix: str) -> None:
     """One line per label of ``p``: ``y`` against ``x``, recorded in ``series``."""
     for lab, g in p.groupby("label"):
@@ -54,18 +65,16 @@ def _lines(ax, p: pd.DataFrame, x: str, y: str, series: dict, prefix: str) -> No
 def throughput_vs_batch(df: pd.DataFrame, out: Path) -> dict:
     d = _ok(df)
     d = d[d["qps"].isna()] if "qps" in d else d
-    panels = sorted(d.groupby(["gpu", "model", "context"]).groups)
     series = {}
-    if not panels:
+    fig, panels = _panels(d, ["gpu", "model", "context"])
+    if fig is None:
         return series
-    fig, axes = _grid(len(panels))
-    for ax, (gpu, model, ctx) in zip(axes, panels):
-        p = d[(d.gpu == gpu) & (d.model == model) & (d.context == ctx)]
+    for ax, (gpu, model, ctx), p in panels:
         _lines(ax, p, "batch", "decode_tok_s", series, f"{gpu}|{model}|{ctx}")
         ax.set(xscale="log", yscale="log", xlabel="max batch", ylabel="decode tokens / s",
                title=f"{gpu}, {model}, {ctx // 1024}K context")
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=7)
+    panels[0][0].legend(fontsize=7)
     fig.suptitle("Decode throughput vs batch (memory caps admission where a line flattens)")
     _save(fig, out, "throughput_vs_batch")
     return series
@@ -241,13 +250,11 @@ def goodput_vs_rate(df: pd.DataFrame, out: Path) -> dict:
     if "goodput_rps" not in d or "qps" not in d:
         return {}
     d = d[d["qps"].notna() & d["goodput_rps"].notna()]
-    panels = sorted(d.groupby(["gpu", "model", "context"]).groups)
     series = {}
-    if not panels:
+    fig, panels = _panels(d, ["gpu", "model", "context"])
+    if fig is None:
         return series
-    fig, axes = _grid(len(panels))
-    for ax, (gpu, model, ctx) in zip(axes, panels):
-        p = d[(d.gpu == gpu) & (d.model == model) & (d.context == ctx)]
+    for ax, (gpu, model, ctx), p in panels:
         _lines(ax, p, "qps", "goodput_rps", series, f"{gpu}|{model}|{ctx}")
         lim = [p.qps.min(), p.qps.max()]
         ax.plot(lim, lim, color="grey", lw=0.8, ls=":", label="every request within SLO")

@@ -75,13 +75,14 @@ class Run:
             self.next = i + 1
             self.arrive(i)
 
-    def hold(self, i: int, hbm: int, host: int = 0) -> None:
-        """Put ``hbm`` and ``host`` more bytes for request ``i`` (the caller checked room)."""
-        for box, b in ((self.hbm, int(hbm)), (self.host, int(host))):
+    def hold(self, ids, hbm, host=0) -> None:
+        """Put ``hbm`` and ``host`` more bytes for request(s) ``ids`` (the caller checked room),
+        in one put per memory."""
+        for box, b in ((self.hbm, int(np.sum(hbm))), (self.host, int(np.sum(host)))):
             if b:
                 box.put(b)
-        self.held_hbm[i] += hbm
-        self.held_host[i] += host
+        self.held_hbm[ids] += hbm
+        self.held_host[ids] += host
         self.peak_hbm = max(self.peak_hbm, self.hbm.level)
         self.peak_host = max(self.peak_host, self.host.level)
 
@@ -125,13 +126,7 @@ class Run:
         ids, hbm, host = np.array(take, np.int64), np.array(hbm, np.int64), np.array(host, np.int64)
         for _ in range(m):
             self.waiting.popleft()
-        for box, b in ((self.hbm, int(hbm.sum())), (self.host, int(host.sum()))):
-            if b:
-                box.put(b)
-        self.held_hbm[ids] += hbm
-        self.held_host[ids] += host
-        self.peak_hbm = max(self.peak_hbm, self.hbm.level)
-        self.peak_host = max(self.peak_host, self.host.level)
+        self.hold(ids, hbm, host)
         new = np.isnan(self.admitted[ids])
         self.admitted[ids[new]] = self.env.now
         self.order[ids] = self.admissions + 1 + np.arange(m)
