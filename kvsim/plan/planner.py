@@ -169,8 +169,10 @@ def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality)
         for r in ok.itertuples():
             if getattr(r, "slo_max_qps", None) is not None:
                 lines.append(f"- {r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
-                             f"{r.slo_max_qps:.3g} req/s (p99 TPOT {r.slo_at_tpot_p99_ms:.3g} ms, "
-                             f"p99 TTFT {r.slo_at_ttft_p99_ms:.4g} ms; {r.slo_binding}); at "
+                             f"{r.slo_max_qps:.3g} req/s (TPOT p50/p99 {r.slo_at_tpot_p50_ms:.3g}/"
+                             f"{r.slo_at_tpot_p99_ms:.3g} ms, TTFT p50/p99 "
+                             f"{r.slo_at_ttft_p50_ms:.4g}/{r.slo_at_ttft_p99_ms:.4g} ms; "
+                             f"{r.slo_binding}); at "
                              f"{r.slo_qps_fails:.3g} req/s: {r.slo_fails_because}"
                              if r.slo_max_qps > 0 else
                              f"- {r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
