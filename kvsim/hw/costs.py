@@ -203,12 +203,6 @@ class CostModel:
         return np.maximum(2.0 * p * np.asarray(batch, float) / self.flops,
                           p * m.dtype_bytes / self.hbm_bw)
 
-    def prefill_time(self, tokens, sum_sq_tokens, m: ModelSpec) -> np.ndarray:
-        """Compute-bound prefill of ``tokens`` prompt tokens (``sum_sq`` for causal attention)."""
-        dense = 2.0 * m.params * np.asarray(tokens, float)
-        attn = 2.0 * m.layers * m.q_heads * m.head_dim * np.asarray(sum_sq_tokens, float)
-        return (dense + attn) / self.flops
-
     def decide_time(self, context, m: ModelSpec, work_per_token: float) -> np.ndarray:
         """VerKV's per-layer, per-sequence decide step (sketch scoring, top-k, certificate).
 

@@ -40,12 +40,9 @@ MAX_CHUNK = 2048  # decode steps computed at once (bounds the size of the vector
 SCHEDULERS = ("chunked", "prefill-first")
 ADMISSIONS = ("reserve", "grow")
 PREEMPTIONS = ("recompute", "swap")
-# vLLM's default token budget for its OpenAI server (EngineArgs.get_batch_defaults): 8192 on GPUs
-# with at least 70 GiB that are not A100s, 2048 on the others
-VLLM_BUDGET_SOURCE = "vLLM EngineArgs default for the OpenAI server"
-
-
 def default_token_budget(gpu_name: str, hbm_bytes: float) -> int:
+    """vLLM's default token budget for its OpenAI server (``EngineArgs.get_batch_defaults``):
+    8192 on GPUs with at least 70 GiB that are not A100s, 2048 on the others."""
     return 8192 if hbm_bytes >= 70 * GiB and "a100" not in gpu_name.lower() else 2048
 
 
