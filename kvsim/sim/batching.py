@@ -178,9 +178,9 @@ class Run:
             self.peak_host = max(self.peak_host, self.host.level)
             yield from self.transfer(nbytes, "d2h")
             self.swapped.append(victim)
-        else:  # recompute: its cache is dropped; prompt and generated tokens prefill again
+        else:  # recompute: its cache is dropped
             self.release([victim], host=False)
-            if not np.isnan(self.first_token[victim]):  # it decoded: its tokens prefill again
+            if not np.isnan(self.first_token[victim]):  # prompt and generated tokens, again
                 self.target[victim] = int(self.ctx[victim]) - 1
             self.waiting.appendleft(victim)
 
@@ -199,9 +199,9 @@ class Run:
         return k
 
     def grow(self, ids: np.ndarray, k: int) -> None:
+        """Grow admission: ``ids`` hold their next ``k`` tokens' bytes."""
         if self.sched.admission == "grow" and len(ids):
-            for i, more in zip(ids, self.sim.hbm_need(self.ctx[ids] + k) - self.held_hbm[ids]):
-                self.hold(int(i), int(more))
+            self.hold(ids, self.sim.hbm_need(self.ctx[ids] + k) - self.held_hbm[ids])
 
     # ------------------------------------------------------------------------------ steps
     def prefill_whole(self, dec: np.ndarray, pf: np.ndarray, size: np.ndarray):
