@@ -22,6 +22,9 @@ UPSTREAM_ONLY = [
     ("kvsim.sim", ("kvsim.policies", "kvsim.measure", "kvsim.replay", "kvsim.validate",
                    "kvsim.plan", "kvsim.commands", "profiler", "kvsim.model", "torch")),
     ("kvsim.replay", ("kvsim.validate", "kvsim.plan", "kvsim.commands", "profiler")),
+    ("kvsim.fit", ("kvsim.validate", "kvsim.plan", "kvsim.commands", "profiler", "torch")),
+    ("kvsim.hw", ("kvsim.policies", "kvsim.measure", "kvsim.sim", "kvsim.replay", "kvsim.fit",
+                  "kvsim.validate", "kvsim.plan", "kvsim.commands", "profiler", "torch")),
     ("kvsim.plan", ("kvsim.validate", "kvsim.commands", "profiler", "torch")),
     ("kvsim.contract", ("kvsim.", "torch")),
 ]

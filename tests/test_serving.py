@@ -178,26 +178,38 @@ def test_scheduling_travels_through_a_sweep():
 def test_the_scalar_step_is_the_vectorised_step():
     """The engine's scalar hot path equals the vectorised steps it specialises, with and
     without decodes, for every kind of policy cost (resident, offloading with its KV write,
-    deciding)."""
+    deciding), on the bare hardware and under an engine profile (overhead, batched launches)."""
     from kvsim.contract import DecodeCost, PrefillWork
     from kvsim.hw.costs import CostModel
+    from kvsim.hw.engine import DecideModel, Engine, Value
     from kvsim.sim.steps import Chunks, StepCosts
-    m, c = catalog.model("qwen3-4b"), CostModel.from_spec(catalog.gpu("h100-sxm"))
+    m = catalog.model("qwen3-4b")
+    eng = Engine("t", {"step_overhead_ms": Value(1.5, "default"),
+                       "link_launches": Value("per-layer", "default"),
+                       "decide.verkv": Value(dataclasses.asdict(DecideModel(3, 40, 900, 0.6)),
+                                             "default")})
     work = PrefillWork(3e6, 12.0, 5e4)
-    for cost in (DecodeCost(1, 1, 0, 0, False), DecodeCost(0, 1, 1, 1, True, 2.0, "h2d", 2),
-                 DecodeCost(0.1, 0.4, 0.3, 1, False, 2.0, "gather", 1, 4.25, 0.03)):
-        s = StepCosts(m, c, cost, work)
-        sizes, prefixes = np.array([4096.0, 1000.0, 31.0]), np.zeros(3)
-        flops = float(m.attention_flops(sizes, prefixes).sum())
-        general = s.run(np.zeros(1), np.zeros(1), None, Chunks(
-            np.array([sizes.sum()]), np.array([flops]), np.array([3.0]), np.array([3.0]),
-            np.array([float(work.flops(sizes).sum())]), np.array([float(work.bytes(sizes).sum())])))
-        fast = s.step(0, 0.0, None, float(sizes.sum()), flops, 3, sizes)
-        np.testing.assert_allclose([g[0] for g in general], fast, rtol=1e-12)
-        ctx = np.array([5000.0, 7000.0, 123.0])
-        general = s.run(np.array([3.0]), np.array([ctx.sum()]), lambda: ctx[None, :], Chunks(
-            np.array([2048.0]), np.array([flops]), np.array([1.0]), np.array([1.0]),
-            np.array([float(work.flops(sizes[:1]).sum())]),
-            np.array([float(work.bytes(sizes[:1]).sum())])))
-        fast = s.step(3, float(ctx.sum()), ctx, 2048.0, flops, 1, sizes[:1])
-        np.testing.assert_allclose([g[0] for g in general], fast, rtol=1e-12)
+    for c in (CostModel.from_spec(catalog.gpu("h100-sxm")),
+              CostModel.from_spec(catalog.gpu("h100-sxm")).apply(eng)):
+        for cost in (DecodeCost(1, 1, 0, 0, False), DecodeCost(0, 1, 1, 1, True, 2.0, "h2d", 2),
+                     DecodeCost(0.1, 0.4, 0.3, 1, False, 2.0, "gather", 1, 4.25, 0.03,
+                                "verkv")):
+            s = StepCosts(m, c, cost, work)
+            sizes, prefixes = np.array([4096.0, 1000.0, 31.0]), np.zeros(3)
+            flops = float(m.attention_flops(sizes, prefixes).sum())
+            general = s.run(np.zeros(1), np.zeros(1), Chunks(
+                np.array([sizes.sum()]), np.array([flops]), np.array([3.0]), np.array([3.0]),
+                np.array([float(work.flops(sizes).sum())]),
+                np.array([float(work.bytes(sizes).sum())])))
+            fast = s.step(0, 0.0, float(sizes.sum()), flops, 3, sizes)
+            np.testing.assert_allclose([g[0] for g in general], fast, rtol=1e-12)
+            ctx = np.array([5000.0, 7000.0, 123.0])
+            general = s.run(np.array([3.0]), np.array([ctx.sum()]), Chunks(
+                np.array([2048.0]), np.array([flops]), np.array([1.0]), np.array([1.0]),
+                np.array([float(work.flops(sizes[:1]).sum())]),
+                np.array([float(work.bytes(sizes[:1]).sum())])))
+            fast = s.step(3, float(ctx.sum()), 2048.0, flops, 1, sizes[:1])
+            np.testing.assert_allclose([g[0] for g in general], fast, rtol=1e-12)
+            dec = s.decode(ctx, 4)[0][0]  # a plain decode step: run without chunks
+            np.testing.assert_allclose(dec, s.run(np.array([3.0]), np.array([ctx.sum()]))[0][0],
+                                       rtol=1e-12)

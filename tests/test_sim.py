@@ -11,7 +11,8 @@ from kvsim.replay import ReplayConfig, run_replay
 
 
 def replay(trace, **kw):
-    return run_replay(ReplayConfig(trace=trace, **kw))
+    """The physics of the bare hardware: the roofline engine (no engine overheads)."""
+    return run_replay(ReplayConfig(trace=trace, **{"engine": "roofline", **kw}))
 
 
 def test_dense_offload_is_link_bound(attn_trace):

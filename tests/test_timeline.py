@@ -26,12 +26,13 @@ def test_timeline_is_valid_and_resources_never_overlap(attn_trace, tmp_path, pol
         starts, ends = np.array([s for s, _ in spans]), np.array([e for _, e in spans])
         assert (starts[1:] >= ends[:-1] - 1e-6).all(), f"overlap on tid {tid}"
     # the five decode steps (all of them: output 6), layer by layer, as long as the engine says
-    heads = [e for e in ev if e["name"] == "LM head"]
+    end = max(e["ts"] + e["dur"] for e in ev)  # the last step's LM head or engine overhead
     prefill = [e for e in ev if e["name"].startswith("prefill")][0]
-    step_ms = (heads[-1]["ts"] + heads[-1]["dur"] - prefill["ts"] - prefill["dur"]) / 1e3 / 5
+    step_ms = (end - prefill["ts"] - prefill["dur"]) / 1e3 / 5
     assert step_ms == pytest.approx(r["tpot_ms"], rel=1e-6)
     names = {e["name"] for e in ev}
-    assert ("L0 KV copy" in names) == (policy == "dense-offload")
+    # overlapped copies on the bare hardware; the default engine (vLLM's) fetches serially
+    assert bool(names & {"L0 KV copy", "L0 fetch"}) == (policy == "dense-offload")
 
 
 def test_timeline_refuses_to_overwrite(attn_trace, tmp_path):
@@ -64,13 +65,13 @@ def _simpy_step(c: float, d: float, x: float, L: int, overlap: bool):
                 yield env.timeout(x)
             copied[l].succeed()
 
-    def computer():
+    def computer():  # overlapped, a layer's decide runs on the GPU with its compute
         for l in range(L):
             yield copied[l]
             with gpu.request() as r:
                 yield r
                 comp_at[l] = env.now
-                yield env.timeout(c)
+                yield env.timeout(d + c)
             yield slots.put(1)  # layer l is done with its buffer
             computed[l].succeed()
 
@@ -141,9 +142,9 @@ def test_every_policy_timeline_matches_the_engine(synthetic_path, tmp_path, poli
     for tid in {e["tid"] for e in ev}:
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["tid"] == tid)
         assert all(b[0] >= a[1] - 1e-6 for a, b in zip(spans, spans[1:])), policy
-    heads = [e for e in ev if e["name"] == "LM head"]
+    end = max(e["ts"] + e["dur"] for e in ev)  # the last step's LM head or engine overhead
     prefill = [e for e in ev if e["name"].startswith("prefill")][0]
-    step_ms = (heads[-1]["ts"] + heads[-1]["dur"] - prefill["ts"] - prefill["dur"]) / 1e3 / 3
+    step_ms = (end - prefill["ts"] - prefill["dur"]) / 1e3 / 3
     assert step_ms == pytest.approx(r["tpot_ms"], rel=1e-6)
     assert any(e["name"].endswith("decide") for e in ev) == (policy == "verkv")
 

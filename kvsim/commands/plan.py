@@ -53,8 +53,9 @@ def add_parser(sub) -> None:
                                dest=f"slo_{metric}", help=what)
     slo_group.add_argument("--slo-requests", type=int, default=200,
                            help="requests per SLO probe [default: 200]")
-    from kvsim.commands.replay import add_scheduling_flags
+    from kvsim.commands.replay import add_engine_flags, add_scheduling_flags
     add_scheduling_flags(p)
+    add_engine_flags(p)
     p.add_argument("--quality", nargs="+", metavar="JSON",
                    help="kvsim eval --json results for the quality-vs-throughput plot")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable)")
@@ -70,7 +71,7 @@ def run(args) -> int:
     from kvsim.commands._policy_flags import policy_options
     from kvsim.plan.executors import make_executor
     from kvsim.plan.planner import SUMMARY, plan
-    from kvsim.commands.replay import scheduling_options
+    from kvsim.commands.replay import engine_options, scheduling_options
     from kvsim.plan.slo import parse_limit
     from kvsim.plan.sweep import SweepSpec
     limits = [parse_limit(m, getattr(args, f"slo_{m}")) for m in ("tpot_ms", "ttft_ms", "e2e_s")
@@ -79,7 +80,8 @@ def run(args) -> int:
                      policies=args.policy, batches=args.batch, qps=args.qps,
                      option_grid=policy_options(args), output_len=args.output_len,
                      requests=args.requests, seed=args.seed, trace=args.trace, slo=limits,
-                     slo_requests=args.slo_requests, scheduling=scheduling_options(args))
+                     slo_requests=args.slo_requests, scheduling=scheduling_options(args),
+                     engine=engine_options(args))
     spec.validate()
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])

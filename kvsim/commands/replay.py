@@ -52,6 +52,7 @@ def add_parser(sub) -> None:
     p.add_argument("--host-gib", type=float, help="host memory for the KV cache (default 256)")
     p.add_argument("--workspace-gib", type=float, help="HBM for activations etc. (default 4)")
     add_scheduling_flags(p)
+    add_engine_flags(p)
     p.add_argument("--slo-tpot-ms", type=float, help="per-request TPOT limit for goodput")
     p.add_argument("--slo-ttft-ms", type=float, help="per-request TTFT limit for goodput")
     p.add_argument("--slo-e2e-s", type=float, help="per-request end-to-end limit for goodput")
@@ -85,6 +86,33 @@ def add_scheduling_flags(p) -> None:
                         "to host memory over the link and back [default: recompute]")
 
 
+def add_engine_flags(p) -> None:
+    """The engine profile and what-if overrides: shared by replay and plan."""
+    g = p.add_argument_group(
+        "engine", "what the serving engine adds to the hardware (kvsim fit writes a profile); "
+                  "each override below is recorded in provenance as such")
+    g.add_argument("--engine", metavar="NAME|JSON",
+                   help="engine profile: roofline (the bare hardware), vllm-paper (fitted to the "
+                        "VerKV paper's vLLM measurements on an H100) or a file from kvsim fit "
+                        "[default: vllm-paper with a catalog GPU, roofline with a profiled "
+                        "trace's hardware]")
+    g.add_argument("--kv-read-frac", type=float, metavar="F",
+                   help="the policy's KV read per decode step, as a share of the cache "
+                        "(replaces the trace's measured fetch fraction)")
+    g.add_argument("--decide-ms", type=float, metavar="MS",
+                   help="decide time per request and decode step, all layers")
+    g.add_argument("--step-overhead-ms", type=float, metavar="MS",
+                   help="engine overhead per step, whatever its batch")
+    g.add_argument("--link-gbps", type=float, metavar="GBPS",
+                   help="host-link bandwidth of every path (the gather path keeps its ratio)")
+
+
+def engine_options(args) -> dict:
+    return {k: getattr(args, k) for k in ("engine", "kv_read_frac", "decide_ms",
+                                          "step_overhead_ms", "link_gbps")
+            if getattr(args, k) is not None}
+
+
 def scheduling_options(args) -> dict:
     return {"scheduler": args.scheduler, "max_batched_tokens": args.max_batched_tokens,
             "admission": args.admission, "preemption": args.preemption}
@@ -105,7 +133,7 @@ def run(args) -> int:
                        output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
                        host_gib=args.host_gib, workspace_gib=args.workspace_gib,
                        timeline=args.timeline, timeline_steps=args.timeline_steps,
-                       force=args.force, **scheduling_options(args),
+                       force=args.force, **scheduling_options(args), **engine_options(args),
                        slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                               ("ttft_ms", args.slo_ttft_ms),
                                               ("e2e_s", args.slo_e2e_s)) if v is not None})

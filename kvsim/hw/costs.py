@@ -18,6 +18,8 @@ import numpy as np
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.catalog import GB, GiB, GPUSpec, ModelSpec
+from kvsim.hw.engine import CATALOG_DEFAULT, ROOFLINE, DecideModel, Engine
+from kvsim.hw.engine import load as load_engine
 from kvsim.hw.fit import fit_alpha_beta
 
 DEFAULT_GPU = "h100-sxm"
@@ -74,7 +76,8 @@ class LinkPath:
 
 
 class CostModel:
-    """Costs for one GPU and one model. Build with :meth:`from_spec` or :meth:`from_hardware`."""
+    """Costs for one GPU and one model. Build with :meth:`from_spec` or :meth:`from_hardware`,
+    then :meth:`apply` an engine profile (:mod:`kvsim.hw.engine`)."""
 
     def __init__(self, gpu_name: str, hbm_bytes: float, hbm_bw: float, flops: float,
                  links: dict[str, LinkPath], provenance: dict[str, str]):
@@ -87,8 +90,14 @@ class CostModel:
         self.extrapolations: set[str] = set()
         self.attn_curve: Curve | None = None  # seconds per layer vs KV tokens read (batch total)
         self.gemm_curve: Curve | None = None  # seconds per layer vs batch
-        self.decide_curve: Curve | None = None  # seconds per layer and sequence vs context
         self.head_curve: Curve | None = None  # seconds of the LM head vs batch
+        self.spec: GPUSpec | None = None  # the catalog entry the rates came from, if any
+        self.engine: Engine = ROOFLINE
+        self.step_overhead = 0.0  # seconds per engine step, whatever its batch
+        self.launches = "per-sequence"  # a layer's copies: one launch per sequence, or batched
+        self.fetch = "policy"  # overlap or serial fetch: as the policy says, or forced
+        self.decide_models: dict[str, DecideModel] = {}  # per decide kernel (engine or table)
+        self.decide_range: tuple[float, float] | None = None  # contexts the table measured
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -105,17 +114,21 @@ class CostModel:
         prov = {
             "gpu": f"{src}: {g.source}",
             "hbm_capacity": f"{g.hbm_gib} GiB, {src}",
-            "hbm_bandwidth": f"{g.hbm_gbps:.0f} GB/s x {HBM_EFFICIENCY} achievable (default), {src}",
-            "compute": f"{g.bf16_tflops:.0f} TFLOP/s bf16 x {FLOP_EFFICIENCY} (default), {src}",
+            "hbm_bandwidth": f"{g.hbm_gbps:.0f} GB/s x {HBM_EFFICIENCY} achievable (design "
+                             f"note), {src}",
+            "compute": f"{g.bf16_tflops:.0f} TFLOP/s bf16 x {FLOP_EFFICIENCY} (design note), "
+                       f"{src}",
             "link_h2d": f"alpha {h2d.alpha * 1e6:.1f} us, beta {h2d.beta / GB:.1f} GB/s, {src}",
             "link_gather": links["gather"].source,
             "decode_attention": "roofline: KV bytes / achievable HBM bandwidth",
             "gemm": "roofline: max(FLOPs / achievable compute, weight bytes / achievable HBM)",
             "decide": "estimate: four passes over the sketch and per-token state at achievable "
-                      "HBM bandwidth (no profiled kernel_decide table)",
+                      "HBM bandwidth (no engine decide model, no profiled kernel_decide table)",
         }
-        return cls(g.name, g.hbm_gib * GiB, g.hbm_gbps * GB * HBM_EFFICIENCY,
-                   g.bf16_tflops * 1e12 * FLOP_EFFICIENCY, links, prov)
+        cm = cls(g.name, g.hbm_gib * GiB, g.hbm_gbps * GB * HBM_EFFICIENCY,
+                 g.bf16_tflops * 1e12 * FLOP_EFFICIENCY, links, prov)
+        cm.spec = g
+        return cm
 
     @classmethod
     def from_hardware(cls, hw, base: GPUSpec | None = None) -> "CostModel":
@@ -123,7 +136,8 @@ class CostModel:
 
         Tables used when present: ``link_h2d_pinned``, ``link_d2h_pinned``, ``link_gather_gpu``
         (bytes, seconds), ``kernel_decode_attn`` (tokens, seconds), ``kernel_gemm`` (batch, seconds),
-        ``kernel_decide`` (context, seconds). Capacity, HBM bandwidth and compute come from
+        ``kernel_decide`` (context, batch (1 if absent), seconds, fetched_frac: fitted by
+        :meth:`DecideModel.fit_table`). Capacity, HBM bandwidth and compute come from
         ``hw.extra`` (measured) or, failing that, from ``base`` (a catalog spec).
         """
         dev = hw.device.get("name", "measured device")
@@ -165,13 +179,82 @@ class CostModel:
         for attr, table, xcol, what in (("attn_curve", "kernel_decode_attn", "tokens",
                                          "decode_attention"),
                                         ("gemm_curve", "kernel_gemm", "batch", "gemm"),
-                                        ("decide_curve", "kernel_decide", "context", "decide"),
                                         ("head_curve", "kernel_lm_head", "batch", "lm_head")):
             t = hw.tables.get(table)
             if t is not None:
                 setattr(cm, attr, Curve(table, t[xcol], t["seconds"], cm.extrapolations))
                 cm.provenance[what] = f"measured table {table}: {where}"
+        t = hw.tables.get("kernel_decide")
+        if t is not None:
+            ctx = np.asarray(t["context"], float)
+            batch = np.asarray(t["batch"], float) if "batch" in t else np.ones_like(ctx)
+            frac = np.asarray(t["fetched_frac"], float) if "fetched_frac" in t else \
+                np.zeros_like(ctx)
+            dm, worst = DecideModel.fit_table(ctx, batch, t["seconds"], frac)
+            cm.decide_models["verkv"] = dm
+            cm.decide_range = (float(ctx.min()), float(ctx.max()))
+            cm.provenance["decide"] = (
+                f"fit to measured table kernel_decide ({len(ctx)} points, contexts "
+                f"{ctx.min():.0f}..{ctx.max():.0f}, batches {batch.min():.0f}..{batch.max():.0f};"
+                f" worst error {100 * worst:.1f}%): {dm.describe()}: {where}")
         return cm
+
+    def apply(self, engine: Engine) -> "CostModel":
+        """Take an engine profile's fields over the hardware's (each one said in provenance)."""
+        self.engine = engine
+        prov = self.provenance
+        prov["engine"] = (f"{engine.name} ({engine.origin})"
+                          + (f": {engine.description}" if engine.description else ""))
+        fitted = engine.fitted_on.get("gpu")
+        for key, val in sorted(engine.fields.items()):
+            prov[f"engine.{key}"] = val.describe()
+        self.step_overhead = engine.get("step_overhead_ms", 0.0) / 1e3
+        self.launches = engine.get("link_launches", self.launches)
+        self.fetch = engine.get("fetch", self.fetch)
+        measured = self.spec is None or "measured" in prov.get("hbm_bandwidth", "")
+        for key, attr, spec_rate, default in (
+                ("hbm_efficiency", "hbm_bw", "hbm_gbps", HBM_EFFICIENCY),
+                ("flop_efficiency", "flops", "bf16_tflops", FLOP_EFFICIENCY)):
+            eff = engine.get(key)
+            if eff is None:
+                continue
+            if measured:
+                prov[f"engine.{key}"] += "; not applied: the rates are measured"
+                continue
+            setattr(self, attr, getattr(self, attr) / default * eff)
+            what = "hbm_bandwidth" if attr == "hbm_bw" else "compute"
+            unit, scale = ("GB/s", 1e9) if attr == "hbm_bw" else ("TFLOP/s", 1e12)
+            prov[what] = (f"{getattr(self.spec, spec_rate):.0f} {unit} x {eff:.3g} (engine "
+                          f"{engine.name}) = {getattr(self, attr) / scale:.4g} {unit}, catalog "
+                          f"{self.gpu_name}")
+        scale = 1.0
+        if fitted and self.spec is not None and fitted != self.spec.name:
+            from kvsim.hw import catalog
+            scale = self.spec.h2d_gbps / catalog.gpu(fitted).h2d_gbps
+        for p in ("h2d", "d2h", "gather"):
+            gbps, launch = engine.fields.get(f"link.{p}.gbps"), engine.fields.get(
+                f"link.{p}.launch_us")
+            if gbps is None and launch is None:
+                continue
+            old = self.links[p]
+            beta, note = old.beta, ""
+            if gbps is not None:
+                s = 1.0 if gbps.source == "override" else scale
+                beta = gbps.value * GB * s
+                note = f" (x {s:.3g}: the link ratio of {self.gpu_name} to {fitted})" \
+                    if s != 1.0 else ""
+            alpha = launch.value * 1e-6 if launch is not None else old.alpha
+            self.links[p] = LinkPath(alpha, beta, f"engine {engine.name}{note}")
+            prov[f"link_{p}"] = (f"alpha {alpha * 1e6:.1f} us, beta {beta / GB:.2f} GB/s: "
+                                 f"engine {engine.name}{note}")
+        for key in engine.fields:
+            if key.startswith("decide."):
+                self.decide_models[key[7:]] = engine.decide(key[7:])
+                prov["decide"] = f"engine {engine.name}: {engine.fields[key].describe()}"
+        if fitted and fitted != self.gpu_name:
+            prov["engine"] += (f"; fitted on {fitted}: per-step overhead and decide times "
+                               f"applied to {self.gpu_name} unscaled")
+        return self
 
     # ------------------------------------------------------------------------- cost functions
     def link_time(self, nbytes, path: str = "h2d", copies=1) -> np.ndarray:
@@ -203,30 +286,59 @@ class CostModel:
         return np.maximum(2.0 * p * np.asarray(batch, float) / self.flops,
                           p * m.dtype_bytes / self.hbm_bw)
 
-    def decide_time(self, context, m: ModelSpec, work_per_token: float) -> np.ndarray:
-        """VerKV's per-layer, per-sequence decide step (sketch scoring, top-k, certificate).
+    def decide_model(self, kernel: str, m: ModelSpec, work_per_token: float) -> DecideModel:
+        """The decide cost of a policy's kernel: the engine's or the profile's model, else an
+        HBM-bound estimate: the decide pass reads ``work_per_token`` bytes per context token and
+        KV head (the sketch and the per-token state) about four times (score, select, sort,
+        suffix scan), request after request."""
+        dm = self.decide_models.get(kernel)
+        if dm is not None:
+            return dm
+        return DecideModel(per_ktoken_us=4e9 * m.kv_heads * work_per_token / self.hbm_bw)
 
-        Measured when the trace has ``kernel_decide``; otherwise an HBM-bound estimate: the
-        decide pass reads ``work_per_token`` bytes per context token and KV head (the sketch and
-        the per-token state) about four times (score, select, sort, suffix scan).
-        """
-        context = np.asarray(context, float)
-        if self.decide_curve is not None:
-            c = self.decide_curve
-            return c(context, lambda n: c.y[-1] * n / c.x[-1])
-        return 4.0 * context * m.kv_heads * work_per_token / self.hbm_bw
+    def check_decide_range(self, context: float) -> None:
+        """Record an extrapolation when a plan decides beyond the contexts a profile measured."""
+        lo_hi = self.decide_range
+        if lo_hi and not lo_hi[0] <= context <= lo_hi[1]:
+            self.extrapolations.add(f"kernel_decide: context {context:.0f}, measured "
+                                    f"{lo_hi[0]:.0f}..{lo_hi[1]:.0f} (linear model)")
+
+    def overlap_for(self, policy_overlap: bool) -> bool:
+        return {"policy": policy_overlap, "serial": False, "overlap": True}[self.fetch]
+
+    def copies(self, per_layer: float, n_seq):
+        """Link launches per layer: one per sequence, or one batched launch for all."""
+        if self.launches == "per-layer":
+            return np.where(np.asarray(n_seq) > 0, per_layer, 0.0)
+        return per_layer * np.asarray(n_seq, float)
 
 
-def costs_for(gpu: str | None, hardware) -> tuple[CostModel, str]:
+def costs_for(gpu: str | None, hardware, engine=None, overrides: dict | None = None,
+              layers: int | None = None) -> tuple[CostModel, str]:
     """The costs a plan uses, and where they came from: a trace's measured ``hardware`` section
     when it has one and no other GPU was named, else the catalog entry ``gpu`` (default
-    ``DEFAULT_GPU``)."""
+    ``DEFAULT_GPU``); then the engine (a name, a file or an :class:`Engine`; default
+    ``roofline`` with measured hardware, so a profile's numbers stay as measured, and
+    ``CATALOG_DEFAULT`` with a catalog GPU), with what-if ``overrides``
+    (:meth:`Engine.with_overrides`; ``layers``: the planned model's, for ``decide_ms``)."""
     if hardware is not None and (gpu is None or gpu == hardware.device.get("catalog_name")):
         base = catalog.gpu(gpu) if gpu else None
-        return CostModel.from_hardware(hardware, base), "trace hardware section"
-    costs = CostModel.from_spec(catalog.gpu(gpu or DEFAULT_GPU))
-    if hardware is not None:
-        costs.provenance["trace_hardware"] = (
-            f"not used: the trace was profiled on {hardware.device.get('name')!r}, "
-            f"the plan is for {costs.gpu_name}")
-    return costs, "catalog" if gpu else "catalog (default GPU)"
+        costs = CostModel.from_hardware(hardware, base)
+        source = "trace hardware section"
+        default = ROOFLINE
+    else:
+        costs = CostModel.from_spec(catalog.gpu(gpu or DEFAULT_GPU))
+        if hardware is not None:
+            costs.provenance["trace_hardware"] = (
+                f"not used: the trace was profiled on {hardware.device.get('name')!r}, "
+                f"the plan is for {costs.gpu_name}")
+        source = "catalog" if gpu else "catalog (default GPU)"
+        default = CATALOG_DEFAULT
+    eng = load_engine(engine if engine is not None else default)
+    if overrides:
+        eng = eng.with_overrides(**overrides, layers=layers)
+    costs.apply(eng)
+    if engine is None:
+        costs.provenance["engine"] += " [default for " + (
+            "measured hardware]" if default is ROOFLINE else "a catalog GPU]")
+    return costs, source

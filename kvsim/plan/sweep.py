@@ -20,7 +20,7 @@ from kvsim.policies.spec import PolicySpec, parse
 from kvsim.replay import ReplayConfig, report, run_replay
 
 CONFIG_COLUMNS = ["gpu", "model", "context", "policy", "options", "batch", "qps", "output_len",
-                  "requests", "seed", "trace", "scheduling"]
+                  "requests", "seed", "trace", "scheduling", "engine"]
 
 
 @dataclass
@@ -39,6 +39,7 @@ class SweepSpec:
     slo: list[slo.Limit] = field(default_factory=list)  # search the highest sustained rate
     slo_requests: int = 200
     scheduling: dict = field(default_factory=dict)  # ReplayConfig scheduler fields
+    engine: dict = field(default_factory=dict)  # ReplayConfig engine and what-if fields
 
     def policy_specs(self) -> list[PolicySpec]:
         """One validated spec per policy and combination of the option grid's values."""
@@ -62,7 +63,10 @@ class SweepSpec:
         if self.slo_requests < 10:
             raise KvsimError(f"--slo-requests must be at least 10 (the first fifth warms the "
                              f"system up); got {self.slo_requests}")
-        ReplayConfig(**self.scheduling).check()
+        ReplayConfig(**self.scheduling, **self.engine).check()
+        if self.engine.get("engine") is not None:
+            from kvsim.hw.engine import load
+            load(self.engine["engine"])  # an unreadable engine file fails before the sweep
 
 
 def expand(spec: SweepSpec) -> list[dict]:
@@ -79,12 +83,13 @@ def expand(spec: SweepSpec) -> list[dict]:
                 "batch": int(value) if kind == "batch" else int(max(spec.batches)),
                 "qps": float(value) if kind == "qps" else None,
                 "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
-                "trace": spec.trace, "scheduling": json.dumps(spec.scheduling, sort_keys=True)})
+                "trace": spec.trace, "scheduling": json.dumps(spec.scheduling, sort_keys=True),
+                "engine": json.dumps(spec.engine, sort_keys=True)})
     return configs
 
 
 def config_key(c: dict) -> str:
-    return json.dumps({k: c[k] for k in CONFIG_COLUMNS}, sort_keys=True, default=str)
+    return json.dumps({k: c.get(k) for k in CONFIG_COLUMNS}, sort_keys=True, default=str)
 
 
 def label(policy: str, options: str | dict) -> str:
@@ -103,7 +108,7 @@ def _replay_config(c: dict, **over) -> ReplayConfig:
     kw = dict(trace=trace, policy=c["policy"], policy_options=json.loads(c["options"]), gpu=gpu,
               model=c["model"], context=c["context"], batch=c["batch"], qps=c["qps"],
               requests=c["requests"], output_len=c["output_len"], seed=c["seed"],
-              **json.loads(c.get("scheduling") or "{}"))
+              **json.loads(c.get("scheduling") or "{}"), **json.loads(c.get("engine") or "{}"))
     kw.update(over)
     return ReplayConfig(**kw)
 

@@ -57,6 +57,12 @@ class ReplayConfig:
     admission: str = "reserve"  # or "grow" (preempts when HBM runs out)
     preemption: str = "recompute"  # or "swap"
     slo: dict = field(default_factory=dict)  # per-request limits for goodput: tpot_ms, ttft_ms, e2e_s
+    engine: str | None = None  # an engine profile: built-in name or JSON file (kvsim fit)
+    # what-if overrides, each recorded in provenance as such
+    kv_read_frac: float | None = None  # the policy's KV read per step, replacing the trace's
+    decide_ms: float | None = None  # decide per request and decode step, all layers
+    step_overhead_ms: float | None = None
+    link_gbps: float | None = None
 
     def check(self) -> None:
         for name in ("context", "batch", "output_len", "timeline_steps"):
@@ -75,8 +81,20 @@ class ReplayConfig:
                 raise KvsimError(f"SLO {k}={v!r}: give a positive --slo-tpot-ms, --slo-ttft-ms "
                                  f"or --slo-e2e-s")
         self.scheduling(8192).check()
+        if self.kv_read_frac is not None and not 0 <= self.kv_read_frac <= 1:
+            raise KvsimError(f"--kv-read-frac must be a share in [0, 1], got {self.kv_read_frac}")
+        for name in ("decide_ms", "step_overhead_ms"):
+            v = getattr(self, name)
+            if v is not None and not v >= 0:
+                raise KvsimError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        if self.link_gbps is not None and not self.link_gbps > 0:
+            raise KvsimError(f"--link-gbps must be positive, got {self.link_gbps}")
         if self.timeline is not None:
             check_destination(self.timeline, self.force)  # fail before the work, write nothing
+
+    def overrides(self) -> dict:
+        return {k: getattr(self, k) for k in ("decide_ms", "step_overhead_ms", "link_gbps")
+                if getattr(self, k) is not None}
 
     def scheduling(self, default_budget: int) -> Scheduling:
         budget = default_budget if self.max_batched_tokens is None else self.max_batched_tokens
@@ -89,8 +107,11 @@ def run_replay(cfg: ReplayConfig) -> dict:
     model = cfg.model if isinstance(cfg.model, ModelSpec) else catalog.model(cfg.model)
     trace_path = Path(cfg.trace) if cfg.trace is not None else DEFAULT_TRACE
     tr = load_trace(trace_path)
-    costs, cost_source = costs_for(cfg.gpu, tr.hardware)
+    costs, cost_source = costs_for(cfg.gpu, tr.hardware, cfg.engine, cfg.overrides(),
+                                   model.layers)
     analysis = analyze(trace_path, spec, cfg.seed)
+    if cfg.kv_read_frac is not None:
+        analysis = with_kv_read(spec, analysis, cfg.kv_read_frac)
     work_at_prefill = prefill_work(spec, model)
     memory = Memory(costs.hbm_bytes, _gib(cfg.host_gib, DEFAULT_HOST_GIB),
                     model.weight_bytes, _gib(cfg.workspace_gib, DEFAULT_WORKSPACE_GIB))
@@ -99,6 +120,8 @@ def run_replay(cfg: ReplayConfig) -> dict:
     scheduling = cfg.scheduling(default_token_budget(costs.gpu_name, costs.hbm_bytes))
     sim = Simulator(model, costs, analysis.cost, memory, cfg.batch, scheduling, work_at_prefill)
     res = sim.run(work)
+    if analysis.cost.decide_bytes_per_token > 0:
+        costs.check_decide_range(float(work.prompt.max() + work.output.max()))
     out = report.build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, memory,
                        work, res, scheduling, work_at_prefill)
     if cfg.timeline is not None:
@@ -153,6 +176,21 @@ def _analyze(path: str, mtime: float, name: str, options_json: str, seed: int) -
         raise KvsimError(f"policy {name} needs a trace with an attention section "
                          f"(kvsim capture); {path} has none")
     return harness.analyze(policy, tr, seed)
+
+
+def with_kv_read(spec: PolicySpec, analysis: PolicyResult, frac: float) -> PolicyResult:
+    """The analysis with the policy's KV read per step replaced by ``frac`` (a measured fetch
+    fraction, or a what-if); the policy derives its decode cost from it as from its own."""
+    import dataclasses
+    from kvsim.policies import make
+    stats = {**analysis.stats, "kv_read_frac": float(frac)}
+    cost = make(spec.name, spec.options).decode_cost(stats)
+    if abs(cost.host_read_frac - min(1.0, frac)) > 1e-12:
+        raise KvsimError(f"--kv-read-frac does not apply to {spec.name}: it reads "
+                         f"{cost.host_read_frac:g} of the cache per step by definition")
+    return dataclasses.replace(analysis, cost=cost, stats=stats, provenance=(
+        f"{analysis.provenance}; KV read per step {frac:g}: override (--kv-read-frac), "
+        f"replacing the trace's {analysis.stats.get('kv_read_frac', 'none')}"))
 
 
 def prefill_work(spec: PolicySpec, model: ModelSpec) -> PrefillWork:

@@ -141,6 +141,13 @@ def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict) -> list[s
         out.append(f"kernel tables were profiled with {profiled['dtype_bytes']}-byte values; "
                    f"{model.name} is planned with {model.dtype_bytes}-byte values")
     out += [f"extrapolated beyond measured table: {e}" for e in sorted(costs.extrapolations)]
+    fitted = costs.engine.fitted_on
+    where = [f"{k} {fitted[k]}" for k, now in (("gpu", costs.gpu_name), ("model", model.name))
+             if fitted.get(k) and fitted[k] != now]
+    if where:
+        out.append(f"engine {costs.engine.name} was fitted on {', '.join(where)}; its overhead, "
+                   f"efficiencies and decide costs are applied here unscaled (links scale with "
+                   f"the catalog's link figures)")
     if "policy_transfer" in prov:
         out.append(prov["policy_transfer"])
     return out
@@ -207,7 +214,7 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
     return {
         "policy": spec.name, "policy_options": analysis.params, "gpu": costs.gpu_name,
         "model": model.name, "context": cfg.context, "batch": cfg.batch,
-        "output_len": cfg.output_len, "seed": cfg.seed,
+        "output_len": cfg.output_len, "seed": cfg.seed, "engine": costs.engine.name,
         **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
         "sim": sim, "memory": mem_report, "policy_cost": dataclasses.asdict(analysis.cost),
         "policy_stats": stats, "policy_timings": analysis.timings,

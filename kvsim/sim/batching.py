@@ -212,7 +212,7 @@ class Run:
         lengths = self.target[pf].astype(float)
         D = len(dec)
         step, gpu, link, alone = self.sim.steps.step(
-            D, float(self.ctx[dec].sum()), self.ctx[dec], float(size.sum()),
+            D, float(self.ctx[dec].sum()), float(size.sum()),
             float(self.sim.model.attention_flops(size.astype(float), prefix.astype(float)).sum()),
             len(pf), lengths)
         self.sim.chunks.append(Chunk(self.env.now, step, 1 if D else 0, D, gpu, link,
@@ -254,21 +254,14 @@ class Run:
         S = len(rows["D"])
         if S == 1:  # the common case, in scalars
             lengths = self.target[plan["done"][0]].astype(float)
-            one = sim.steps.step(len(dec), rows["tokens"][0], self.ctx[dec], rows["ctok"][0],
+            one = sim.steps.step(len(dec), rows["tokens"][0], rows["ctok"][0],
                                  rows["cflops"][0], rows["count"][0], lengths)
             step, gpu, link, alone = (np.array([x]) for x in one)
         else:
             arr = {k: np.array(v, float) for k, v in rows.items()}
             ch = Chunks(arr["ctok"], arr["cflops"], arr["count"], arr["ndone"], arr["wf"],
                         arr["wb"])
-            ctxm = None
-            if self.sim.policy.decide_bytes_per_token > 0:
-                start = np.concatenate([np.full(len(ids), s, float)
-                                        for ids, s, _ in plan["members"]])
-                base = np.concatenate([c for _, _, c in plan["members"]]).astype(float)
-                j = np.arange(S, dtype=float)[:, None]
-                ctxm = lambda: np.where(j >= start, base + j - start, np.nan)  # noqa: E731
-            step, gpu, link, alone = sim.steps.run(arr["D"], arr["tokens"], ctxm, ch)
+            step, gpu, link, alone = sim.steps.run(arr["D"], arr["tokens"], ch)
         ends = np.cumsum(step)
         k = S
         if self.work.concurrency is None and self.next < self.n and not self.waiting:
@@ -312,7 +305,6 @@ class Run:
                                       self.prefilled[pf].tolist())]
         D, tokens = len(dec), float(self.ctx[dec].sum())
         min_left = int(self.left[dec].min()) if D else None
-        members = [(dec, 0, self.ctx[dec])]  # (ids, the step they start decoding, their ctx)
         rows = {k: [] for k in ("D", "tokens", "ctok", "cflops", "count", "ndone", "wf", "wb")}
         assign, done = [], []
         any_work = bool(work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token)
@@ -340,21 +332,19 @@ class Run:
             assign.append(a)
             done.append(fin)
             queue = [q for q in queue if q[1] > 0]
-            step_no = len(assign)
             tokens += D  # each decode appended a token
             if min_left is not None:
                 min_left -= 1
             if fin:  # they join the decodes with their first (or next) token
                 c = [float(self.prompt[i] if math.isnan(self.first_token[i]) else self.ctx[i])
                      + 1.0 for i in fin]
-                members.append((np.array(fin, np.int64), step_no, np.array(c)))
                 tokens += sum(c)
                 D += len(fin)
                 lft = min(int(self.left[i]) for i in fin) - 1
                 min_left = lft if min_left is None else min(min_left, lft)
             if single or (min_left is not None and min_left <= 0):
                 break
-        return {"rows": rows, "assign": assign, "done": done, "members": members}
+        return {"rows": rows, "assign": assign, "done": done}
 
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""

@@ -25,8 +25,10 @@ import numpy as np
 
 
 def step_time(compute, decide, link, layers: int, overlap: bool) -> np.ndarray:
-    """Seconds of the layers of one decode step (without the LM head)."""
+    """Seconds of the layers of one decode step (without the LM head). Overlapped, a decide
+    (an engine that overlaps a deciding policy's fetch) runs on the GPU with the compute."""
     if overlap:
+        compute = compute + decide
         return link + compute + (layers - 1) * np.maximum(compute, link)
     return layers * (compute + decide + link)
 
@@ -37,6 +39,7 @@ def layer_starts(compute: float, decide: float, link: float, layers: int,
     mode the layer's decide starts at ``compute start - link - decide``."""
     l = np.arange(layers, dtype=float)
     if overlap:
+        compute = compute + decide
         slot = max(compute, link)
         copy = np.where(l == 0, 0.0, link + (l - 1) * slot)
         return copy, link + l * slot

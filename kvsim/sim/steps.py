@@ -50,6 +50,11 @@ class StepCosts:
 
     def __post_init__(self):
         self._per_batch: dict[int, tuple[float, float]] = {}
+        m, c, p = self.model, self.costs, self.policy
+        self.overlap = c.overlap_for(p.overlap)
+        self.overhead = c.step_overhead
+        self.decide = c.decide_model(p.decide_kernel, m, p.decide_bytes_per_token) \
+            if p.decide_bytes_per_token > 0 else None
 
     def per_batch(self, B: int) -> tuple[float, float]:
         """(GEMM seconds per layer, LM head seconds) of a decode batch of ``B`` sequences,
@@ -64,35 +69,34 @@ class StepCosts:
         """Bytes of KV the policy keeps in host memory for ``tokens`` tokens."""
         return self.policy.host_frac * self.model.kv_bytes_per_token * np.asarray(tokens, float)
 
-    def layer_costs(self, D, tokens, ctxm=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def layer_costs(self, D, tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-layer (decode compute, decide, link) seconds of steps whose decodes are ``D``
-        sequences holding ``tokens`` KV tokens, each (S,). ``ctxm()`` gives the (S, N)
-        contexts of the sequences (NaN where absent), needed only by a policy that decides."""
+        sequences holding ``tokens`` KV tokens, each (S,)."""
         m, c, p = self.model, self.costs, self.policy
         tokens = np.asarray(tokens, float)
         kv_layer = m.kv_bytes_per_token / m.layers * tokens  # bytes of one layer's KV
         gemm = (self.per_batch(D)[0] if D else 0.0) if isinstance(D, int) else \
             np.where(np.asarray(D) > 0, c.gemm_time(D, m), 0.0)
         compute = gemm + c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens)
-        link = c.link_time(p.host_read_frac * kv_layer, p.path, copies=p.copies_per_layer * D) \
+        link = c.link_time(p.host_read_frac * kv_layer, p.path,
+                           copies=c.copies(p.copies_per_layer, D)) \
             if p.host_read_frac > 0 else np.zeros_like(tokens)
-        decide = np.zeros_like(tokens)
-        if p.decide_bytes_per_token > 0 and ctxm is not None:
-            x = ctxm()
-            decide = np.where(np.isnan(x), 0.0, c.decide_time(np.nan_to_num(x), m,
-                                                              p.decide_bytes_per_token)).sum(1)
+        decide = self.decide.seconds(D, tokens, p.host_read_frac) \
+            if self.decide is not None else np.zeros_like(tokens)
         return compute, decide, link
 
-    def run(self, D, tokens, ctxm=None, chunks: Chunks | None = None):
+    def run(self, D, tokens, chunks: Chunks | None = None):
         """(step, GPU-busy, link-busy, decodes-alone) seconds of each of a run of steps, (S,)
-        each; decodes-alone is what the decode tokens of the step would take without chunks."""
+        each; decodes-alone is what the decode tokens of the step would take without chunks.
+        Every step pays the engine's per-step overhead (time the GPU is not busy)."""
         m, c, p = self.model, self.costs, self.policy
-        L = m.layers
+        L, ovh = m.layers, self.overhead
         D = np.asarray(D, float)
         if D.any():
-            compute, decide, link = self.layer_costs(D, tokens, ctxm)
+            compute, decide, link = self.layer_costs(D, tokens)
             head = np.where(D > 0, c.head_time(D, m), 0.0)
-            alone = np.where(D > 0, step_time(compute, decide, link, L, p.overlap) + head, 0.0)
+            alone = np.where(D > 0, step_time(compute, decide, link, L, self.overlap) + head
+                             + ovh, 0.0)
         else:  # prefill only: no decode work at all
             compute = decide = link = head = alone = np.zeros_like(D)
         if chunks is None:
@@ -102,24 +106,24 @@ class StepCosts:
         gemm = np.maximum(np.maximum(dec_gemm, weights),
                           2.0 * m.layer_params * (D + chunks.tokens) / c.flops)
         compute = compute - dec_gemm + gemm + chunks.attn_flops / L / c.flops
-        layers = step_time(compute, decide, link, L, p.overlap)
+        layers = step_time(compute, decide, link, L, self.overlap)
         emit = D + chunks.done
         extra = np.where(emit > 0, c.head_time(emit, m), 0.0) + np.maximum(
             chunks.work_flops / c.flops, chunks.work_bytes / c.hbm_bw)
-        write = c.link_time(self.host_bytes(chunks.tokens), "d2h", copies=2 * L * chunks.count) \
+        write = c.link_time(self.host_bytes(chunks.tokens), "d2h",
+                            copies=2 * L * c.copies(1.0, chunks.count)) \
             if p.host_frac > 0 else np.zeros_like(layers)
-        return (np.maximum(layers + extra, write), L * (compute + decide) + extra,
+        return (np.maximum(layers + extra, write) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
 
-    def step(self, D: int, tokens: float, ctx: np.ndarray | None, chunk_tokens: float,
-             attn_flops: float, count: int, done: np.ndarray) -> tuple[float, float, float, float]:
+    def step(self, D: int, tokens: float, chunk_tokens: float, attn_flops: float, count: int,
+             done: np.ndarray) -> tuple[float, float, float, float]:
         """:meth:`run` for one step, in scalars (the engine's hot path: most runs of prefill
-        steps are one step long): ``D`` decodes holding ``tokens`` KV tokens (``ctx``: their
-        contexts, for a policy that decides), ``count`` chunks of ``chunk_tokens`` tokens in
-        all with ``attn_flops`` of attention, ``done``: the lengths of the prompts that finish.
-        ``tests/test_serving.py`` holds the two equal."""
+        steps are one step long): ``D`` decodes holding ``tokens`` KV tokens, ``count`` chunks
+        of ``chunk_tokens`` tokens in all with ``attn_flops`` of attention, ``done``: the
+        lengths of the prompts that finish. ``tests/test_serving.py`` holds the two equal."""
         m, c, p = self.model, self.costs, self.policy
-        L, work = m.layers, self.prefill_work
+        L, work, ovh = m.layers, self.prefill_work, self.overhead
         gemm_d = attn = link = decide = alone = 0.0
         if D:
             gemm_d, head_d = self.per_batch(D)
@@ -127,30 +131,30 @@ class StepCosts:
             attn = float(c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens))
             if p.host_read_frac > 0:
                 link = float(c.link_time(p.host_read_frac * kv_layer, p.path,
-                                         copies=p.copies_per_layer * D))
-            if p.decide_bytes_per_token > 0 and ctx is not None:
-                decide = float(c.decide_time(ctx, m, p.decide_bytes_per_token).sum())
-            alone = float(step_time(gemm_d + attn, decide, link, L, p.overlap)) + head_d
+                                         copies=c.copies(p.copies_per_layer, D)))
+            if self.decide is not None:
+                decide = float(self.decide.seconds(D, tokens, p.host_read_frac))
+            alone = float(step_time(gemm_d + attn, decide, link, L, self.overlap)) + head_d + ovh
         weights = m.layer_params * m.dtype_bytes / c.hbm_bw
         gemm = max(gemm_d, weights, 2.0 * m.layer_params * (D + chunk_tokens) / c.flops)
         compute = attn + gemm + attn_flops / L / c.flops
-        layers = float(step_time(compute, decide, link, L, p.overlap))
+        layers = float(step_time(compute, decide, link, L, self.overlap))
         emit = D + len(done)
         extra = (self.per_batch(emit)[1] if emit else 0.0) + (float(np.maximum(
             work.flops(done) / c.flops, work.bytes(done) / c.hbm_bw).sum())
             if work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token else 0.0)
-        write = float(c.link_time(self.host_bytes(chunk_tokens), "d2h", copies=2 * L * count)) \
+        write = float(c.link_time(self.host_bytes(chunk_tokens), "d2h",
+                                  copies=2 * L * c.copies(1.0, count))) \
             if p.host_frac > 0 and count else 0.0
-        return (max(layers + extra, write), L * (compute + decide) + extra, L * link + write,
-                alone)
+        return (max(layers + extra, write) + ovh, L * (compute + decide) + extra,
+                L * link + write, alone)
 
     def decode(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Times of the next ``k`` decode steps of a fixed batch with contexts ``ctx`` (each step
         adds a token per sequence): (step, GPU-busy, link-busy) seconds, each (k,). The hot
         path of the engine: :meth:`run` without chunks, for a batch size that does not change."""
         L, B, j = self.model.layers, len(ctx), np.arange(k, dtype=float)
-        compute, decide, link = self.layer_costs(B, float(ctx.sum()) + B * j,
-                                                 lambda: ctx[None, :] + j[:, None])
+        compute, decide, link = self.layer_costs(B, float(ctx.sum()) + B * j)
         head = self.per_batch(B)[1]
-        return (step_time(compute, decide, link, L, self.policy.overlap) + head,
+        return (step_time(compute, decide, link, L, self.overlap) + head + self.overhead,
                 L * (compute + decide) + head, L * link)

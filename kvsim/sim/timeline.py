@@ -26,7 +26,7 @@ def _event(name, tid, start, dur, **args) -> dict:
 def step_events(sim: Simulator, start: float, compute: float, decide: float, link: float,
                 batch: int, step: int) -> tuple[list[dict], float]:
     """Per-layer events of one decode step starting at ``start``; returns (events, end)."""
-    L, overlap, ev = sim.model.layers, sim.policy.overlap, []
+    L, overlap, ev = sim.model.layers, sim.steps.overlap, []
     copy, comp = layer_starts(compute, decide, link, L, overlap)
     for l in range(L):
         if decide > 0 and not overlap:
@@ -38,7 +38,10 @@ def step_events(sim: Simulator, start: float, compute: float, decide: float, lin
     t = start + float(step_time(compute, decide, link, L, overlap))
     head = float(sim.costs.head_time(batch, sim.model))  # once per step
     ev.append(_event("LM head", GPU, t, head, step=step, batch=batch))
-    return ev, t + head
+    ovh = sim.steps.overhead
+    if ovh > 0:  # the engine's own work between steps (scheduling, sampling, launches)
+        ev.append(_event("engine overhead", GPU, t + head, ovh, step=step))
+    return ev, t + head + ovh
 
 
 def build(sim: Simulator, res: SimResult, max_steps: int = 16) -> dict:
@@ -66,8 +69,7 @@ def build(sim: Simulator, res: SimResult, max_steps: int = 16) -> dict:
             continue
         k = min(ch.steps, max_steps - steps)
         B, j = len(ch.ctx), np.arange(k, dtype=float)
-        compute, decide, link = sim.steps.layer_costs(
-            np.full(k, B), float(ch.ctx.sum()) + B * j, lambda: ch.ctx[None, :] + j[:, None])
+        compute, decide, link = sim.steps.layer_costs(np.full(k, B), float(ch.ctx.sum()) + B * j)
         t = ch.start
         for i in range(k):
             ev, t = step_events(sim, t, float(compute[i]), float(decide[i]), float(link[i]),

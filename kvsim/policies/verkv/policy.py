@@ -195,4 +195,4 @@ class VerKV(Policy):
                           host_read_frac=min(1.0, read), host_frac=1.0, overlap=False,
                           copies_per_layer=2.0 if p.sketch == "2bit" else 1.0, path="gather",
                           staging_layers=1, decide_bytes_per_token=decide_bytes,
-                          meta_frac=stats["meta_frac"])
+                          meta_frac=stats["meta_frac"], decide_kernel=self.name)

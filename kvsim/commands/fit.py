@@ -1,0 +1,117 @@
+"""kvsim fit: fit an engine profile to measured serving points (TPOT per configuration)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvsim.commands._out import print_json, table
+
+HELP = "fit an engine profile (overheads, efficiencies, link, decide cost) to measured points"
+EPILOG = """example (the VerKV paper's vLLM measurements on one H100, shipped with kvsim):
+  kvsim fit data/verkv-paper-h100.csv --launches per-layer --fetch serial \\
+      --out my-engine.json
+  kvsim replay --engine my-engine.json --policy verkv --eps 0.05 --batch 4 ...
+
+MEASURED.csv: one row per measured configuration. Required columns: gpu, model, policy,
+context, batch, tpot_ms. Optional: policy options (eps, compression, sketch, ...),
+kv_read_frac (the measured fetch fraction: replaces the trace's), fetch_ms, decide_ms (per decode
+step), throughput_tok_s, output_len (default 128), use (fit | check: predicted, not fitted),
+source, certainty, note. Lines starting with # are comments.
+
+Every measured value of the fit rows is fitted (bounded least squares on relative error, scipy).
+Free by default: what the rows can tell apart (see kvsim.fit.solve); --free and --fix change
+that. Printed per row: the fitted error and the leave-one-out error (the row predicted by a fit
+of the others); check rows are predicted only.
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("fit", help=HELP, description=__doc__, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("measured", metavar="MEASURED.csv", help="measured serving points")
+    p.add_argument("--out", required=True, metavar="ENGINE.json", help="engine profile to write")
+    p.add_argument("--base", default="roofline", metavar="NAME|JSON",
+                   help="engine whose fields the fit starts from and keeps where not fitted "
+                        "[default: roofline]")
+    p.add_argument("--launches", choices=["per-sequence", "per-layer"],
+                   help="how the measured engine launches a layer's copies: one per sequence, "
+                        "or one batched launch for the whole batch")
+    p.add_argument("--fetch", choices=["policy", "serial", "overlap"],
+                   help="whether the measured engine overlaps a policy's fetch with compute "
+                        "(policy: as the policy says)")
+    p.add_argument("--free", metavar="NAME[,NAME...]",
+                   help="exactly these parameters are free (default: what the rows identify)")
+    p.add_argument("--fix", action="append", default=[], metavar="NAME=VALUE",
+                   help="hold a parameter at a value (repeatable)")
+    p.add_argument("--trace", help="trace the policies are analysed on [default: shipped]")
+    p.add_argument("--name", default=None, help="engine name [default: the output's stem]")
+    p.add_argument("--describe", default="", metavar="TEXT", help="engine description")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--json", action="store_true", help="print the fit as one JSON object")
+    p.set_defaults(run=run)
+
+
+def _fixed(items: list[str]) -> dict:
+    from kvsim.errors import KvsimError
+    out = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        try:
+            out[k.strip()] = float(v)
+        except ValueError:
+            raise KvsimError(f"--fix {item!r}: give NAME=NUMBER") from None
+        if not sep:
+            raise KvsimError(f"--fix {item!r}: give NAME=NUMBER")
+    return out
+
+
+def run(args) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from kvsim.fit import Predictor, read_points
+    from kvsim.fit.solve import fit
+    from kvsim.hw.engine import Value, load
+    from kvsim.io import check_destination
+    check_destination(args.out, args.force)  # before the work
+    points = read_points(args.measured)
+    base = load(args.base)
+    fields = dict(base.fields)
+    for key, val in (("link_launches", args.launches), ("fetch", args.fetch)):
+        if val is not None:
+            fields[key] = Value(val, "override", f"given to kvsim fit (--{key.split('_')[-1]})")
+    base = dataclasses.replace(base, fields=fields)
+    free = [f.strip() for f in args.free.split(",") if f.strip()] if args.free else None
+    res = fit(points, Predictor(args.trace), base, free, _fixed(args.fix),
+              args.name or Path(args.out).stem, args.describe, args.measured)
+    res.engine.save(args.out, args.force)
+    if args.json:
+        print_json({"engine": res.engine.to_json(), "out": args.out})
+        return 0
+    print(f"fitted {len(res.free)} parameters to {args.measured}: RMS relative error "
+          f"{100 * res.cost:.2f}%")
+    table([{"parameter": k, "value": v} for k, v in res.values.items()])
+    for use, title in (("fit", "fit rows"), ("check", "check rows (predicted, not fitted)")):
+        rows = [r for r in res.rows if r["use"] == use]
+        if not rows:
+            continue
+        print(f"\n{title}")
+        out = []
+        for r in rows:
+            d = {"row": r["row"], "policy": r["policy"], "ctx": r["context"], "B": r["batch"]}
+            for k in ("tpot_ms", "fetch_ms", "decide_ms", "throughput_tok_s"):
+                if f"measured_{k}" in r:
+                    d[f"{k}"] = r[f"measured_{k}"]
+                    d[f"pred_{k}"] = r[f"predicted_{k}"]
+                    d[f"err%_{k.split('_')[0]}"] = r[f"err_{k}_pct"]
+            if use == "fit":
+                d["loo_err%"] = r["loo_tpot_pct"] if r.get("loo_tpot_pct") is not None else \
+                    "n/a"
+            out.append(d)
+        cols = list(dict.fromkeys(c for d in out for c in d))
+        table([{c: d.get(c, "") for c in cols} for d in out], cols)
+        notes = [f"row {r['row']}: {r['loo_note']}" for r in rows if r.get("loo_note")]
+        for n in notes:
+            print(f"  leave-one-out n/a, {n}")
+    print(f"\nwrote {args.out}")
+    return 0

@@ -1,0 +1,191 @@
+"""The fit: bounded least squares (scipy) on the relative error of every measured value of the
+fit rows; which parameters are free follows from what the rows can tell apart, and each point's
+leave-one-out error says how well the others predict it.
+
+Parameters (``PARAMS``): engine fields and the four numbers of VerKV's decide model. Free by
+default when the rows identify them (:func:`identified`):
+
+* ``step_overhead_ms``: always;
+* ``hbm_efficiency``: with resident rows at two or more KV sizes per step (at one size it
+  trades one-for-one against the overhead);
+* ``link.<path>.gbps``: with rows of a policy that moves KV over that path;
+* ``decide.verkv``: ``per_ktoken_us`` with VerKV rows; ``per_kfetched_us`` with VerKV rows at two
+  or more fetch fractions and a measured ``fetch_ms`` (without one, the fetch and this term both
+  grow with the fetched bytes and only their sum is seen); ``serial_share`` at two or more batch
+  sizes; ``per_layer_us`` at two or more contexts.
+
+``free``/``fixed`` (``--free``, ``--fix``) change the set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvsim.errors import KvsimError
+from kvsim.fit import Point, Predictor
+from kvsim.hw import catalog
+from kvsim.hw.costs import FLOP_EFFICIENCY, HBM_EFFICIENCY, GATHER_EFFICIENCY
+from kvsim.hw.engine import DecideModel, Engine, Value
+
+DECIDE = ("per_layer_us", "per_ktoken_us", "per_kfetched_us", "serial_share")
+# name -> (lower, upper bound)
+PARAMS = {
+    "step_overhead_ms": (0.0, 1e3),
+    "hbm_efficiency": (0.05, 1.0),
+    "flop_efficiency": (0.05, 1.0),
+    **{f"link.{p}.gbps": (0.05, 2e3) for p in ("h2d", "d2h", "gather")},
+    **{f"link.{p}.launch_us": (0.0, 1e4) for p in ("h2d", "d2h", "gather")},
+    "decide.verkv.per_layer_us": (0.0, 1e6),
+    "decide.verkv.per_ktoken_us": (0.0, 1e6),
+    "decide.verkv.per_kfetched_us": (0.0, 1e7),
+    "decide.verkv.serial_share": (0.0, 1.0),
+}
+
+
+def identified(points: list[Point], pred: Predictor) -> list[str]:
+    """The parameters these points can tell apart (see the module docstring)."""
+    out = ["step_overhead_ms"]
+    costs = {id(p): pred.cost(p) for p in points}
+    m = {p.model: catalog.model(p.model) for p in points}
+    resident = {round(costs[id(p)].hbm_read_frac * m[p.model].kv_bytes_per_token * p.context
+                      * p.batch + m[p.model].weight_bytes)
+                for p in points if costs[id(p)].host_read_frac == 0}
+    if len(resident) >= 2:
+        out.append("hbm_efficiency")
+    paths = {costs[id(p)].path for p in points if costs[id(p)].host_read_frac > 0}
+    out += [f"link.{p}.gbps" for p in ("h2d", "gather") if p in paths]
+    vk = [p for p in points if costs[id(p)].decide_kernel == "verkv"]
+    if vk:
+        reads = {round(costs[id(p)].host_read_frac, 6) for p in vk}
+        out += ["decide.verkv.per_layer_us"] if len({p.context for p in vk}) >= 2 else []
+        out += ["decide.verkv.per_ktoken_us"]
+        timed = any("fetch_ms" in p.measured for p in vk)  # else fetch and c trade one-for-one
+        out += ["decide.verkv.per_kfetched_us"] if len(reads) >= 2 and timed else []
+        out += ["decide.verkv.serial_share"] if len({p.batch for p in vk}) >= 2 else []
+    return out
+
+
+def start_values(gpu: str) -> dict:
+    """Where the search starts: the catalog's roofline figures of the fitted GPU."""
+    g = catalog.gpu(gpu)
+    return {"step_overhead_ms": 0.5, "hbm_efficiency": HBM_EFFICIENCY,
+            "flop_efficiency": FLOP_EFFICIENCY, "link.h2d.gbps": g.h2d_gbps,
+            "link.d2h.gbps": g.h2d_gbps, "link.gather.gbps": g.h2d_gbps * GATHER_EFFICIENCY,
+            **{f"link.{p}.launch_us": g.copy_alpha_us for p in ("h2d", "d2h", "gather")},
+            "decide.verkv.per_layer_us": 0.0, "decide.verkv.per_ktoken_us": 20.0,
+            "decide.verkv.per_kfetched_us": 0.0, "decide.verkv.serial_share": 0.5}
+
+
+def make_engine(base: Engine, values: dict, source: str, note: str, gpu: str,
+                model: str) -> Engine:
+    """``base`` with ``values`` (PARAMS names) set, each with ``source`` and ``note``."""
+    fields = dict(base.fields)
+    decide = {k[len("decide.verkv."):]: v for k, v in values.items()
+              if k.startswith("decide.verkv.")}
+    for k, v in values.items():
+        if not k.startswith("decide."):
+            fields[k] = Value(float(v), source, note)
+    if decide:
+        old = base.decide("verkv") or DecideModel(serial_share=1.0)
+        dm = dataclasses.replace(old, **{k: float(v) for k, v in decide.items()})
+        fields["decide.verkv"] = Value(dataclasses.asdict(dm), source, note)
+    return dataclasses.replace(base, fields=fields, fitted_on={"gpu": gpu, "model": model})
+
+
+@dataclass
+class Fit:
+    engine: Engine
+    free: list[str]
+    values: dict
+    rows: list[dict]  # per point: measured, fitted and leave-one-out values
+    cost: float  # RMS relative error over the fitted values
+
+
+def _residuals(points, pred, base, free, x, gpu, model):
+    eng = make_engine(base, dict(zip(free, x)), "fit", "", gpu, model)
+    out = []
+    for p in points:
+        got = pred.predict(p, eng)
+        out += [got[k] / v - 1.0 for k, v in p.measured.items()]
+    return np.array(out)
+
+
+def solve(points: list[Point], pred: Predictor, base: Engine, free: list[str],
+          start: dict, gpu: str, model: str) -> tuple[dict, float]:
+    """Values of ``free`` minimising the squared relative errors, and their RMS."""
+    from scipy.optimize import least_squares
+    n_values = sum(len(p.measured) for p in points)
+    if n_values < len(free):
+        raise KvsimError(f"{n_values} measured value(s) cannot fit {len(free)} free parameters "
+                         f"({', '.join(free)}); add points or fix some (--fix NAME=VALUE)")
+    lo = np.array([PARAMS[k][0] for k in free])
+    hi = np.array([PARAMS[k][1] for k in free])
+    x0 = np.clip([start[k] for k in free], lo + 1e-9 * (hi - lo), hi - 1e-9 * (hi - lo))
+    res = least_squares(lambda x: _residuals(points, pred, base, free, x, gpu, model), x0,
+                        bounds=(lo, hi), x_scale="jac", method="trf", xtol=1e-10, ftol=1e-10)
+    r = res.fun
+    return dict(zip(free, map(float, res.x))), float(np.sqrt(np.mean(r ** 2))) if len(r) else 0.0
+
+
+def fit(points: list[Point], pred: Predictor, base: Engine, free: list[str] | None = None,
+        fixed: dict | None = None, name: str = "fitted", description: str = "",
+        origin: str = "") -> Fit:
+    fixed = dict(fixed or {})
+    for k in list(fixed) + list(free or []):
+        if k not in PARAMS:
+            raise KvsimError(f"unknown parameter {k!r}; parameters: {', '.join(PARAMS)}")
+    rows = [p for p in points if p.use == "fit"]
+    if not rows:
+        raise KvsimError("no rows to fit (every row has use=check)")
+    gpus = [p.gpu for p in rows]
+    gpu = max(set(gpus), key=gpus.count)
+    model = max({p.model for p in rows}, key=[p.model for p in rows].count)
+    base = make_engine(base, fixed, "override", "fixed in kvsim fit (--fix)", gpu, model) \
+        if fixed else base
+    chosen = free if free is not None else identified(rows, pred)
+    chosen = [k for k in chosen if k not in fixed]
+    start = start_values(gpu)
+    values, rms = solve(rows, pred, base, chosen, start, gpu, model)
+    note = (f"kvsim fit {origin}: {len(rows)} points, {sum(len(p.measured) for p in rows)} "
+            f"measured values, RMS relative error {100 * rms:.2f}%").replace("  ", " ")
+    engine = make_engine(base, values, "fit", note, gpu, model)
+    engine = dataclasses.replace(engine, name=name, description=description)
+    table = []
+    for p in points:
+        got = pred.predict(p, engine)
+        row = {"row": p.row, "use": p.use, "gpu": p.gpu, "model": p.model, "policy": p.label,
+               "context": p.context, "batch": p.batch, **p.meta}
+        for k, v in p.measured.items():
+            row[f"measured_{k}"] = v
+            row[f"predicted_{k}"] = got[k]
+            row[f"err_{k}_pct"] = 100 * (got[k] / v - 1)
+        table.append(row)
+    _leave_one_out(rows, pred, base, chosen, free is not None, fixed, start, gpu, model, values,
+                   table)
+    engine.fit.update({"points": table, "free": chosen, "rms_rel_err": rms,
+                       "values": values})
+    return Fit(engine, chosen, values, table, rms)
+
+
+def _leave_one_out(rows, pred, base, chosen, forced, fixed, start, gpu, model, values, table):
+    """Each fit point predicted by a fit of the others (its TPOT error); n/a where the others
+    no longer identify every parameter the point needs, or are too few."""
+    for i, p in enumerate(rows):
+        rest = rows[:i] + rows[i + 1:]
+        row = next(t for t in table if t["row"] == p.row)
+        free = chosen if forced else [k for k in identified(rest, pred) if k not in fixed]
+        if set(free) != set(chosen):
+            lost = ", ".join(sorted(set(chosen) - set(free)))
+            row["loo_tpot_pct"] = None
+            row["loo_note"] = f"the other points do not identify {lost}"
+            continue
+        try:
+            v, _ = solve(rest, pred, base, free, {**start, **values}, gpu, model)
+        except KvsimError as e:
+            row["loo_tpot_pct"], row["loo_note"] = None, str(e).split(";")[0]
+            continue
+        got = pred.predict(p, make_engine(base, v, "fit", "", gpu, model))
+        row["loo_tpot_pct"] = 100 * (got["tpot_ms"] / p.measured["tpot_ms"] - 1)

@@ -1,0 +1,256 @@
+"""Engine profiles: what a serving engine adds to the hardware it runs on.
+
+A hardware profile (a catalog entry or ``kvsim profile``) says what the machine can do; an engine
+profile says what a serving engine makes of it: a batch-independent overhead per step, the share
+of spec HBM and compute bandwidth its kernels reach, per-path link bandwidth and launch cost and
+whether a layer's copies are one batched launch or one per sequence, whether a policy's fetch is
+overlapped or serial, and a decide-kernel cost model per policy.
+
+An engine file is JSON (``FORMAT``, ``VERSION``) with one entry per field, each
+``{"value": ..., "source": ..., "note": ...}``: ``source`` says where the value came from
+(``SOURCES``). A field the file leaves out is the hardware's own (the catalog's roofline
+defaults or the profile's measured tables). Built-in engines:
+
+* ``roofline``: no field set: the hardware as it is (the default with a measured profile, so a
+  profile's numbers are unchanged);
+* ``vllm-paper``: fitted by ``kvsim fit`` to the VerKV paper's vLLM measurements on one H100
+  (``data/verkv-paper-h100.csv``; the default with a catalog GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvsim.errors import KvsimError
+
+FORMAT = "kvsim-engine"
+VERSION = 1
+SOURCES = ("catalog", "profile", "fit", "paper", "override", "default")
+PATHS = ("h2d", "d2h", "gather")
+LAUNCHES = ("per-sequence", "per-layer")
+FETCHES = ("policy", "serial", "overlap")
+ENGINES_DIR = Path(__file__).resolve().parent / "engines"
+BUILTIN = {"vllm-paper": ENGINES_DIR / "vllm-paper-h100.json"}
+CATALOG_DEFAULT = "vllm-paper"  # the default engine with a catalog GPU
+
+
+@dataclass(frozen=True)
+class DecideModel:
+    """Seconds of one layer's decide step for a batch of requests.
+
+    Per request: ``a + b * n / 1000 + c * f * n / 1000`` microseconds for a context of ``n``
+    tokens of which the policy fetches the share ``f``; a batch of ``B`` requests takes
+    ``(s * B + 1 - s) / B`` times the sum of its requests' costs: ``s`` = 1 when the engine
+    decides the requests one after another, 0 when a batch costs what one request does."""
+    per_layer_us: float = 0.0  # a
+    per_ktoken_us: float = 0.0  # b
+    per_kfetched_us: float = 0.0  # c
+    serial_share: float = 1.0  # s
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise KvsimError(f"decide model: {f.name} must be a number >= 0, got {v!r}")
+        if self.serial_share > 1:
+            raise KvsimError(f"decide model: serial_share must be in [0, 1], got "
+                             f"{self.serial_share}")
+
+    def seconds(self, n_seq, tokens, fetch_frac: float) -> np.ndarray:
+        """Per-layer seconds for ``n_seq`` requests holding ``tokens`` context tokens in all."""
+        B = np.asarray(n_seq, float)
+        per = B * self.per_layer_us + (self.per_ktoken_us + self.per_kfetched_us * fetch_frac) \
+            * np.asarray(tokens, float) / 1e3
+        share = np.where(B > 0, (self.serial_share * B + 1 - self.serial_share)
+                         / np.maximum(B, 1), 0.0)
+        return per * share * 1e-6
+
+    def describe(self) -> str:
+        return (f"{self.per_layer_us:.4g} us + {self.per_ktoken_us:.4g} us/1K ctx + "
+                f"{self.per_kfetched_us:.4g} us/1K fetched per request and layer, serial share "
+                f"{self.serial_share:.3g}")
+
+    @classmethod
+    def fit_table(cls, context, batch, seconds, fetched_frac) -> tuple["DecideModel", float]:
+        """Fit to a measured ``kernel_decide`` table (per-layer seconds of a batch); returns the
+        model and its largest relative error on the table. Non-negative least squares on relative
+        error for (a, b, c) at each serial share of a grid."""
+        from scipy.optimize import nnls
+        n, B, t = (np.asarray(x, float) for x in (context, batch, seconds))
+        f = np.asarray(fetched_frac, float)
+        best = None
+        for s in np.linspace(0.0, 1.0, 101):
+            share = (s * B + 1 - s)  # the batch's sum times (sB + 1 - s) / B, times B requests
+            A = np.stack([share, share * n / 1e3, share * f * n / 1e3], 1) / t[:, None]
+            coef, _ = nnls(A, np.ones_like(t))
+            err = A @ coef - 1.0
+            if best is None or (err ** 2).sum() < best[0]:
+                best = ((err ** 2).sum(), s, coef, float(np.abs(err).max()))
+        _, s, (a, b, c), worst = best
+        # us per request and layer; B requests cost B times one (x the share)
+        return cls(a * 1e6, b * 1e6, c * 1e6, float(s)), worst
+
+
+@dataclass(frozen=True)
+class Value:
+    value: object
+    source: str
+    note: str = ""
+
+    def describe(self) -> str:
+        v = self.value
+        shown = DecideModel(**v).describe() if isinstance(v, dict) else f"{v:g}" \
+            if isinstance(v, float) else str(v)
+        return f"{shown} ({self.source}{': ' + self.note if self.note else ''})"
+
+
+# field name -> (kind, check); decide.<policy> entries are DecideModel dicts
+def _positive(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _nonneg(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+FIELDS = {
+    "step_overhead_ms": (_nonneg, "a number >= 0 (ms per engine step, whatever its batch)"),
+    "hbm_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of spec HBM bandwidth"),
+    "flop_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of spec compute"),
+    "link_launches": (lambda v: v in LAUNCHES, f"one of {', '.join(LAUNCHES)}"),
+    "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
+    **{f"link.{p}.gbps": (_positive, "GB/s > 0") for p in PATHS},
+    **{f"link.{p}.launch_us": (_nonneg, "microseconds >= 0 per launch") for p in PATHS},
+}
+
+
+@dataclass
+class Engine:
+    name: str
+    fields: dict[str, Value] = field(default_factory=dict)
+    description: str = ""
+    fitted_on: dict = field(default_factory=dict)  # {"gpu": ..., "model": ...}
+    fit: dict = field(default_factory=dict)  # what kvsim fit measured: points, errors
+    origin: str = "built-in"  # the file it came from
+
+    def __post_init__(self):
+        for key, val in self.fields.items():
+            check(key, val)
+
+    def get(self, key: str, default=None):
+        v = self.fields.get(key)
+        return default if v is None else v.value
+
+    def decide(self, kernel: str) -> DecideModel | None:
+        v = self.fields.get(f"decide.{kernel}")
+        return None if v is None else DecideModel(**v.value)
+
+    def with_overrides(self, **over) -> "Engine":
+        """A copy with what-if values (source ``override``): ``step_overhead_ms``,
+        ``link_gbps`` (every path, gather keeping its ratio to h2d), ``decide_ms`` (per request
+        and decode step, all layers: replaces every decide model, keeping its serial share;
+        needs ``layers``)."""
+        fields = dict(self.fields)
+        layers = over.pop("layers", None)
+        if over.get("step_overhead_ms") is not None:
+            fields["step_overhead_ms"] = Value(float(over["step_overhead_ms"]), "override")
+        if over.get("link_gbps") is not None:
+            x = float(over["link_gbps"])
+            if not _positive(x):
+                raise KvsimError(f"--link-gbps must be positive, got {x:g}")
+            h2d = self.get("link.h2d.gbps")
+            ratio = self.get("link.gather.gbps", 0.0) / h2d if h2d else None
+            for p in PATHS:
+                g = x * ratio if p == "gather" and ratio else x
+                note = f"--link-gbps {x:g}" + (f" x {ratio:.3g} (the engine's gather/H2D ratio)"
+                                               if p == "gather" and ratio else "")
+                fields[f"link.{p}.gbps"] = Value(g, "override", note)
+        if over.get("decide_ms") is not None:
+            d = float(over["decide_ms"])
+            if not _nonneg(d) or not layers:
+                raise KvsimError(f"--decide-ms must be >= 0, got {d:g}")
+            kernels = [k for k in fields if k.startswith("decide.")] or ["decide.verkv"]
+            for k in kernels:
+                s = fields[k].value["serial_share"] if k in fields else 1.0
+                fields[k] = Value(dataclasses.asdict(DecideModel(d * 1e3 / layers, 0, 0, s)),
+                                  "override", f"--decide-ms {d:g} per request and step")
+        return dataclasses.replace(self, fields=fields)
+
+    # ------------------------------------------------------------------------------ files
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "name": self.name,
+                "description": self.description, "fitted_on": self.fitted_on,
+                "fields": {k: dataclasses.asdict(v) for k, v in sorted(self.fields.items())},
+                "fit": self.fit}
+
+    def save(self, path, force: bool = False) -> None:
+        from kvsim.io import atomic_write
+        text = json.dumps(self.to_json(), indent=1) + "\n"
+        atomic_write(path, lambda f: f.write(text.encode()), force)
+
+
+def check(key: str, val: Value) -> None:
+    if val.source not in SOURCES:
+        raise KvsimError(f"engine field {key}: source {val.source!r} is not one of "
+                         f"{', '.join(SOURCES)}")
+    if key.startswith("decide."):
+        if not isinstance(val.value, dict) or set(val.value) - {
+                f.name for f in dataclasses.fields(DecideModel)}:
+            raise KvsimError(f"engine field {key}: give per_layer_us, per_ktoken_us, "
+                             f"per_kfetched_us and serial_share")
+        DecideModel(**val.value)
+        return
+    if key not in FIELDS:
+        raise KvsimError(f"unknown engine field {key!r}; known: {', '.join(FIELDS)}, "
+                         f"decide.<policy>")
+    ok, what = FIELDS[key]
+    if not ok(val.value):
+        raise KvsimError(f"engine field {key}: {val.value!r} is not {what}")
+
+
+def from_json(obj: dict, origin: str) -> Engine:
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise KvsimError(f"{origin}: not a kvsim engine profile (no \"format\": \"{FORMAT}\")")
+    if obj.get("version") != VERSION:
+        raise KvsimError(f"{origin}: engine profile version {obj.get('version')!r}; this kvsim "
+                         f"reads version {VERSION}")
+    fields = {}
+    for key, v in (obj.get("fields") or {}).items():
+        if not isinstance(v, dict) or "value" not in v or "source" not in v:
+            raise KvsimError(f"{origin}: field {key} needs a value and a source")
+        fields[key] = Value(v["value"], v["source"], v.get("note", ""))
+    try:
+        return Engine(str(obj.get("name") or Path(origin).stem), fields,
+                      str(obj.get("description", "")), dict(obj.get("fitted_on") or {}),
+                      dict(obj.get("fit") or {}), origin)
+    except KvsimError as e:
+        raise KvsimError(f"{origin}: {e}") from None
+
+
+ROOFLINE = Engine("roofline", description="the hardware as it is: no per-step overhead, the "
+                  "hardware's own efficiencies, links and decide costs")
+
+
+def load(name_or_path: str | Path | Engine | None) -> Engine | None:
+    """An engine by built-in name or file; None stays None (the hardware's default engine)."""
+    if name_or_path is None or isinstance(name_or_path, Engine):
+        return name_or_path
+    text = str(name_or_path)
+    if text == "roofline":
+        return ROOFLINE
+    path = BUILTIN.get(text, Path(text))
+    if not path.is_file():
+        raise KvsimError(f"engine {text!r}: no such file (built-in engines: roofline, "
+                         f"{', '.join(BUILTIN)})")
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise KvsimError(f"{path}: cannot read an engine profile ({e})") from None
+    origin = f"built-in, kvsim/hw/engines/{path.name}" if text in BUILTIN else str(path)
+    return from_json(obj, origin)
