@@ -65,6 +65,16 @@ def _fixed(items: list[str]) -> dict:
     return out
 
 
+def _short(row: dict, rows: list[dict]) -> str:
+    """The policy and the options that differ between its rows: ``verkv eps=0.05``."""
+    same = [r["options"] for r in rows if r["policy"].split(":")[0] ==
+            row["policy"].split(":")[0]]
+    vary = [k for k, v in row["options"].items() if any(o.get(k) != v for o in same)]
+    return " ".join([row["policy"].split(":")[0], *(f"{k}={row['options'][k]:g}"
+                     if isinstance(row["options"][k], float) else f"{k}={row['options'][k]}"
+                     for k in vary)])
+
+
 def run(args) -> int:
     import dataclasses
     from pathlib import Path
@@ -98,15 +108,16 @@ def run(args) -> int:
         print(f"\n{title}")
         out = []
         for r in rows:
-            d = {"row": r["row"], "policy": r["policy"], "ctx": r["context"], "B": r["batch"]}
+            d = {"row": r["row"], "policy": _short(r, res.rows), "ctx": r["context"],
+                 "B": r["batch"]}
             for k in ("tpot_ms", "fetch_ms", "decide_ms", "throughput_tok_s"):
                 if f"measured_{k}" in r:
                     d[f"{k}"] = r[f"measured_{k}"]
                     d[f"pred_{k}"] = r[f"predicted_{k}"]
-                    d[f"err%_{k.split('_')[0]}"] = r[f"err_{k}_pct"]
+                    d[f"err%_{k.split('_')[0]}"] = round(r[f"err_{k}_pct"], 2) + 0.0
             if use == "fit":
-                d["loo_err%"] = r["loo_tpot_pct"] if r.get("loo_tpot_pct") is not None else \
-                    "n/a"
+                d["loo_err%"] = round(r["loo_tpot_pct"], 2) \
+                    if r.get("loo_tpot_pct") is not None else "n/a"
             out.append(d)
         cols = list(dict.fromkeys(c for d in out for c in d))
         table([{c: d.get(c, "") for c in cols} for d in out], cols)

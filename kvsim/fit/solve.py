@@ -157,7 +157,8 @@ def fit(points: list[Point], pred: Predictor, base: Engine, free: list[str] | No
     for p in points:
         got = pred.predict(p, engine)
         row = {"row": p.row, "use": p.use, "gpu": p.gpu, "model": p.model, "policy": p.label,
-               "context": p.context, "batch": p.batch, **p.meta}
+               "options": p.spec.options, "context": p.context, "batch": p.batch,
+               "kv_read_frac": p.kv_read_frac, **p.meta}
         for k, v in p.measured.items():
             row[f"measured_{k}"] = v
             row[f"predicted_{k}"] = got[k]
@@ -166,8 +167,21 @@ def fit(points: list[Point], pred: Predictor, base: Engine, free: list[str] | No
     _leave_one_out(rows, pred, base, chosen, free is not None, fixed, start, gpu, model, values,
                    table)
     engine.fit.update({"points": table, "free": chosen, "rms_rel_err": rms,
-                       "values": values})
+                       "values": values, "range": fitted_range(rows, pred)})
     return Fit(engine, chosen, values, table, rms)
+
+
+def fitted_range(rows: list[Point], pred: Predictor) -> dict:
+    """The contexts, batches and (for policies that fetch) KV reads the fit rows span, per
+    policy: a plan outside them is an extrapolation and replay says so."""
+    out: dict = {}
+    for p in rows:
+        r = out.setdefault(p.spec.name, {"context": [p.context] * 2, "batch": [p.batch] * 2})
+        for key, v in (("context", p.context), ("batch", p.batch),
+                       ("kv_read_frac", pred.cost(p).host_read_frac)):
+            lo, hi = r.get(key, [v, v])
+            r[key] = [min(lo, v), max(hi, v)]
+    return out
 
 
 def _leave_one_out(rows, pred, base, chosen, forced, fixed, start, gpu, model, values, table):

@@ -127,7 +127,7 @@ def memory(res, cost, model, mem, batch: int) -> dict:
     }
 
 
-def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict) -> list[str]:
+def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost) -> list[str]:
     out = []
     if res.max_batch_fit < cfg.batch:
         out.append(f"memory admits at most {res.max_batch_fit} requests at once, "
@@ -144,6 +144,14 @@ def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict) -> list[s
     fitted = costs.engine.fitted_on
     where = [f"{k} {fitted[k]}" for k, now in (("gpu", costs.gpu_name), ("model", model.name))
              if fitted.get(k) and fitted[k] != now]
+    span = costs.engine.fit.get("range", {}).get(cfg.policy)
+    if span:
+        now = {"context": cfg.context, "batch": cfg.batch, "kv_read_frac": cost.host_read_frac}
+        off = [f"{k} {now[k]:g} (fitted {lo:g}..{hi:g})" for k, (lo, hi) in span.items()
+               if not lo * (1 - 1e-9) <= now[k] <= hi * (1 + 1e-9)]
+        if off:
+            out.append(f"engine {costs.engine.name} was fitted on {cfg.policy} points that do "
+                       f"not span this plan: {'; '.join(off)}: extrapolated")
     if where:
         out.append(f"engine {costs.engine.name} was fitted on {', '.join(where)}; its overhead, "
                    f"efficiencies and decide costs are applied here unscaled (links scale with "
@@ -218,7 +226,8 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
         **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
         "sim": sim, "memory": mem_report, "policy_cost": dataclasses.asdict(analysis.cost),
         "policy_stats": stats, "policy_timings": analysis.timings,
-        "provenance": prov, "warnings": warnings(cfg, tr, model, costs, cost_source, res, prov),
+        "provenance": prov, "warnings": warnings(cfg, tr, model, costs, cost_source, res, prov,
+                                 analysis.cost),
     }
 
 
