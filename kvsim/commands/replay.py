@@ -98,7 +98,8 @@ def add_engine_flags(p) -> None:
                         "trace's hardware]")
     g.add_argument("--kv-read-frac", type=float, metavar="F",
                    help="the policy's KV read per decode step, as a share of the cache "
-                        "(replaces the trace's measured fetch fraction)")
+                        "(replaces the trace's measured fetch fraction; plan: for the policies "
+                        "that fetch per step)")
     g.add_argument("--decide-ms", type=float, metavar="MS",
                    help="decide time per request and decode step, all layers")
     g.add_argument("--step-overhead-ms", type=float, metavar="MS",

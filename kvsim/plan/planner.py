@@ -6,6 +6,7 @@ import datetime
 import io
 import json
 import platform
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -149,6 +150,14 @@ def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality)
             lines.append(f"- **{k}**: {v}")
     if quality:
         lines.append(f"- **quality**: kvsim eval results from {', '.join(quality)}")
+    said: dict[str, list[str]] = {}  # one entry per kind of warning (numbers aside)
+    for w in ok.get("warnings", pd.Series(dtype=str)).dropna():
+        for one in str(w).split(" | "):
+            said.setdefault(re.sub(r"\d[\d.]*", "#", one), []).append(one)
+    if said:
+        lines += ["", "## Warnings", "", "How many configurations each kind applies to (one "
+                  "example each):", ""]
+        lines += [f"- {len(v)} x {v[0]}" for _, v in sorted(said.items(), key=lambda x: -len(x[1]))]
     lines += ["", "## Plots", ""]
     for name, text in PLOT_TEXT.items():
         if (out / f"{name}.png").exists() and series.get(name):

@@ -108,7 +108,8 @@ def _replay_config(c: dict, **over) -> ReplayConfig:
     kw = dict(trace=trace, policy=c["policy"], policy_options=json.loads(c["options"]), gpu=gpu,
               model=c["model"], context=c["context"], batch=c["batch"], qps=c["qps"],
               requests=c["requests"], output_len=c["output_len"], seed=c["seed"],
-              **json.loads(c.get("scheduling") or "{}"), **json.loads(c.get("engine") or "{}"))
+              **json.loads(c.get("scheduling") or "{}"), **json.loads(c.get("engine") or "{}"),
+              kv_read_everywhere=False)  # --kv-read-frac: for the policies that fetch
     kw.update(over)
     return ReplayConfig(**kw)
 

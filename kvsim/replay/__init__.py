@@ -60,6 +60,7 @@ class ReplayConfig:
     engine: str | None = None  # an engine profile: built-in name or JSON file (kvsim fit)
     # what-if overrides, each recorded in provenance as such
     kv_read_frac: float | None = None  # the policy's KV read per step, replacing the trace's
+    kv_read_everywhere: bool = True  # False (plan): policies that do not fetch keep their own
     decide_ms: float | None = None  # decide per request and decode step, all layers
     step_overhead_ms: float | None = None
     link_gbps: float | None = None
@@ -110,8 +111,14 @@ def run_replay(cfg: ReplayConfig) -> dict:
     costs, cost_source = costs_for(cfg.gpu, tr.hardware, cfg.engine, cfg.overrides(),
                                    model.layers)
     analysis = analyze(trace_path, spec, cfg.seed)
+    skipped = None
     if cfg.kv_read_frac is not None:
-        analysis = with_kv_read(spec, analysis, cfg.kv_read_frac)
+        try:
+            analysis = with_kv_read(spec, analysis, cfg.kv_read_frac)
+        except KvsimError as e:
+            if cfg.kv_read_everywhere:
+                raise
+            skipped = str(e)
     work_at_prefill = prefill_work(spec, model)
     memory = Memory(costs.hbm_bytes, _gib(cfg.host_gib, DEFAULT_HOST_GIB),
                     model.weight_bytes, _gib(cfg.workspace_gib, DEFAULT_WORKSPACE_GIB))
@@ -124,6 +131,8 @@ def run_replay(cfg: ReplayConfig) -> dict:
         costs.check_decide_range(float(work.prompt.max() + work.output.max()))
     out = report.build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, memory,
                        work, res, scheduling, work_at_prefill)
+    if skipped:
+        out["warnings"].append(skipped)
     if cfg.timeline is not None:
         events = timeline.build(sim, res, cfg.timeline_steps)
         atomic_write(cfg.timeline, lambda f: f.write(json.dumps(events).encode()), cfg.force)

@@ -145,13 +145,13 @@ def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost) -> 
     where = [f"{k} {fitted[k]}" for k, now in (("gpu", costs.gpu_name), ("model", model.name))
              if fitted.get(k) and fitted[k] != now]
     span = costs.engine.fit.get("range", {}).get(cfg.policy)
-    if span:
+    if span and cost.decide_kernel:  # the decide model is what depends on these
         now = {"context": cfg.context, "batch": cfg.batch, "kv_read_frac": cost.host_read_frac}
         off = [f"{k} {now[k]:g} (fitted {lo:g}..{hi:g})" for k, (lo, hi) in span.items()
                if not lo * (1 - 1e-9) <= now[k] <= hi * (1 + 1e-9)]
         if off:
-            out.append(f"engine {costs.engine.name} was fitted on {cfg.policy} points that do "
-                       f"not span this plan: {'; '.join(off)}: extrapolated")
+            out.append(f"engine {costs.engine.name}'s decide model was fitted on {cfg.policy} "
+                       f"points that do not span this plan: {'; '.join(off)}: extrapolated")
     if where:
         out.append(f"engine {costs.engine.name} was fitted on {', '.join(where)}; its overhead, "
                    f"efficiencies and decide costs are applied here unscaled (links scale with "
