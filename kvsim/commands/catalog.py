@@ -1,4 +1,4 @@
-"""kvsim catalog: the GPUs and model shapes kvsim knows, with their public sources."""
+"""kvsim catalog: the GPUs, model shapes and engine profiles kvsim knows, with their sources."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 from kvsim.commands._out import print_json, table
 from kvsim.hw import catalog
 
-HELP = "list catalog GPUs and model shapes with their sources"
+HELP = "list catalog GPUs, model shapes and built-in engine profiles with their sources"
 
 
 def add_parser(sub) -> None:
@@ -21,8 +21,11 @@ def run(args) -> int:
     gpus = [dataclasses.asdict(g) for g in catalog.GPUS.values()]
     models = [{**dataclasses.asdict(m), "params_b": m.params / 1e9,
                "kv_kib_per_token": m.kv_bytes_per_token / 1024} for m in catalog.MODELS.values()]
+    from kvsim.hw import engine as E
+    engines = [E.ROOFLINE] + [E.load(name) for name in E.BUILTIN]
     if args.json:
-        print_json({"gpus": gpus, "models": models})
+        print_json({"gpus": gpus, "models": models,
+                    "engines": [{**e.to_json(), "origin": e.origin} for e in engines]})
         return 0
     table([{k: g[k] for k in ("name", "hbm_gib", "hbm_gbps", "bf16_tflops", "link", "h2d_gbps")}
            for g in gpus])
@@ -30,9 +33,14 @@ def run(args) -> int:
     table([{k: m[k] for k in ("name", "params_b", "layers", "q_heads", "kv_heads", "head_dim",
                               "hidden", "intermediate", "vocab", "kv_kib_per_token")}
            for m in models])
+    print()
+    table([{"engine": e.name, "fitted_on": "/".join(e.fitted_on.values()) or "-",
+            "fields": ", ".join(e.fields) or "none (the hardware as it is)"} for e in engines])
     print("\nsources")
     for g in catalog.GPUS.values():
         print(f"  {g.name}: {g.source}")
     for m in catalog.MODELS.values():
         print(f"  {m.name}: {m.source}")
+    for e in engines:
+        print(f"  engine {e.name} ({e.origin}): {e.description}")
     return 0
