@@ -25,10 +25,15 @@ working set larger than the last-level cache, as each layer of a real step has i
   host, then one copy (with pack and copy times);
 * ``kernel_decode_attn`` (context, batch, tokens, seconds): one layer's decode attention for the
   model's head shape, ``tokens = batch x context``; ``kernel_gemm`` (batch, seconds): one layer's
-  projections and gated MLP; ``kernel_lm_head``; ``kernel_decide`` (context, seconds,
-  fetched_frac): a policy's decide step for one layer and one sequence (the caller hands the
-  kernel in; ``kvsim profile`` gives VerKV's); ``kernel_matmul``,
-  ``mem_gemv``, ``mem_copy``: throughput and bandwidth references;
+  projections and gated MLP; ``kernel_lm_head``; ``kernel_decide`` (context, batch, seconds,
+  fetched_frac): a policy's decide step for one layer, ``seconds`` for ONE call that decides
+  the whole batch of ``batch`` requests (their layers stacked along the head axis: ``batch x
+  kv_heads`` KV heads, ``batch x q_heads`` query heads, as a batched decide runs them), and
+  ``fetched_frac`` the mean share of the context it fetched per KV head; a grid of contexts x
+  batches (GPU: 4K..32K x 1, 2, 4, 8, ``--quick`` 4K, 16K x 1, 2, 4; CPU: 4K..16K x 1, 2, 4,
+  ``--quick`` 4K, 8K x 1, 2). The caller hands the kernel in (``kvsim profile`` gives VerKV's, whose ``stack(B)`` adds
+  B - 1 synthetic requests generated once per context, in worker processes when large);
+  ``kernel_matmul``, ``mem_gemv``, ``mem_copy``: throughput and bandwidth references;
 * ``nvml`` (t, sweep, one column per supported field): link generation/width, PCIe rx/tx,
   clocks, power, memory, temperature, utilisation; unsupported fields are listed in ``missing``.
 
@@ -37,6 +42,10 @@ working set larger than the last-level cache, as each layer of a real step has i
 and every sweep a lack of memory cut short (``shrunk``). The simulator reads
 ``link_h2d_pinned``, ``link_d2h_pinned``, ``link_gather_gpu``, ``kernel_decode_attn``,
 ``kernel_gemm``, ``kernel_decide`` and those three extras (``kvsim.hw.costs``).
+
+``kvsim profile`` prints the decide table (context x batch -> ms per layer) after the run.
+``profiler/gpu_session.sh`` runs profile + validate + the CUDA tests on a GPU machine in one
+session (see its header; ``DRY_RUN=1`` runs its plumbing on the CPU).
 
 ``kvsim validate`` runs real decode steps (see :mod:`kvsim.validate`) and prints, per
 configuration, the measured TPOT (median wall time of a step), the simulator's TPOT from the

@@ -15,6 +15,7 @@ RoPE on one new token per sequence is omitted (a few elementwise ops on B x head
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -269,41 +270,93 @@ def sweep_roofline(be: Backend, mem_sizes: list[int], mm_sizes: list[int], progr
     return tabs, extra
 
 
-def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], progress, seed=0,
-                 bench=None) -> tuple[dict, list[str]]:
-    """kernel_decide: a policy's decide step for one layer and one sequence vs context.
+def stacked_model(m: ModelSpec, batch: int) -> ModelSpec:
+    """The head shape of ``batch`` requests stacked along the head axis (one layer, one call)."""
+    if batch == 1:
+        return m
+    return dataclasses.replace(m, name=f"{m.name} x{batch} requests stacked",
+                               q_heads=batch * m.q_heads, kv_heads=batch * m.kv_heads)
 
-    ``bench(device, model, context, seed)`` builds the kernel (an object with ``plan()``, the
-    timed call, and ``fetched_frac``); the caller hands it in (``kvsim profile`` gives VerKV's,
-    ``kvsim.policies.verkv.bench``), so the profiler times it without depending on policies."""
+
+def _decide_kernel(be: Backend, m: ModelSpec, n: int, B: int, seed: int, bench, base: dict,
+                   keep: dict | None):
+    """The kernel deciding ``B`` requests at context ``n``: a kernel's own ``stack(B)`` when it
+    has one (requests generated once per context), else the bench on the stacked head shape.
+    ``base`` holds the single-request kernel of this context; ``keep`` every kernel made (kept
+    across rounds), or None."""
+    if keep is not None and (n, B) in keep:
+        return keep[n, B]
+    if "one" not in base:
+        base["one"] = keep.get((n, 1)) if keep is not None else None
+        if base["one"] is None:
+            base["one"] = bench(be.device, m, n, seed)
+    one = base["one"]
+    if B == 1:
+        vk = one
+    elif hasattr(one, "stack"):
+        vk = one.stack(B)
+    else:
+        vk = bench(be.device, stacked_model(m, B), n, seed)
+    if keep is not None:
+        keep[n, B] = vk
+    return vk
+
+
+def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], batches: list[int], progress,
+                 seed=0, bench=None, keep: dict | None = None) -> tuple[dict, list[str]]:
+    """kernel_decide: a policy's decide step for one layer vs context x batch; ``seconds`` is
+    one call that decides all ``batch`` requests together.
+
+    ``bench(device, model, context, seed)`` builds the kernel for one request (an object with
+    ``plan()``, the timed call, and ``fetched_frac``); the caller hands it in (``kvsim profile``
+    gives VerKV's, ``kvsim.policies.verkv.bench``), so the profiler times it without depending
+    on policies. A batch of ``B`` is one layer with ``B`` times the heads (the requests stacked
+    along the head axis): the kernel's ``stack(B)`` if it has one, else ``bench`` called with
+    that head shape. Batches run largest first at each context; one that runs out of memory is
+    recorded in ``shrunk`` and the smaller ones are still measured. ``keep``: a dict that holds
+    the kernels between calls (rounds), so each is generated once."""
     if bench is None:
         return {}, ["kernel_decide (no decide kernel was given to time)"]
-    rows, missing = {"context": [], "seconds": [], "fetched_frac": []}, []
+    points, missing = [], []
     evict = be.evictor()
+    cap = max(batches)  # batches above an out-of-memory point are not tried again
     with torch.inference_mode():
         for n in contexts:
-            try:
-                vk = bench(be.device, m, n, seed)
-            except KvsimError as e:
-                missing.append(f"kernel_decide at context {n}: {e}")
+            base: dict = {}
+            todo = sorted((B for B in set(batches) if B <= cap), reverse=True)
+            progress_left = len(batches)
+            for B in todo:
+                try:
+                    vk = _decide_kernel(be, m, n, B, seed, bench, base, keep)
+                    # caches evicted before each call: in a decode step the layer's weights,
+                    # KV and activations pass through the caches between two decide calls
+                    t = be.time(vk.plan, warmup=2, repeats=10, target_s=0.1, before=evict)
+                except KvsimError as e:  # e.g. the policy's budget does not fit this context
+                    missing.append(f"kernel_decide at context {n}: {e}")
+                    break
+                except Exception as e:  # noqa: BLE001
+                    if not is_oom(e):
+                        raise
+                    vk = None
+                    be.free()
+                    cap = min(cap, B - 1)
+                    be.shrunk.append(f"kernel_decide: out of memory at context {n}, batch {B};"
+                                     f" batches above {cap} skipped from there")
+                else:
+                    points.append((n, B, t, vk.fetched_frac))
+                del vk
                 progress()
-                continue
-            except Exception as e:  # noqa: BLE001
-                if not is_oom(e):
-                    raise
-                be.free()
-                be.shrunk.append(f"kernel_decide: out of memory at context {n}; stopped there")
+                progress_left -= 1
+            base.clear()
+            for _ in range(progress_left):
+                progress()
+            if cap < min(batches):
                 break
-            rows["context"].append(n)
-            # caches evicted before each call: in a decode step the layer's weights, KV and
-            # activations pass through the caches between two decide calls
-            rows["seconds"].append(be.time(vk.plan, warmup=2, repeats=10, target_s=0.1,
-                                           before=evict))
-            rows["fetched_frac"].append(vk.fetched_frac)
-            del vk
-            progress()
-    if not rows["context"]:
+    if not points:
         return {}, missing + ["kernel_decide (no context could be measured)"]
-    return {"kernel_decide": {"context": np.array(rows["context"], np.int64),
-                              "seconds": np.array(rows["seconds"]),
-                              "fetched_frac": np.array(rows["fetched_frac"])}}, missing
+    points.sort()
+    cols = list(zip(*points))
+    return {"kernel_decide": {"context": np.array(cols[0], np.int64),
+                              "batch": np.array(cols[1], np.int64),
+                              "seconds": np.array(cols[2], np.float64),
+                              "fetched_frac": np.array(cols[3], np.float64)}}, missing

@@ -42,13 +42,14 @@ class Plan:
     mem_sizes: list
     mm_sizes: list
     decide_contexts: list = ()
+    decide_batches: list = (1,)  # requests decided together in one call (stacked heads)
 
     def points(self) -> int:
         attn = sum(1 for n in self.contexts for b in self.batches if n * b <= self.max_tokens)
         gathers = len(self.gather_totals) * (len(link.ROW_SIZES) + 1)
         return (4 * len(self.link_sizes) + len(self.bidir_sizes) + 5 + gathers + attn
                 + len(self.gemm_batches) + len(self.head_batches) + len(self.mem_sizes)
-                + len(self.mm_sizes) + len(self.decide_contexts))
+                + len(self.mm_sizes) + len(self.decide_contexts) * len(self.decide_batches))
 
 
 def plan_for(kind: str, quick: bool) -> Plan:
@@ -58,18 +59,20 @@ def plan_for(kind: str, quick: bool) -> Plan:
         if quick:
             return Plan(p4(4 * KiB, 256 * MiB), p4(64 * KiB, 256 * MiB), p4(64 * KiB, 16 * MiB),
                         256 * MiB, p2(1024, 32768), [1, 2, 4, 8, 16], 1 << 20,
-                        p2(1, 64), [1, 8, 64], p4(64 * MiB, 1 * GiB), [4096, 8192], [4096, 16384])
+                        p2(1, 64), [1, 8, 64], p4(64 * MiB, 1 * GiB), [4096, 8192], [4096, 16384],
+                        [1, 2, 4])
         return Plan(p2(4 * KiB, 1 * GiB), p4(64 * KiB, 1 * GiB), p4(64 * KiB, 256 * MiB),
                     1 * GiB, p2(1024, 131072), [1, 2, 4, 8, 16, 32, 64], 1 << 22,
                     p2(1, 512), [1, 4, 16, 64, 256], p4(64 * MiB, 4 * GiB), [4096, 8192],
-                    [4096, 8192, 16384, 32768])
+                    [4096, 8192, 16384, 32768], [1, 2, 4, 8])
     if quick:
         return Plan(p4(4 * KiB, 16 * MiB), p4(64 * KiB, 16 * MiB), p4(64 * KiB, 4 * MiB),
                     16 * MiB, [256, 1024, 4096], [1, 2, 4, 8], 32768, [1, 2, 4, 8],
-                    [1, 4], [64 * MiB], [512], [4096, 8192])
+                    [1, 4], [64 * MiB], [512], [4096, 8192], [1, 2])
     return Plan(p2(4 * KiB, 256 * MiB), p4(64 * KiB, 256 * MiB), p4(64 * KiB, 16 * MiB),
                 128 * MiB, p2(256, 16384), [1, 2, 4, 8, 16], 1 << 16, p2(1, 64),
-                [1, 4, 16, 64], p4(16 * MiB, 1 * GiB), [512, 1024, 2048], [4096, 8192, 16384])
+                [1, 4, 16, 64], p4(16 * MiB, 1 * GiB), [512, 1024, 2048], [4096, 8192, 16384],
+                [1, 2, 4])
 
 
 def check_out(path: str | os.PathLike, force: bool) -> Path:
@@ -188,14 +191,16 @@ def _sweeps(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, missing: li
     bar = tqdm(total=plan.points() * rounds, desc=f"profile {be.kind}", unit="pt",
                disable=not show, leave=False)
     runs, gmiss, extras, timing = [], [], [], {}
+    keep = {} if rounds > 1 else None  # decide kernels, built once for all rounds
     try:
         for r in range(rounds):
-            t, x, gm = _one_round(be, m, plan, sampler, bar, seed, r, timing, decide)
+            t, x, gm = _one_round(be, m, plan, sampler, bar, seed, r, timing, decide, keep)
             runs.append(t)
             extras.append(x)
             gmiss = gm
     finally:
         bar.close()
+        del keep
     missing += gmiss
     tables = _median_rounds(runs)
     extra = {k: float(np.median([x[k] for x in extras if k in x])) for k in extras[0]}
@@ -204,7 +209,8 @@ def _sweeps(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, missing: li
 
 
 def _one_round(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, bar, seed: int, r: int,
-               timing: dict, decide=None) -> tuple[dict, dict, list[str]]:
+               timing: dict, decide=None, keep: dict | None = None
+               ) -> tuple[dict, dict, list[str]]:
     """One pass over every sweep; random index sets change with the round ``r``, the synthetic
     VerKV layer does not (its fetched_frac column must agree across rounds)."""
     tables: dict = {}
@@ -247,7 +253,7 @@ def _one_round(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, bar, see
     be.free()
     if plan.decide_contexts:
         d, dmiss = run("kernel_decide", lambda: kernels.sweep_decide(
-            be, m, plan.decide_contexts, step, seed, decide))
+            be, m, plan.decide_contexts, plan.decide_batches, step, seed, decide, keep))
         tables |= d
         missing += dmiss
         be.free()
@@ -308,10 +314,46 @@ def _units(tables: dict) -> dict:
              "link_copy_latency": {"seconds": "s for `copies` back-to-back copies"},
              "kernel_decode_attn": {"seconds": "s per layer (whole batch)"},
              "kernel_gemm": {"seconds": "s per layer: norms, QKV, O, gated MLP"},
-             "kernel_decide": {"seconds": "s per layer and sequence (one decode row)"},
+             "kernel_decide": {"batch": "requests decided together in one call (their heads "
+                                        "stacked)",
+                               "seconds": "s per layer for the whole batch (one decode row "
+                                          "per request)",
+                               "fetched_frac": "mean share of the context the decision "
+                                               "fetched per KV head"},
              "mem_copy": {"bytes": "bytes read + written"},
              "mem_gemv": {"bytes": "matrix bytes read"}}
     for t, cols in notes.items():
         if t in out:
             out[t] |= cols
+    return out
+
+
+def decide_lines(hw) -> list[str]:
+    """The ``kernel_decide`` table as text: context x batch -> ms per layer for the whole batch
+    (and the fetched share of the context); [] when the profile has none. A table without a
+    ``batch`` column (an older profile) is batch 1."""
+    t = hw.tables.get("kernel_decide") if hw is not None else None
+    if not t or not len(t.get("context", ())):
+        return []
+    ctx = np.asarray(t["context"], np.int64)
+    bat = np.asarray(t["batch"], np.int64) if "batch" in t else np.ones_like(ctx)
+    sec = np.asarray(t["seconds"], np.float64)
+    frac = np.asarray(t["fetched_frac"], np.float64) if "fetched_frac" in t else \
+        np.full(len(ctx), np.nan)
+    cell = {(int(n), int(b)): (s, f) for n, b, s, f in zip(ctx, bat, sec, frac)}
+    bs = sorted(set(bat.tolist()))
+    w = 16
+    out = [("kernel_decide: one layer's decide for the whole batch, ms (fetched share of the "
+            "context)"),
+           f"  {'context':>8s}" + "".join(f"{f'B={b}':>{w}s}" for b in bs)]
+    for n in sorted(set(ctx.tolist())):
+        row = []
+        for b in bs:
+            if (n, b) in cell:
+                s, f = cell[n, b]
+                row.append(f"{s * 1e3:.3f} ({100 * f:.1f}%)" if np.isfinite(f) else
+                           f"{s * 1e3:.3f}")
+            else:
+                row.append("-")
+        out.append(f"  {n:8d}" + "".join(f"{c:>{w}s}" for c in row))
     return out

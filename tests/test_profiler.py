@@ -16,8 +16,9 @@ from kvsim.cli import main
 from kvsim.errors import KvsimError
 from kvsim.hw.costs import CostModel
 from kvsim.policies import make
+from profiler import kernels
 from profiler import run as prun
-from profiler.backend import Backend
+from profiler.backend import Backend, make_backend
 from profiler.link import KiB, MiB
 from profiler.nvml import Nvml, Sampler
 from profiler.run import Plan, profile
@@ -25,7 +26,7 @@ from profiler.run import Plan, profile
 TINY = Plan(link_sizes=[4 * KiB, 64 * KiB, 1 * MiB], bidir_sizes=[64 * KiB, 1 * MiB],
             gather_totals=[64 * KiB, 256 * KiB], gather_pool=4 * MiB, contexts=[128, 256],
             batches=[1, 2], max_tokens=512, gemm_batches=[1, 2, 4], head_batches=[1, 2],
-            mem_sizes=[4 * MiB], mm_sizes=[128], decide_contexts=[4096])
+            mem_sizes=[4 * MiB], mm_sizes=[128], decide_contexts=[4096], decide_batches=[1, 2])
 CONSUMED = ["link_h2d_pinned", "link_d2h_pinned", "link_gather_gpu", "kernel_decode_attn",
             "kernel_gemm"]
 
@@ -69,10 +70,23 @@ def test_cpu_profile_is_a_valid_trace_the_cost_model_consumes(cpu_trace):
     assert any(m.startswith("nvml") for m in hw.missing)
     assert "nvml" not in hw.tables  # nothing to sample on the CPU
     dec = hw.tables["kernel_decide"]
-    assert dec["context"].tolist() == [4096] and dec["seconds"][0] > 0
-    assert 0 <= dec["fetched_frac"][0] <= 1
+    assert set(dec) == {"context", "batch", "seconds", "fetched_frac"}
+    assert dec["context"].dtype == np.int64 and dec["batch"].dtype == np.int64
+    assert dec["seconds"].dtype == np.float64 and dec["fetched_frac"].dtype == np.float64
+    assert list(zip(dec["context"].tolist(), dec["batch"].tolist())) == [(4096, 1), (4096, 2)]
+    assert (dec["seconds"] > 0).all()
+    assert ((0 <= dec["fetched_frac"]) & (dec["fetched_frac"] <= 1)).all()
+    # batch 1 is the single-request layer validate runs (same seed, same decision)
+    one = make("verkv").decide_kernel(torch.device("cpu"), prun.profile_model(
+        make_backend(None, "cpu"), "smollm2-135m"), 4096, 0)
+    assert dec["fetched_frac"][0] == pytest.approx(one.fetched_frac)
+    # batch 2 is that request and another, decided in one stacked call
+    assert dec["fetched_frac"][1] == pytest.approx(one.stack(2).fetched_frac)
+    assert dec["fetched_frac"][1] != pytest.approx(dec["fetched_frac"][0])
+    assert "whole batch" in hw.units["kernel_decide"]["seconds"]
+    assert hw.units["kernel_decide"]["batch"].startswith("requests")
     cm = CostModel.from_hardware(hw)
-    assert cm.decide_curve is not None
+    assert "kernel_decide" in cm.provenance["decide"]  # the measured table, not an estimate
     assert cm.link_time(1 * MiB, "h2d") > 0
     assert cm.link_time(64 * KiB, "gather") > 0
     measured = float(np.median(att["seconds"][att["tokens"] == 256]))  # (128, 2) and (256, 1)
@@ -85,8 +99,19 @@ def test_cli_cpu_quick_profile_and_no_overwrite(tmp_path, capsys):
     out = tmp_path / "q.npz"
     assert main(["profile", "--device", "cpu", "--quick", "--rounds", "1", "--no-progress",
                  "--out", str(out)]) == 0
-    assert "wrote" in capsys.readouterr().out
-    tracefile.load(out)
+    printed = capsys.readouterr().out
+    assert "wrote" in printed
+    dec = tracefile.load(out).hardware.tables["kernel_decide"]
+    # the summary shows the decide table: context x batch -> ms per layer
+    lines = printed.splitlines()
+    head = next(i for i, line in enumerate(lines) if "kernel_decide" in line)
+    assert lines[head + 1].split() == ["context", "B=1", "B=2"]
+    for n, row in zip([4096, 8192], lines[head + 2:head + 4]):
+        cells = row.split()
+        assert cells[0] == str(n)
+        for b, ms in zip([1, 2], cells[1::2]):
+            sel = (dec["context"] == n) & (dec["batch"] == b)
+            assert float(ms) == pytest.approx(dec["seconds"][sel][0] * 1e3, abs=1e-3)
     before = out.stat().st_mtime_ns
     assert main(["profile", "--device", "cpu", "--quick", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
@@ -285,6 +310,87 @@ def test_library_refusals_raise_kvsim_error(tmp_path):
         profile(tmp_path / "a.npz", gpu=0, device="cpu", plan=TINY)
     with pytest.raises(KvsimError, match="unknown model"):
         profile(tmp_path / "b.npz", device="cpu", model="no-such-model", plan=TINY)
+
+
+def test_a_stacked_batch_decides_each_request_as_alone():
+    """B requests stacked along the head axis: request 0's heads get exactly the decision the
+    single-request bench makes (nothing mixes across heads), the others their own layers."""
+    from kvsim.hw.catalog import model
+    m = model("smollm2-135m")
+    one = make("verkv").decide_kernel(torch.device("cpu"), m, 4096, 0)
+    two = one.stack(2, workers=1)
+    assert one.stack(1) is one
+    assert (two.kv_heads, two.q_heads, two.batch) == (2 * m.kv_heads, 2 * m.q_heads, 2)
+    idx1, _, bias1, counts1 = one.plan()
+    idx2, _, bias2, counts2 = two.plan()
+    kv, n = m.kv_heads, 4096
+    assert torch.equal(counts2[:kv], counts1)
+    first = idx2 < kv * n  # host rows of request 0's heads
+    assert torch.equal(idx2[first], idx1)
+    assert torch.equal(bias2[:kv, :, :bias1.shape[-1]], bias1)
+    assert not torch.equal(counts2[kv:], counts1)  # request 1 is another layer
+    assert two.fetched_frac == pytest.approx(
+        float(counts2.double().mean()) / n)  # mean share over the stacked KV heads
+    # the trace the stacked kernel decides on holds both requests' heads
+    assert two.trace.attention.layers[0].k.shape[0] == 2 * kv
+
+
+def test_request_generation_in_worker_processes_matches_in_process():
+    from kvsim.hw.catalog import model
+    from kvsim.policies.verkv.bench import generate_requests, request_seed
+    m = model("smollm2-135m")
+    seeds = [request_seed(3, b) for b in (1, 2, 3)]
+    assert len(set(seeds + [3])) == 4
+    here = generate_requests(m, 512, seeds, workers=1)
+    there = generate_requests(m, 512, seeds, workers=2)
+    for a, b in zip(here, there, strict=True):
+        la, lb = a.layers[0], b.layers[0]
+        for f in ("k", "v", "q_question", "q_decode"):
+            assert np.array_equal(getattr(la, f), getattr(lb, f)), f
+
+
+class _Kernel:
+    """A decide kernel without stack(): the profiler must call the bench on the stacked shape."""
+    fetched_frac = 0.25
+
+    def plan(self):
+        return None
+
+
+def test_sweep_decide_without_stack_uses_the_stacked_head_shape_and_survives_oom():
+    from kvsim.hw.catalog import model
+    be = make_backend(None, "cpu")
+    m = model("smollm2-135m")
+    calls = []
+
+    def bench(device, shape, n, seed):
+        calls.append((n, shape.q_heads, shape.kv_heads))
+        if n == 8192 and shape.kv_heads == 4 * m.kv_heads:
+            raise torch.OutOfMemoryError("fake: out of memory")
+        return _Kernel()
+    ticks = []
+    tables, missing = kernels.sweep_decide(be, m, [4096, 8192], [1, 2, 4], lambda: ticks.append(1),
+                                           bench=bench)
+    t = tables["kernel_decide"]
+    got = list(zip(t["context"].tolist(), t["batch"].tolist()))
+    assert got == [(4096, 1), (4096, 2), (4096, 4), (8192, 1), (8192, 2)]
+    assert (4096, 4 * m.q_heads, 4 * m.kv_heads) in calls and (4096, 2 * m.q_heads,
+                                                                2 * m.kv_heads) in calls
+    assert (8192, m.q_heads, m.kv_heads) in calls
+    assert any("out of memory at context 8192, batch 4" in s for s in be.shrunk)
+    assert len(ticks) == 6 and not missing
+    assert (t["fetched_frac"] == 0.25).all()
+
+
+def test_decide_lines_reads_a_table_without_batch_as_batch_1():
+    hw = types.SimpleNamespace(tables={"kernel_decide": {
+        "context": np.array([4096, 8192]), "seconds": np.array([1e-3, 2.5e-3]),
+        "fetched_frac": np.array([0.5, 0.25])}})
+    lines = prun.decide_lines(hw)
+    assert lines[1].split() == ["context", "B=1"]
+    assert lines[2].split() == ["4096", "1.000", "(50.0%)"]
+    assert lines[3].split() == ["8192", "2.500", "(25.0%)"]
+    assert prun.decide_lines(types.SimpleNamespace(tables={})) == []
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from kvsim.policies import make
-    from profiler.run import profile
+    from profiler.run import decide_lines, profile
     if args.gpu is None and args.device is None:
         args.gpu = 0
     tr = profile(args.out, gpu=args.gpu, device=args.device, model=args.model, quick=args.quick,
@@ -45,6 +45,8 @@ def run(args) -> int:
           f"beta {h2d.get('beta_Bps', float('nan')) / 1e9:.2f} GB/s; "
           f"memory bw {hw.extra['hbm_bw'] / 1e9:.1f} GB/s; "
           f"matmul {hw.extra['flops'] / 1e12:.3f} TFLOP/s")
+    for line in decide_lines(hw):
+        print(f"  {line}")
     if hw.missing:
         print(f"  missing ({len(hw.missing)}): " + "; ".join(hw.missing))
     return 0

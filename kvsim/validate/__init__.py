@@ -8,9 +8,11 @@ cost, for any registered policy:
   attends over the share of the KV it keeps in device memory;
 * an overlapped one (``dense-offload``): every layer's share streams from host memory (pinned on
   CUDA) into two staging buffers, double buffered, one copy per sequence for K and one for V;
-* one that decides per step what to fetch (``verkv``): per layer and sequence the policy's real
-  decide kernel on a synthetic attention layer of the model's head shape, a real gather of the
-  fetched K and V rows from that layer's host KV (a device gather over pinned memory on CUDA),
+* one that decides per step what to fetch (``verkv``): per layer the policy's real decide kernel
+  for the whole batch in one call (``DecideBench.stack``: synthetic attention layers of the model's
+  head shape, one per sequence, as the profile's ``kernel_decide`` table times it), per sequence a
+  real gather of its fetched K and V rows from that layer's host KV (a device gather over pinned
+  memory on CUDA),
   attention over the resident sample + fetched rows with the policy's reweighting. The shortlisted
   keys the decide step scores are read from device memory here, while the simulator charges them
   to the link (a few percent of the fetched bytes).
@@ -58,9 +60,12 @@ def _loadavg() -> list[float] | None:
 
 
 def predict(trace: Path, spec, m: ModelSpec, n: int, B: int, seed: int) -> dict:
+    # the loop decodes a full batch: the simulator's batch prefills whole before it decodes
+    # (chunked prefill would put other requests' prompt chunks into the first decode steps)
     cfg = ReplayConfig(trace=trace, policy=spec.name, policy_options=spec.options, gpu=None,
                        model=m, context=max(n - SIM_OUTPUT_LEN // 2, 1), batch=B,
-                       concurrency=B, requests=B, output_len=SIM_OUTPUT_LEN, seed=seed)
+                       concurrency=B, requests=B, output_len=SIM_OUTPUT_LEN, seed=seed,
+                       scheduler="prefill-first")
     return run_replay(cfg)
 
 

@@ -160,13 +160,15 @@ def measure(be: Backend, step, warmup: int, steps: int) -> list[tuple[float, flo
 
 
 def decide_step(be, st: Stack, host: KVStore, B: int, n: int, vk):
-    """Per layer: projections, one real decide per sequence (``vk.plan()``, a policy's decide
-    kernel), a real gather of the fetched K and V rows from the layer's host KV (over the link:
-    pinned memory read by a device gather on CUDA), attention over resident + fetched rows with
-    the policy's reweighting, MLP."""
+    """Per layer: projections, one real decide for the batch (``vk.stack(B).plan()``, a policy's
+    decide kernel over the batch's requests stacked along the head axis), per sequence a real
+    gather of its fetched K and V rows from the layer's host KV (over the link: pinned memory read
+    by a device gather on CUDA), attention over resident + fetched rows with the policy's
+    reweighting, MLP."""
     from profiler.link import uva_view
     m = st.m
-    L, T = m.layers, vk.t_max
+    vk = vk.stack(B) if B > 1 else vk  # built before the timed steps
+    L, T, H = m.layers, vk.t_max, m.kv_heads
     rows = lambda t: t[:B * n * host.per_tok].view(B, m.kv_heads * n, m.head_dim)  # noqa: E731
     src = [(uva_view(be, rows(host.k[l])), uva_view(be, rows(host.v[l]))) for l in range(L)]
     # per layer: the resident sample (filled once) with room for the fetched rows behind it
@@ -174,7 +176,7 @@ def decide_step(be, st: Stack, host: KVStore, B: int, n: int, vk):
                               dtype=be.dtype).uniform_(-1, 1) for _ in range(2))
             for _ in range(L)]
     x0 = torch.randn(B, m.hidden).to(be.device, be.dtype)
-    res = vk.resident.tolist()
+    res = vk.resident.tolist()  # per stacked KV head (request b's heads: b * H ...)
 
     def step():
         x = x0
@@ -182,20 +184,23 @@ def decide_step(be, st: Stack, host: KVStore, B: int, n: int, vk):
             kc, vc = comp[l]
             W = st.layers[l]
             q, _, _ = K.layer_pre(x, W, m)
-            biases = []
-            for b in range(B):
-                idx, slot, bias, counts = vk.plan()
-                ks, vs = src[l]
+            idx, slot, bias, counts = vk.plan()  # stacked heads: request b, head h is b * H + h
+            ks, vs = src[l]
+            per_req = counts.view(B, H).sum(1).tolist()
+            for b, (ib, sb) in enumerate(zip(idx.split(per_req), slot.split(per_req))):
                 if be.kind == "cuda":  # one gather over the link, then a device-local scatter
-                    kc[b].view(-1, m.head_dim).index_copy_(0, slot, ks[b].index_select(0, idx))
-                    vc[b].view(-1, m.head_dim).index_copy_(0, slot, vs[b].index_select(0, idx))
+                    kc[b].view(-1, m.head_dim).index_copy_(0, sb - b * H * T,
+                                                           ks[b].index_select(0, ib - b * H * n))
+                    vc[b].view(-1, m.head_dim).index_copy_(0, sb - b * H * T,
+                                                           vs[b].index_select(0, ib - b * H * n))
                 else:  # per KV head straight into place: the scatter would cost as much here
-                    for h, ih in enumerate(idx.split(counts.tolist())):
-                        r = res[h]
+                    heads = counts[b * H:(b + 1) * H].tolist()
+                    for h, ih in enumerate((ib - b * H * n).split(heads)):
+                        r = res[b * H + h]
                         torch.index_select(ks[b], 0, ih, out=kc[b, h, r:r + ih.numel()])
                         torch.index_select(vs[b], 0, ih, out=vc[b, h, r:r + ih.numel()])
-                biases.append(bias)
-            mask = torch.stack(biases).to(be.dtype)
+            biases = bias.view(B, H, *bias.shape[1:])
+            mask = biases.to(be.dtype)
             a = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask).reshape(B, -1)
             x = K.layer_post(x, a, W)
         return _head(st, x)
