@@ -171,3 +171,25 @@ def test_validate_gpu_tiny(tmp_path):
                      progress=False)
     _check(res, 4)
     assert model("smollm2-135m").kv_heads == res["model_shape"]["kv_heads"]
+
+
+def test_prediction_is_the_batch_decoding_alone(cpu_profile):
+    """The predicted TPOT is the simulator's decode step of the full batch (what the loop
+    times), not decode steps mixed with the other requests' prefill chunks."""
+    import dataclasses
+
+    import numpy as np
+
+    from kvsim.hw.costs import costs_for
+    from kvsim.hw.catalog import ModelSpec
+    from kvsim.sim.steps import StepCosts
+    tr = tracefile.load(cpu_profile)
+    m = dataclasses.replace(ModelSpec(**tr.hardware.extra["model"]), layers=2)
+    spec = PolicySpec("dense-resident", {})
+    for B in (1, 4):
+        r = V.predict(cpu_profile, spec, m, 4096, B, 0)  # 4 x 4096 > one chunk budget
+        costs, _ = costs_for(None, tr.hardware)
+        steps = StepCosts(m, costs, make("dense-resident").decode_cost({}))
+        ctx = np.full(B, float(4096 - V.SIM_OUTPUT_LEN // 2 + 1))
+        step = steps.decode(ctx, V.SIM_OUTPUT_LEN - 1)[0].mean()
+        assert r["tpot_ms"] == pytest.approx(1e3 * step, rel=1e-6)
