@@ -62,12 +62,12 @@ def main(args: list[str]) -> None:
           f"{tok(v[0.05, 32768, 1], 1):.1f} -> {tok(v[0.05, 32768, 8], 8):.1f} |")
     print(f"| throughput, eps 0.5, batch 1 -> 8 (Fig 7) | 26.8 -> 42.4 tok/s | "
           f"{tok(v[0.5, 32768, 1], 1):.1f} -> {tok(v[0.5, 32768, 8], 8):.1f} |")
-    print(f"| Dense (offload) throughput, batch 1-8 (Fig 7) | near 9 tok/s | "
+    print("| Dense (offload) throughput, batch 1-8 (Fig 7) | near 9 tok/s | "
           + " / ".join(f"{tok(off[32768, b], b):.1f}" for b in (1, 2, 4, 8)) + " |")
-    print(f"| 128K: eps 0.5 advantage over Dense (offload), batch 1-8 (Fig 7) | 4-5x | "
+    print("| 128K: eps 0.5 advantage over Dense (offload), batch 1-8 (Fig 7) | 4-5x | "
           + " / ".join(f"{off[131072, b] / v[0.5, 131072, b]:.2f}x" for b in (1, 2, 4, 8))
           + " |")
-    print(f"| 128K: eps 0.05 vs Dense (offload) as the batch grows (Fig 7) | approaches it | "
+    print("| 128K: eps 0.05 vs Dense (offload) as the batch grows (Fig 7) | approaches it | "
           + " / ".join(f"{off[131072, b] / v[0.05, 131072, b]:.2f}x" for b in (1, 2, 4, 8))
           + " |")
 

@@ -27,7 +27,7 @@ class DecodeCost:
     staging_layers: int = 0  # layers of transferred KV buffered in HBM at once
     decide_bytes_per_token: float = 0.0  # per context token and KV head, if it decides each step
     meta_frac: float = 0.0  # of resident_frac: sketch, inclusion probabilities, codec metadata
-    decide_kernel: str = ""  # whose decide-cost model an engine profile applies ("verkv")
+    decide_kernel: str = ""  # whose decide-cost model an engine applies ("verkv")
 
     def __post_init__(self):
         for f in SHARES:

@@ -30,7 +30,6 @@ from kvsim.hw import catalog
 from kvsim.hw.costs import FLOP_EFFICIENCY, HBM_EFFICIENCY, GATHER_EFFICIENCY
 from kvsim.hw.engine import DecideModel, Engine, Value
 
-DECIDE = ("per_layer_us", "per_ktoken_us", "per_kfetched_us", "serial_share")
 # name -> (lower, upper bound)
 PARAMS = {
     "step_overhead_ms": (0.0, 1e3),

@@ -135,8 +135,8 @@ class CostModel:
         """Costs from a trace's measured hardware section (``kvsim profile``).
 
         Tables used when present: ``link_h2d_pinned``, ``link_d2h_pinned``, ``link_gather_gpu``
-        (bytes, seconds), ``kernel_decode_attn`` (tokens, seconds), ``kernel_gemm`` (batch, seconds),
-        ``kernel_decide`` (context, batch (1 if absent), seconds, fetched_frac: fitted by
+        (bytes, seconds), ``kernel_decode_attn`` (tokens, seconds), ``kernel_gemm`` (batch,
+        seconds), ``kernel_decide`` (context, batch (1 if absent), seconds, fetched_frac: fitted by
         :meth:`DecideModel.fit_table`). Capacity, HBM bandwidth and compute come from
         ``hw.extra`` (measured) or, failing that, from ``base`` (a catalog spec).
         """

@@ -121,7 +121,7 @@ def _nonneg(v):
 
 FIELDS = {
     "step_overhead_ms": (_nonneg, "a number >= 0 (ms per engine step, whatever its batch)"),
-    "hbm_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of spec HBM bandwidth"),
+    "hbm_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of spec HBM"),
     "flop_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of spec compute"),
     "link_launches": (lambda v: v in LAUNCHES, f"one of {', '.join(LAUNCHES)}"),
     "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
