@@ -177,3 +177,60 @@ def test_shipped_paper_points_read_and_the_shipped_engine_is_their_fit():
     assert all(rows[p.row]["use"] == "fit" for p in fit_rows)
     assert all(rows[p.row]["certainty"] == "stated" or rows[p.row]["certainty"] ==
                "stated-approx" for p in fit_rows)  # fitted on the text's numbers only
+
+
+def test_kvsim_fit_cli_fits_prints_leave_one_out_and_plans_with_it(tmp_path):
+    """The command end to end on points a known engine made: resident rows at two KV sizes
+    identify overhead and HBM efficiency, offload rows the H2D rate; the file then drives a plan
+    whose rows record the engine."""
+    from kvsim.fit import Predictor
+    truth = {"step_overhead_ms": 1.5, "hbm_efficiency": 0.7, "link.h2d.gbps": 40.0}
+    known = make_engine(E.ROOFLINE, truth, "default", "", "h100-sxm", "qwen3-4b")
+    pred, rows = Predictor(None), []
+    for pol, ctx, b in (("dense-resident", 8192, 1), ("dense-resident", 32768, 4),
+                        ("dense-resident", 16384, 2), ("dense-offload", 8192, 1),
+                        ("dense-offload", 32768, 2)):
+        (spec,), _ = parse(pol)
+        t = pred.predict(Point(0, "h100-sxm", "qwen3-4b", spec, ctx, b, {}, None, 128),
+                         known)["tpot_ms"]
+        rows.append(f"h100-sxm,qwen3-4b,{pol},{ctx},{b},{t:.6f}")
+    csv = tmp_path / "m.csv"
+    csv.write_text("\n".join([HEADER, *rows]) + "\n")
+    out = tmp_path / "eng.json"
+    code, text, err = run_cli("fit", csv, "--out", out)
+    assert code == 0, err
+    assert "leave-one-out" in text or "loo_err%" in text
+    eng = E.load(out)
+    for k, v in truth.items():
+        assert eng.get(k) == pytest.approx(v, rel=1e-4), k
+    assert all(r["loo_tpot_pct"] is None or abs(r["loo_tpot_pct"]) < 0.5
+               for r in eng.fit["points"])
+    code, _, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context",
+                           "8192", "--policy", "dense", "--engine", out, "--step-overhead-ms",
+                           "3", "--out", tmp_path / "plan", "--jobs", "1")
+    assert code == 0, err
+    import pandas as pd
+    row = pd.read_csv(tmp_path / "plan" / "results.csv").iloc[0]
+    assert json.loads(row["engine"]) == {"engine": str(out), "step_overhead_ms": 3.0}
+    prov = json.loads(row["provenance"])
+    assert "override" in prov["hw.engine.step_overhead_ms"]
+    assert "(fit" in prov["hw.engine.hbm_efficiency"]
+
+
+def test_the_shipped_engine_is_what_kvsim_fit_makes_of_the_shipped_points(tmp_path):
+    shipped = E.load("vllm-paper")
+    out = tmp_path / "again.json"
+    code, _, err = run_cli("fit", "data/verkv-paper-h100.csv", "--launches", "per-layer",
+                           "--fetch", "serial", "--name", "vllm-paper", "--out", out)
+    assert code == 0, err
+    again = E.load(out)
+    assert set(again.fields) == set(shipped.fields)
+    for key, val in shipped.fields.items():
+        a, b = again.fields[key].value, val.value
+        if isinstance(b, dict):
+            for k in b:
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-9), (key, k)
+        elif isinstance(b, float):
+            assert a == pytest.approx(b, rel=1e-4), key
+        else:
+            assert a == b, key
