@@ -92,8 +92,13 @@ def run(args) -> int:
             fields[key] = Value(val, "override", f"given to kvsim fit (--{key.split('_')[-1]})")
     base = dataclasses.replace(base, fields=fields)
     free = [f.strip() for f in args.free.split(",") if f.strip()] if args.free else None
+    import sys
+    if not args.json:
+        print(f"fitting {len(points)} points of {args.measured} (the policies are analysed on "
+              f"the trace first)", file=sys.stderr)
     res = fit(points, Predictor(args.trace), base, free, _fixed(args.fix),
-              args.name or Path(args.out).stem, args.describe, args.measured)
+              args.name or Path(args.out).stem, args.describe, args.measured,
+              progress=not args.json)
     res.engine.save(args.out, args.force)
     if args.json:
         print_json({"engine": res.engine.to_json(), "out": args.out})

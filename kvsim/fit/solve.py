@@ -131,7 +131,7 @@ def solve(points: list[Point], pred: Predictor, base: Engine, free: list[str],
 
 def fit(points: list[Point], pred: Predictor, base: Engine, free: list[str] | None = None,
         fixed: dict | None = None, name: str = "fitted", description: str = "",
-        origin: str = "") -> Fit:
+        origin: str = "", progress: bool = False) -> Fit:
     fixed = dict(fixed or {})
     for k in list(fixed) + list(free or []):
         if k not in PARAMS:
@@ -164,7 +164,7 @@ def fit(points: list[Point], pred: Predictor, base: Engine, free: list[str] | No
             row[f"err_{k}_pct"] = 100 * (got[k] / v - 1)
         table.append(row)
     _leave_one_out(rows, pred, base, chosen, free is not None, fixed, start, gpu, model, values,
-                   table)
+                   table, progress)
     engine.fit.update({"points": table, "free": chosen, "rms_rel_err": rms,
                        "values": values, "range": fitted_range(rows, pred)})
     return Fit(engine, chosen, values, table, rms)
@@ -183,10 +183,13 @@ def fitted_range(rows: list[Point], pred: Predictor) -> dict:
     return out
 
 
-def _leave_one_out(rows, pred, base, chosen, forced, fixed, start, gpu, model, values, table):
+def _leave_one_out(rows, pred, base, chosen, forced, fixed, start, gpu, model, values, table,
+                   progress=False):
     """Each fit point predicted by a fit of the others (its TPOT error); n/a where the others
     no longer identify every parameter the point needs, or are too few."""
-    for i, p in enumerate(rows):
+    from tqdm import tqdm
+    for i, p in enumerate(tqdm(rows, desc="leave-one-out", unit="fit", disable=not progress,
+                               leave=False)):
         rest = rows[:i] + rows[i + 1:]
         row = next(t for t in table if t["row"] == p.row)
         free = chosen if forced else [k for k in identified(rest, pred) if k not in fixed]
