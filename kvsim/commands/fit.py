@@ -92,10 +92,9 @@ def run(args) -> int:
             fields[key] = Value(val, "override", f"given to kvsim fit (--{key.split('_')[-1]})")
     base = dataclasses.replace(base, fields=fields)
     free = [f.strip() for f in args.free.split(",") if f.strip()] if args.free else None
-    import sys
-    if not args.json:
+    if not args.json:  # on stdout: a refusal below stays one line on stderr
         print(f"fitting {len(points)} points of {args.measured} (the policies are analysed on "
-              f"the trace first)", file=sys.stderr)
+              f"the trace first)", flush=True)
     res = fit(points, Predictor(args.trace), base, free, _fixed(args.fix),
               args.name or Path(args.out).stem, args.describe, args.measured,
               progress=not args.json)
