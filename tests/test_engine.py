@@ -84,7 +84,10 @@ def test_overrides_change_what_they_name_and_say_so(attn_trace):
     assert "override" in r1["provenance"]["hw.engine.step_overhead_ms"]
     off = dict(base, policy="dense-offload")
     slow = _replay(attn_trace, link_gbps=10.0, **off)
-    assert "override" in slow["provenance"]["hw.engine.link.h2d.gbps"]
+    assert "override" in slow["provenance"]["hw.engine.link_gbps"]
+    assert "override" in slow["provenance"]["hw.link_h2d"] and "beta 10.00 GB/s" in slow[
+        "provenance"]["hw.link_h2d"]
+    assert "beta 7.20 GB/s" in slow["provenance"]["hw.link_gather"]  # the catalog's 72% kept
     assert slow["tpot_ms"] > 3 * _replay(attn_trace, **off)["tpot_ms"]  # 52 -> 10 GB/s
     vk = dict(base, policy="verkv", policy_options={"sink": 4, "local": 4, "compression": 4})
     d0, d10 = (_replay(attn_trace, decide_ms=d, kv_read_frac=0.05, **vk) for d in (0.0, 10.0))

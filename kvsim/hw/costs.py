@@ -247,6 +247,17 @@ class CostModel:
             self.links[p] = LinkPath(alpha, beta, f"engine {engine.name}{note}")
             prov[f"link_{p}"] = (f"alpha {alpha * 1e6:.1f} us, beta {beta / GB:.2f} GB/s: "
                                  f"engine {engine.name}{note}")
+        what_if = engine.get("link_gbps")
+        if what_if is not None:  # every path at this rate, the gather keeping its ratio to H2D
+            ratio = self.links["gather"].beta / self.links["h2d"].beta
+            for p, beta in (("h2d", what_if * GB), ("d2h", what_if * GB),
+                            ("gather", what_if * GB * ratio)):
+                old = self.links[p]
+                self.links[p] = LinkPath(old.alpha, beta, f"override (--link-gbps {what_if:g})")
+                prov[f"link_{p}"] = (f"alpha {old.alpha * 1e6:.1f} us, beta {beta / GB:.2f} "
+                                     f"GB/s: override (--link-gbps {what_if:g}"
+                                     + (f" x {ratio:.3g}, the gather/H2D ratio)" if p == "gather"
+                                        else ")"))
         for key in engine.fields:
             if key.startswith("decide."):
                 self.decide_models[key[7:]] = engine.decide(key[7:])

@@ -127,6 +127,7 @@ FIELDS = {
     "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
     **{f"link.{p}.gbps": (_positive, "GB/s > 0") for p in PATHS},
     **{f"link.{p}.launch_us": (_nonneg, "microseconds >= 0 per launch") for p in PATHS},
+    "link_gbps": (_positive, "GB/s > 0 (a what-if: every path, gather keeping its ratio)"),
 }
 
 
@@ -153,9 +154,9 @@ class Engine:
 
     def with_overrides(self, **over) -> "Engine":
         """A copy with what-if values (source ``override``): ``step_overhead_ms``,
-        ``link_gbps`` (every path, gather keeping its ratio to h2d), ``decide_ms`` (per request
-        and decode step, all layers: replaces every decide model, keeping its serial share;
-        needs ``layers``)."""
+        ``link_gbps`` (every path; the gather path keeps its ratio to H2D), ``decide_ms`` (per
+        request and decode step, all layers: replaces every decide model, keeping its serial
+        share; needs ``layers``)."""
         fields = dict(self.fields)
         layers = over.pop("layers", None)
         if over.get("step_overhead_ms") is not None:
@@ -164,13 +165,7 @@ class Engine:
             x = float(over["link_gbps"])
             if not _positive(x):
                 raise KvsimError(f"--link-gbps must be positive, got {x:g}")
-            h2d = self.get("link.h2d.gbps")
-            ratio = self.get("link.gather.gbps", 0.0) / h2d if h2d else None
-            for p in PATHS:
-                g = x * ratio if p == "gather" and ratio else x
-                note = f"--link-gbps {x:g}" + (f" x {ratio:.3g} (the engine's gather/H2D ratio)"
-                                               if p == "gather" and ratio else "")
-                fields[f"link.{p}.gbps"] = Value(g, "override", note)
+            fields["link_gbps"] = Value(x, "override", f"--link-gbps {x:g}")
         if over.get("decide_ms") is not None:
             d = float(over["decide_ms"])
             if not _nonneg(d) or not layers:
