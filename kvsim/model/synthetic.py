@@ -24,8 +24,10 @@ def _softmax_rows(x: np.ndarray) -> np.ndarray:
 
 def synthetic_attention_trace(n_layers: int = 2, n_q: int = 8, n_kv: int = 2, d: int = 64,
                               context: int = 2048, question: int = 16, decode: int = 8,
-                              seed: int = 0) -> T.Trace:
-    """A :class:`kvsim.trace.Trace` with an attention section only (float16 tensors)."""
+                              seed: int = 0, kvzip: bool = True) -> T.Trace:
+    """A :class:`kvsim.trace.Trace` with an attention section only (float16 tensors); without
+    ``kvzip`` the layers carry no score (its reconstruction attention is most of the work and
+    of the memory at long contexts; the draws before it are the same)."""
     if n_q % n_kv or d % 2 or min(n_layers, n_q, n_kv, context, question) < 1 or decode < 0:
         raise ValueError("synthetic trace: need n_q a multiple of n_kv, even d, positive sizes")
     rng = np.random.default_rng(seed)
@@ -66,12 +68,15 @@ def synthetic_attention_trace(n_layers: int = 2, n_q: int = 8, n_kv: int = 2, d:
         qq, qd = queries(question), queries(decode)
         # kvzip stand-in: max attention over 32 reconstruction queries and the group's heads
         rec = queries(32)
-        logit = np.einsum("hmd,hnd->hmn", rec, np.repeat(k[:, :context], g, axis=0)) / np.sqrt(d)
-        kvzip_ctx = _softmax_rows(logit).max(axis=1).reshape(n_kv, g, context).max(axis=1)
-        kvzip = np.concatenate([kvzip_ctx, np.ones((n_kv, n - context))], axis=1)
+        scores = {}
+        if kvzip:
+            logit = np.einsum("hmd,hnd->hmn", rec, np.repeat(k[:, :context], g, axis=0)) \
+                / np.sqrt(d)
+            ctx_scores = _softmax_rows(logit).max(axis=1).reshape(n_kv, g, context).max(axis=1)
+            scores["kvzip"] = np.concatenate([ctx_scores, np.ones((n_kv, n - context))],
+                                             axis=1).astype(np.float32)
         f16 = lambda x: x.astype(np.float16)  # noqa: E731
-        layers.append(T.LayerAttention(li, f16(k), f16(v), f16(qq), f16(qd),
-                                       {"kvzip": kvzip.astype(np.float32)}))
+        layers.append(T.LayerAttention(li, f16(k), f16(v), f16(qq), f16(qd), scores))
     attention = T.Attention(layers, context, np.arange(context, context + question),
                             np.arange(context + question, n), {"theta": 10000.0, "type": "default"},
                             f"synthetic attention (kvsim.model.synthetic, seed {seed})")

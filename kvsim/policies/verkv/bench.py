@@ -64,9 +64,15 @@ def generation_workers(m, n: int, count: int) -> int:
     return max(1, min(count, cores or 1, int(0.6 * _available_bytes() // peak)))
 
 
-def _request_kwargs(m, n: int, seed: int) -> dict:
+def _request_kwargs(m, n: int, seed: int, kvzip: bool = False) -> dict:
+    """One request's synthetic layer; its kvzip stand-in score (most of the generation's time
+    and memory) only when the policy scores with it."""
     return {"n_layers": 1, "n_q": m.q_heads, "n_kv": m.kv_heads, "d": m.head_dim, "context": n,
-            "question": QUESTION_ROWS, "decode": 1, "seed": seed}
+            "question": QUESTION_ROWS, "decode": 1, "seed": seed, "kvzip": kvzip}
+
+
+def _kvzip(options: dict | None) -> bool:
+    return (options or {}).get("scorer") == "kvzip"
 
 
 # a worker: a fresh interpreter that imports only numpy and the generator (no torch, no main
@@ -81,12 +87,13 @@ with open(job["out"], "wb") as f:
 """
 
 
-def generate_requests(m, n: int, seeds: list[int], workers: int | None = None) -> list:
+def generate_requests(m, n: int, seeds: list[int], workers: int | None = None,
+                      kvzip: bool = False) -> list:
     """The synthetic attention (:class:`kvsim.trace.Attention`, one layer) of each seed; with
     ``workers`` > 1 (default :func:`generation_workers`) in that many worker processes at once.
     The result does not depend on ``workers``. A worker that runs out of memory raises
     MemoryError."""
-    kws = [_request_kwargs(m, n, s) for s in seeds]
+    kws = [_request_kwargs(m, n, s, kvzip) for s in seeds]
     workers = generation_workers(m, n, len(kws)) if workers is None else min(workers, len(kws))
     if workers <= 1:
         return [synthetic_attention_trace(**kw).attention for kw in kws]
@@ -144,9 +151,7 @@ class DecideBench:
         ``attention``: the layer to decide on (default: one request's synthetic layer of
         ``seed``; :meth:`stack` passes a stack of requests)."""
         if attention is None:
-            self.trace = synthetic_attention_trace(n_layers=1, n_q=m.q_heads, n_kv=m.kv_heads,
-                                                   d=m.head_dim, context=n,
-                                                   question=QUESTION_ROWS, decode=1, seed=seed)
+            self.trace = synthetic_attention_trace(**_request_kwargs(m, n, seed, _kvzip(options)))
         else:
             self.trace = T.Trace(T.new_meta("kvsim.policies.verkv.bench", model="synthetic",
                                             context=n, notes=attention.provenance),
@@ -162,7 +167,8 @@ class DecideBench:
         pol = make("verkv", options)
         pol.bind(a.rope, m.head_dim)
         self.cfg = pol.config()
-        self.layer = pol.compress(f32(la.k[:, :n]), f32(la.v[:, :n]), {}, f32(la.q_question),
+        scores = {k: f32(v[:, :n]) for k, v in la.scores.items()}  # kvzip, when it scores so
+        self.layer = pol.compress(f32(la.k[:, :n]), f32(la.v[:, :n]), scores, f32(la.q_question),
                                   torch.as_tensor(a.question_pos, device=device),
                                   torch.Generator().manual_seed(seed), layer=0).state
         self.q = f32(la.q_decode)
@@ -191,7 +197,7 @@ class DecideBench:
         have = len(self._requests)
         self._requests += generate_requests(self.m, self.n, [request_seed(self.seed, b)
                                                              for b in range(have, batch)],
-                                            workers)
+                                            workers, _kvzip(self.options))
         return DecideBench(self.device, self.m, self.n, self.seed, self.options,
                            attention=stack_requests(self._requests[:batch]))
 
