@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     lst = lambda kind: (lambda text: parse_list(kind, text))  # noqa: E731
     p.add_argument("--gpu", type=lst(str), required=True, help="catalog GPUs or profiled traces")
-    p.add_argument("--model", type=lst(str), required=True, help="model shapes")
+    p.add_argument("--model", type=lst(str), required=True,
+                   help="model shapes: catalog names or Hugging Face config.json paths")
     p.add_argument("--context", type=lst(int), required=True, help="prompt lengths (tokens)")
     p.add_argument("--policy", type=lst(str), required=True, metavar="SPEC[,SPEC...]",
                    help="policies to sweep, comma-separated, each " + policy_help())
@@ -53,7 +54,8 @@ def add_parser(sub) -> None:
                                dest=f"slo_{metric}", help=what)
     slo_group.add_argument("--slo-requests", type=int, default=200,
                            help="requests per SLO probe [default: 200]")
-    from kvsim.commands.replay import add_engine_flags, add_scheduling_flags
+    from kvsim.commands.replay import add_dtype_flags, add_engine_flags, add_scheduling_flags
+    add_dtype_flags(p)
     add_scheduling_flags(p)
     add_engine_flags(p)
     p.add_argument("--quality", nargs="+", metavar="JSON",
@@ -81,7 +83,9 @@ def run(args) -> int:
                      option_grid=policy_options(args), output_len=args.output_len,
                      requests=args.requests, seed=args.seed, trace=args.trace, slo=limits,
                      slo_requests=args.slo_requests, scheduling=scheduling_options(args),
-                     engine=engine_options(args))
+                     engine=engine_options(args),
+                     dtypes={k: getattr(args, k) for k in ("kv_dtype", "weight_dtype")
+                             if getattr(args, k) is not None})
     spec.validate()
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])

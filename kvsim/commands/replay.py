@@ -34,7 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu", help=f"catalog GPU ({', '.join(catalog.GPUS)}); default: the "
                                  f"trace's profiled hardware if any, else {DEFAULT_GPU}")
     p.add_argument("--model", default="qwen3-4b",
-                   help=f"model shape ({', '.join(catalog.MODELS)}) [default: qwen3-4b]")
+                   help=f"model shape: a catalog name ({', '.join(catalog.MODELS)}) or a Hugging "
+                        f"Face config.json (file or directory; dense or MoE) [default: qwen3-4b]")
+    add_dtype_flags(p)
     p.add_argument("--context", type=int, default=32768,
                    help="prompt tokens per request [default: 32768]")
     p.add_argument("--output-len", type=int, default=128,
@@ -86,6 +88,16 @@ def add_scheduling_flags(p) -> None:
                         "to host memory over the link and back [default: recompute]")
 
 
+def add_dtype_flags(p) -> None:
+    """Element types of the KV cache and the weights: shared by replay and plan."""
+    p.add_argument("--kv-dtype", choices=["bf16", "fp16", "fp8"],
+                   help="KV-cache element type (bytes in HBM, host memory and over the link) "
+                        "[default: the model's dtype]")
+    p.add_argument("--weight-dtype", choices=["bf16", "fp16", "fp8", "int4"],
+                   help="layer weights' element type (embeddings and LM head keep the model's) "
+                        "[default: the model's dtype]")
+
+
 def add_engine_flags(p) -> None:
     """The engine profile and what-if overrides: shared by replay and plan."""
     g = p.add_argument_group(
@@ -135,6 +147,7 @@ def run(args) -> int:
                        host_gib=args.host_gib, workspace_gib=args.workspace_gib,
                        timeline=args.timeline, timeline_steps=args.timeline_steps,
                        force=args.force, **scheduling_options(args), **engine_options(args),
+                       kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
                        slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                               ("ttft_ms", args.slo_ttft_ms),
                                               ("e2e_s", args.slo_e2e_s)) if v is not None})

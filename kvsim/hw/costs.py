@@ -285,8 +285,8 @@ class CostModel:
         if self.gemm_curve is not None:
             c = self.gemm_curve
             return c(batch, lambda b: np.maximum(c.y[-1] * b / c.x[-1], c.y[0]))
-        flops = 2.0 * m.layer_params * batch
-        return np.maximum(flops / self.flops, m.layer_params * m.dtype_bytes / self.hbm_bw)
+        flops = 2.0 * m.active_layer_params * batch
+        return np.maximum(flops / self.flops, m.layer_weight_bytes(batch) / self.hbm_bw)
 
     def head_time(self, batch, m: ModelSpec) -> np.ndarray:
         """The LM head (vocab projection) once per step."""

@@ -42,7 +42,7 @@ assert tuple(SCORER) == SCORERS
 def scoring_work(name: str, m) -> tuple[float, float, float, str]:
     """(FLOPs per token, per token squared, HBM bytes per token) of scorer ``name`` on model
     ``m`` after a context's prefill, all layers, and what the count is."""
-    kv_read = m.layers * m.kv_heads * m.head_dim * m.dtype_bytes  # the keys, read once
+    kv_read = m.layers * m.kv_heads * m.head_dim * m.kv_elem  # the keys, read once
     if name == "snapkv":  # the window's queries against every key: 2 d FLOPs per pair and head
         return (m.layers * m.q_heads * 2.0 * OBS_WINDOW * m.head_dim, 0.0, kv_read,
                 f"SnapKV: {OBS_WINDOW} window queries x every context key, per query head")

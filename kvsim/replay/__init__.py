@@ -58,6 +58,8 @@ class ReplayConfig:
     preemption: str = "recompute"  # or "swap"
     slo: dict = field(default_factory=dict)  # per-request limits for goodput: tpot_ms, ttft_ms, e2e_s
     engine: str | None = None  # an engine profile: built-in name or JSON file (kvsim fit)
+    kv_dtype: str | None = None  # KV-cache element type: bf16 | fp8 (default: the model's)
+    weight_dtype: str | None = None  # layer weights: bf16 | fp8 | int4
     # what-if overrides, each recorded in provenance as such
     kv_read_frac: float | None = None  # the policy's KV read per step, replacing the trace's
     kv_read_everywhere: bool = True  # False (plan): policies that do not fetch keep their own
@@ -105,7 +107,8 @@ class ReplayConfig:
 def run_replay(cfg: ReplayConfig) -> dict:
     cfg.check()
     spec = one_policy(cfg.policy, cfg.policy_options)
-    model = cfg.model if isinstance(cfg.model, ModelSpec) else catalog.model(cfg.model)
+    model = with_dtypes(cfg.model if isinstance(cfg.model, ModelSpec) else
+                        catalog.model(cfg.model), cfg.kv_dtype, cfg.weight_dtype)
     trace_path = Path(cfg.trace) if cfg.trace is not None else DEFAULT_TRACE
     tr = load_trace(trace_path)
     costs, cost_source = costs_for(cfg.gpu, tr.hardware, cfg.engine, cfg.overrides(),
@@ -138,6 +141,26 @@ def run_replay(cfg: ReplayConfig) -> dict:
         atomic_write(cfg.timeline, lambda f: f.write(json.dumps(events).encode()), cfg.force)
         out["timeline"] = str(cfg.timeline)
     return out
+
+
+KV_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1}
+WEIGHT_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1, "int4": 0.5}
+
+
+def with_dtypes(model: ModelSpec, kv: str | None, weight: str | None) -> ModelSpec:
+    """The model with its KV cache and layer weights stored in other element types: bytes
+    change everywhere (HBM, host memory, the link, admission); compute stays as profiled."""
+    import dataclasses
+    over = {}
+    for flag, value, table, field_name in (("--kv-dtype", kv, KV_DTYPES, "kv_dtype_bytes"),
+                                           ("--weight-dtype", weight, WEIGHT_DTYPES,
+                                            "weight_dtype_bytes")):
+        if value is None:
+            continue
+        if value not in table:
+            raise KvsimError(f"{flag} {value!r}: one of {', '.join(table)}")
+        over[field_name] = table[value]
+    return dataclasses.replace(model, **over) if over else model
 
 
 def one_policy(text: str, options: dict) -> PolicySpec:

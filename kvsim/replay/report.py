@@ -161,6 +161,14 @@ def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost) -> 
     return out
 
 
+def dtype_note(m) -> str:
+    parts = [f"KV {m.kv_elem:g} B per element (--kv-dtype)" if m.kv_dtype_bytes else "",
+             f"weights {m.weight_elem:g} B per parameter (--weight-dtype)"
+             if m.weight_dtype_bytes else ""]
+    parts = [p for p in parts if p]
+    return f"; {', '.join(parts)}" if parts else ""
+
+
 def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem,
                work, scheduling, work_at_prefill) -> dict:
     meta = tr.meta
@@ -169,8 +177,9 @@ def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, m
                  f"{meta.get('created')})",
         "costs": cost_source,
         **{f"hw.{k}": v for k, v in costs.provenance.items()},
-        "model": f"catalog {model.name} ({model.source})" if model.name in catalog.MODELS
-                 else f"user-supplied shape {model.name}",
+        "model": (f"catalog {model.name} ({model.source})" if model.name in catalog.MODELS
+                  else f"{model.name}: {model.source}" if model.hf_id
+                  else f"user-supplied shape {model.name}") + dtype_note(model),
         "policy": f"{analysis.name}: {analysis.provenance}",
         "host_memory": f"{mem.host_bytes / GiB:g} GiB " + (
             "(override --host-gib)" if cfg.host_gib is not None

@@ -5,8 +5,9 @@ Per layer of a step with ``D`` decoding sequences holding ``tokens`` KV tokens a
 (``size`` new tokens after ``prefix`` cached ones each):
 
     c = GEMMs + decode attention (KV read from HBM) + chunk attention
-        GEMMs = max(decode GEMM time(D), one pass over the layer's weights,
-                    2 * layer_params * (D + chunk tokens) / FLOP/s)
+        GEMMs = max(decode GEMM time(D), one pass over the layer's weights (of an MoE layer:
+                    the experts the step's tokens route to),
+                    2 * active_layer_params * (D + chunk tokens) / FLOP/s)
         chunk attention = causal attention FLOPs of the chunks (ModelSpec.prefill_flops) / FLOP/s
     d = the policy's decide step, per decoding sequence
     x = the policy's KV transfer of the decoding sequences over the host link
@@ -102,9 +103,9 @@ class StepCosts:
         if chunks is None:
             return alone, L * (compute + decide) + head, L * link, alone
         dec_gemm = np.where(D > 0, c.gemm_time(D, m), 0.0) if D.any() else 0.0
-        weights = m.layer_params * m.dtype_bytes / c.hbm_bw  # one pass over a layer's weights
+        weights = m.layer_weight_bytes(D + chunks.tokens) / c.hbm_bw  # a pass over the weights
         gemm = np.maximum(np.maximum(dec_gemm, weights),
-                          2.0 * m.layer_params * (D + chunks.tokens) / c.flops)
+                          2.0 * m.active_layer_params * (D + chunks.tokens) / c.flops)
         compute = compute - dec_gemm + gemm + chunks.attn_flops / L / c.flops
         layers = step_time(compute, decide, link, L, self.overlap)
         emit = D + chunks.done
@@ -135,8 +136,8 @@ class StepCosts:
             if self.decide is not None:
                 decide = float(self.decide.seconds(D, tokens, p.host_read_frac))
             alone = float(step_time(gemm_d + attn, decide, link, L, self.overlap)) + head_d + ovh
-        weights = m.layer_params * m.dtype_bytes / c.hbm_bw
-        gemm = max(gemm_d, weights, 2.0 * m.layer_params * (D + chunk_tokens) / c.flops)
+        weights = float(m.layer_weight_bytes(D + chunk_tokens)) / c.hbm_bw
+        gemm = max(gemm_d, weights, 2.0 * m.active_layer_params * (D + chunk_tokens) / c.flops)
         compute = attn + gemm + attn_flops / L / c.flops
         layers = float(step_time(compute, decide, link, L, self.overlap))
         emit = D + len(done)

@@ -174,7 +174,7 @@ class VerKV(Policy):
         (sampling is linear in n on the scores; the full cache's copy to host memory is the
         simulator's KV write)."""
         f, f2, b, what = scoring_work(self.params.scorer, model)
-        keys = model.layers * model.kv_heads * model.head_dim * model.dtype_bytes
+        keys = model.layers * model.kv_heads * model.head_dim * model.kv_elem
         sketch = keys if self.params.sketch == "2bit" else 0.0
         return PrefillWork(f, f2, b + sketch, f"modelled: {what}; "
                            + ("the keys read once more for the sketch" if sketch else
