@@ -129,18 +129,34 @@ def test_bad_parameters(name, opts, match):
 
 
 def test_budget_too_small_names_sizes_that_fit(trace):
-    # 16x of 1024 tokens = 64 tokens, all taken by the default sink 64 + local 64
+    # 16x of 1024 tokens = 64 tokens: sink 64 + local 64 given explicitly do not fit
     with pytest.raises(KvsimError) as e:
-        analyze(make("verkv", {"compression": 16}), trace)
+        analyze(make("verkv", {"compression": 16, "sink": 64, "local": 64}), trace)
     msg = str(e.value)
     assert "\n" not in msg
-    assert "sink 64 + local 64 + sketch" in msg and "--sink" in msg and "--local" in msg
+    assert "sink 64 + local 64 + sketch" in msg and msg.count("--sink") == 1  # one suggestion
     # the suggested sizes do fit
-    sizes = [int(s) for s in msg.split("--sink ")[1].split()[0:1]]
-    analyze(make("verkv", {"compression": 16, "sink": sizes[0], "local": sizes[0]}), trace)
+    size = int(msg.split("--sink ")[1].split()[0])
+    analyze(make("verkv", {"compression": 16, "sink": size, "local": size}), trace)
     for name in ("topk", "poissoncomp"):
         with pytest.raises(KvsimError, match="--sink"):
-            analyze(make(name, {"compression": 32}), trace)
+            analyze(make(name, {"compression": 32, "sink": 64, "local": 64}), trace)
+
+
+def test_default_sink_and_local_shrink_to_fit_and_say_so(trace):
+    """Not given, sink and local are 64 each where that fits and a quarter of the budget where
+    it does not, with a note the report turns into a warning; given, they are used as given."""
+    for name in ("topk", "poissoncomp", "verkv"):
+        st = analyze(make(name, {"compression": 16}), trace).stats
+        assert any("shrunk" in n for n in st["notes"]), name
+        p = make(name, {"compression": 16})
+        p.budget(1024, sketch_tokens=0.0)
+        assert p.sink_local == (16, 16)  # 64 tokens of budget: a quarter each
+        p.budget(1 << 20)
+        assert p.sink_local == (64, 64) and len(p.notes) == 1  # long context: the default
+        q = make(name, {"compression": 16, "sink": 3, "local": 5})
+        q.budget(1024)
+        assert q.sink_local == (3, 5) and not q.notes
 
 
 def test_needs_an_attention_section():

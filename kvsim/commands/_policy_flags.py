@@ -23,7 +23,8 @@ def _defaults_text(owners: dict) -> str:
     """``[verkv, topk: default 16]`` or ``[varrate: default 5; verkv: default 16]``."""
     by_default: dict[str, list[str]] = {}
     for policy, default in owners.items():
-        key = "no default" if default is dataclasses.MISSING else f"default {default}"
+        key = "no default" if default is dataclasses.MISSING else \
+            "default: see above" if default is None else f"default {default}"
         by_default.setdefault(key, []).append(policy)
     return "[" + "; ".join(f"{', '.join(ps)}: {d}" for d, ps in by_default.items()) + "]"
 

@@ -14,8 +14,8 @@ EPILOG = """example:
   kvsim plan --gpu h100-sxm,h200 --model qwen3-4b --context 8192,32768,131072 \\
       --policy dense-offload,verkv --compression 16 --sink 4 --local 4 --batch 1,4,16 --out plan/
 
-(--sink 4 --local 4: the shipped default trace is a 2K-token capture, too short for VerKV's
-default 64 + 64 at 16x; the error of such a run names the sizes that fit.)
+(--sink 4 --local 4: the shipped default trace is a 2K-token capture; without them sink and
+local are the default 64 each shrunk to a quarter of the 16x budget, with a warning.)
 
 Writes DIR/results.csv and DIR/results.parquet (one row per configuration, every metric of
 kvsim replay and its provenance), PNG and SVG plots, and DIR/report.md. Re-running with the same

@@ -115,6 +115,8 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
     stats = calls.summary(getattr(policy.params, "eps", None))
     stats |= {"context_tokens": n_ctx, "layers": len(a.layers), "decisions": calls.decisions,
               "head_dim": a.head_dim, **kept(policy, compressed, n_ctx, a.head_dim)}
+    if policy.notes:
+        stats["notes"] = sorted(policy.notes)
     return stats, _timings(compressed, t_comp, t_dense, n_ctx)
 
 

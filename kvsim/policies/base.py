@@ -55,6 +55,20 @@ class Policy(ABC):
     def __init__(self, params):
         self.params = params
         self.rope: dict = {}
+        self.notes: set[str] = set()  # what the policy adapted to a trace (reported as warnings)
+        self.sink_local: tuple[int, int] = (0, 0)  # the sizes the last budget resolved
+
+    def budget(self, n_ctx: int, sketch_tokens: float = 0.0, need_sample: bool = True) -> float:
+        """Tokens per KV head left for the sample at this context, after sink, local (as given,
+        or the defaults shrunk to fit: noted) and the sketch; sets ``sink_local``."""
+        from kvsim.policies.options import check_budget
+        p = self.params
+        b = check_budget(self.name, n_ctx, p.compression, p.sink, p.local, sketch_tokens,
+                         need_sample)
+        if b.note:
+            self.notes.add(b.note)
+        self.sink_local = (b.sink, b.local)
+        return b.left
 
     def bind(self, rope: dict, head_dim: int) -> None:
         """Called once before ``compress`` with the model's RoPE settings and head size."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import field
+from typing import NamedTuple
 
 from kvsim.errors import KvsimError
 
@@ -32,12 +33,19 @@ def scorer_field():
                 "scores), oracle (the future attention: an upper bound)", "choices": list(SCORERS)})
 
 
+EDGE_DEFAULT = 64  # sink and local tokens when not given, shrunk to fit a short context
+
+
 def sink_field():
-    return field(default=64, metadata={"help": "first tokens always kept (attention sinks)"})
+    return field(default=None, metadata={
+        "kind": int, "help": f"first tokens always kept (attention sinks) [default: {EDGE_DEFAULT}, or a "
+                f"quarter of the budget where that does not fit, with a warning]"})
 
 
 def local_field():
-    return field(default=64, metadata={"help": "last context tokens always kept"})
+    return field(default=None, metadata={
+        "kind": int, "help": f"last context tokens always kept [default: {EDGE_DEFAULT}, or a quarter of "
+                f"the budget where that does not fit, with a warning]"})
 
 
 def check_common(p) -> None:
@@ -51,8 +59,9 @@ def check_common(p) -> None:
     if hasattr(p, "delta") and not (0 < p.delta < 1):
         raise KvsimError(f"--delta must lie strictly between 0 and 1; got {p.delta}")
     for name in ("sink", "local"):
-        if hasattr(p, name) and (int(getattr(p, name)) != getattr(p, name)
-                                 or getattr(p, name) < 0):
+        v = getattr(p, name, None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v) or int(v) != v or v < 0):
             raise KvsimError(f"--{name} must be a whole number >= 0; got {getattr(p, name)}")
     if hasattr(p, "scorer") and p.scorer not in SCORERS:
         raise KvsimError(f"--scorer must be one of {', '.join(SCORERS)}; got {p.scorer!r}")
@@ -66,25 +75,37 @@ def check_choices(p, **allowed: tuple) -> None:
                              f"got {getattr(p, name)!r}")
 
 
-def check_budget(policy: str, n_ctx: int, compression: float, sink: int, local: int,
-                 sketch_tokens: float = 0.0, need_sample: bool = True) -> float:
-    """Token budget per KV head (``n_ctx / compression``) after sink, local and sketch; raises a
-    one-line KvsimError naming sink/local sizes that fit when they do not."""
+class Budget(NamedTuple):
+    left: float  # tokens per KV head for the sample, after sink, local and sketch
+    sink: int
+    local: int
+    note: str  # what was shrunk, when a default did not fit
+
+
+def check_budget(policy: str, n_ctx: int, compression: float, sink: int | None,
+                 local: int | None, sketch_tokens: float = 0.0,
+                 need_sample: bool = True) -> Budget:
+    """The token budget per KV head (``n_ctx / compression``) after sink, local and sketch. A
+    sink or local not given is ``EDGE_DEFAULT``, shrunk to a quarter of the budget (after the
+    sketch) where that does not fit, and the note says so; sizes given that do not fit are one
+    KvsimError line with one suggestion."""
     budget = n_ctx / compression
-    left = budget - sink - local - sketch_tokens
-    if sink + local > n_ctx or left < (1.0 if need_sample else 0.0):
-        room = budget - sketch_tokens - (1.0 if need_sample else 0.0)
+    need = 1.0 if need_sample else 0.0
+    quarter = max(0, int((budget - sketch_tokens) // 4))
+    s = EDGE_DEFAULT if sink is None else int(sink)
+    l = EDGE_DEFAULT if local is None else int(local)  # noqa: E741
+    note = ""
+    if (sink is None or local is None) and (s + l > n_ctx or budget - s - l - sketch_tokens < need):
+        s, l = (min(s, quarter) if sink is None else s), (min(l, quarter) if local is None else l)
+        note = (f"{policy}: sink and local {s} + {l} (the default {EDGE_DEFAULT} shrunk to a "
+                f"quarter of the {budget:.0f}-token budget at {compression:g}x of {n_ctx} "
+                f"tokens; give --sink/--local to choose)")
+    left = budget - s - l - sketch_tokens
+    if s + l > n_ctx or left < need:
         sk = f" + sketch {sketch_tokens:.1f}" if sketch_tokens else ""
-        if room < 0:
-            hint = "no sink/local sizes fit; lower --compression"
-        else:
-            half = max(0, int((budget - sketch_tokens) // 4))
-            most = int(room // 2)
-            hint = (f"--sink {half} --local {half} would leave half of it to the sample; "
-                    f"at most {most} + {most} fit") if need_sample else \
-                f"at most --sink {most} --local {most} fit"
+        hint = "lower --compression" if budget - sketch_tokens - need < 0 else \
+            f"try --sink {quarter} --local {quarter}"
         raise KvsimError(f"policy {policy} at {compression:g}x of a {n_ctx}-token context has "
                          f"a budget of {budget:.1f} tokens per KV head, not enough for sink "
-                         f"{sink} + local {local}{sk}"
-                         f"{' and a sample' if need_sample else ''}: {hint}")
-    return left
+                         f"{s} + local {l}{sk}{' and a sample' if need_sample else ''}: {hint}")
+    return Budget(left, s, l, note)

@@ -14,7 +14,6 @@ import torch
 
 from kvsim.attention.sampling import PoissonSample, poisson_compress
 from kvsim.attention.scoring import to_tau
-from kvsim.policies.options import check_budget
 from kvsim.policies.registry import register
 from kvsim.policies.scored import ScoredPolicy
 
@@ -34,12 +33,10 @@ class PoissonComp(ScoredPolicy):
                "unbiased reweighting, no fetch")
 
     def sample_budget(self, n_ctx):
-        p = self.params
-        return check_budget(self.name, n_ctx, p.compression, p.sink, p.local)
+        return self.budget(n_ctx)
 
     def select(self, scores, budget, generator):
-        p = self.params
-        smp = poisson_compress(to_tau(scores), p.sink, p.local, budget, generator)
+        smp = poisson_compress(to_tau(scores), *self.sink_local, budget, generator)
         n_s = float(smp.sampled.sum(-1).to(torch.float64).mean())
         return log_weights(smp), smp.resident, n_s * R_BYTES, \
             {"expected_tokens": float(smp.expected_kept().mean())}

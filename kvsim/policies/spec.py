@@ -35,7 +35,10 @@ def fields(cls) -> dict[str, dataclasses.Field]:
 
 
 def kind(f: dataclasses.Field) -> type:
-    """The type an option's values take: that of its default (str when it has none)."""
+    """The type an option's values take: ``metadata["kind"]``, else that of its default (str
+    when it has none)."""
+    if "kind" in f.metadata:
+        return f.metadata["kind"]
     return type(f.default) if f.default not in (dataclasses.MISSING, None) else str
 
 

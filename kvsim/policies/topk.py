@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from kvsim.attention.sampling import topk_keep
-from kvsim.policies.options import check_budget
 from kvsim.policies.registry import register
 from kvsim.policies.scored import ScoredPolicy
 
@@ -24,11 +23,10 @@ class TopK(ScoredPolicy):
 
     def sample_budget(self, n_ctx):
         p = self.params
-        check_budget(self.name, n_ctx, p.compression, p.sink, p.local, need_sample=False)
+        self.budget(n_ctx, need_sample=False)
         return int(n_ctx // p.compression)
 
     def select(self, scores, budget, generator):
-        p = self.params
-        keep = topk_keep(scores, int(budget), p.sink, p.local)
+        keep = topk_keep(scores, int(budget), *self.sink_local)
         log_w = torch.zeros(keep.shape, dtype=scores.dtype).masked_fill(~keep, float("-inf"))
         return log_w, keep, 0.0, {}

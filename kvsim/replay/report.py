@@ -127,7 +127,8 @@ def memory(res, cost, model, mem, batch: int) -> dict:
     }
 
 
-def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost) -> list[str]:
+def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost,
+             stats: dict) -> list[str]:
     out = []
     if res.max_batch_fit < cfg.batch:
         out.append(f"memory admits at most {res.max_batch_fit} requests at once, "
@@ -158,6 +159,7 @@ def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost) -> 
                    f"the catalog's link figures)")
     if "policy_transfer" in prov:
         out.append(prov["policy_transfer"])
+    out += stats.get("notes", [])
     return out
 
 
@@ -236,7 +238,7 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
         "sim": sim, "memory": mem_report, "policy_cost": dataclasses.asdict(analysis.cost),
         "policy_stats": stats, "policy_timings": analysis.timings,
         "provenance": prov, "warnings": warnings(cfg, tr, model, costs, cost_source, res, prov,
-                                 analysis.cost),
+                                 analysis.cost, stats),
     }
 
 

@@ -113,10 +113,9 @@ class VerKV(Policy):
         n_kv, n_ctx, d = k.shape
         sk_bytes = sketch_bytes(n_ctx, d)
         token_bytes = 2 * d * KV_ELEM_BYTES
-        sample_budget = O.check_budget(self.name, n_ctx, p.compression, p.sink, p.local,
-                                       sketch_tokens=sk_bytes / token_bytes)
+        sample_budget = self.budget(n_ctx, sketch_tokens=sk_bytes / token_bytes)
         tau = to_tau(context_scores(p.scorer, scores, k, obs_q, obs_pos))
-        smp = poisson_compress(tau, p.sink, p.local, sample_budget, generator)
+        smp = poisson_compress(tau, *self.sink_local, sample_budget, generator)
         sketch = build_sketch(k, rope_pairs(d, self.rope.get("type"))) \
             if p.sketch == "2bit" else None
         held = float(smp.resident.sum(-1).to(torch.float64).mean())
