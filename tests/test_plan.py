@@ -150,3 +150,15 @@ def test_a_sweep_whose_every_run_fails_still_writes_its_table_and_report(tmp_pat
                        policies=["dense-resident"], trace=str(tmp_path / "missing.npz")), out,
              LocalExecutor(1), progress=False)
     assert s["failed"] == 1 and "no such trace" in (out / "report.md").read_text()
+
+
+def test_plan_names_each_failure_and_exits_non_zero_after_writing_the_rest(attn_trace, tmp_path):
+    out = tmp_path / "p"
+    code, text, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context",
+                              "4096", "--policy", "dense,verkv:sink=500:local=500",
+                              "--trace", attn_trace, "--out", out, "--jobs", "1")
+    assert code == 1
+    assert "failed: h100-sxm qwen3-4b 4096 verkv" in err and "not enough for sink" in err
+    import pandas as pd
+    df = pd.read_csv(out / "results.csv")
+    assert set(df.status) == {"ok", "failed"}  # the run that worked is kept

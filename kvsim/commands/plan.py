@@ -91,15 +91,19 @@ def run(args) -> int:
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     summary = plan(spec, args.out, executor, args.quality, progress=not args.json,
                    command=command)
-    if args.json:
-        print_json(summary)
-        return 0
     import pandas as pd
     df = pd.read_csv(f"{args.out}/results.csv")
-    cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
-    table(df[cols].to_dict("records"))
-    print(f"\n{summary['rows']} rows ({summary['new_runs']} run now, {summary['skipped']} "
-          f"already done; {summary['infeasible']} infeasible, {summary['failed']} failed)")
-    print(f"wrote {args.out}/results.csv, results.parquet, report.md and "
-          f"{len(summary['plots'])} plots")
-    return 0
+    failed = df[df["status"] == "failed"] if "status" in df else df.iloc[:0]
+    if args.json:
+        print_json(summary)
+    else:
+        cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
+        table(df[cols].to_dict("records"))
+        print(f"\n{summary['rows']} rows ({summary['new_runs']} run now, {summary['skipped']} "
+              f"already done; {summary['infeasible']} infeasible, {summary['failed']} failed)")
+        print(f"wrote {args.out}/results.csv, results.parquet, report.md and "
+              f"{len(summary['plots'])} plots")
+    for _, r in failed.iterrows():  # what succeeded is written; the failures are named
+        print(f"kvsim plan: failed: {r['gpu']} {r['model']} {r['context']} {r['label']} batch "
+              f"{r['batch']}: {r['error']}", file=sys.stderr)
+    return 1 if len(failed) else 0
