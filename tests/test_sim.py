@@ -113,3 +113,16 @@ def test_csv_workload(attn_trace, tmp_path):
                workload_csv=csv, batch=2)
     assert r["sim"]["requests"] == 3 and r["sim"]["decode_steps"] > 0
     assert np.isfinite(r["tpot_ms"]) and r["ttft_ms"] > 0
+
+
+def test_every_catalog_gpu_plans_and_names_its_source(attn_trace):
+    """B200, H20, L40S and MI300X beside the Hopper parts: each plans, its figures cite their
+    source, and a host-link-bound offload scales with its link (L40S: Gen4, half of Gen5)."""
+    tpot = {}
+    for name, g in catalog.GPUS.items():
+        assert g.source and g.peer and g.peer_gbps > 0, name
+        r = replay(attn_trace, policy="dense-offload", gpu=name, model="qwen3-4b", context=8192,
+                   batch=1, output_len=8)
+        assert g.source in r["provenance"]["hw.gpu"]
+        tpot[name] = r["tpot_ms"]
+    assert tpot["l40s"] == pytest.approx(tpot["h100-sxm"] * 52 / 25, rel=0.1)

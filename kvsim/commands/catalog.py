@@ -27,8 +27,8 @@ def run(args) -> int:
         print_json({"gpus": gpus, "models": models,
                     "engines": [{**e.to_json(), "origin": e.origin} for e in engines]})
         return 0
-    table([{k: g[k] for k in ("name", "hbm_gib", "hbm_gbps", "bf16_tflops", "link", "h2d_gbps")}
-           for g in gpus])
+    table([{k: g[k] for k in ("name", "hbm_gib", "hbm_gbps", "bf16_tflops", "link", "h2d_gbps",
+                              "peer", "peer_gbps")} for g in gpus])
     print()
     table([{k: m[k] for k in ("name", "params_b", "layers", "q_heads", "kv_heads", "head_dim",
                               "hidden", "intermediate", "vocab", "kv_kib_per_token")}

@@ -27,6 +27,8 @@ class GPUSpec:
     h2d_gbps: float  # measured H2D, pinned, large copies
     copy_alpha_us: float  # per-copy submission latency
     source: str
+    peer: str = ""  # GPU-to-GPU link for tensor parallelism (NVLink, Infinity Fabric, PCIe)
+    peer_gbps: float = 0.0  # its bandwidth per GPU and direction, GB/s
 
     def describe(self) -> str:
         return (f"{self.name}: {self.hbm_gib} GiB HBM at {self.hbm_gbps:.0f} GB/s, "
@@ -36,21 +38,41 @@ class GPUSpec:
 _DESIGN = "kvsim design note (NVIDIA datasheets; nvbandwidth issue threads; vLLM KV-offloading blog)"
 GPUS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec("a100-40gb", 39.5, 1555, 312, "PCIe Gen4 x16", 31.5, 25.0, 5.0,
-            f"NVIDIA A100 datasheet (40GB HBM2, 1,555 GB/s, 312 TFLOP/s bf16); {_DESIGN}"),
+            f"NVIDIA A100 datasheet (40GB HBM2, 1,555 GB/s, 312 TFLOP/s bf16); {_DESIGN}",
+            "NVLink 3", 300.0),
     GPUSpec("a100-80gb", 79.2, 2039, 312, "PCIe Gen4 x16", 31.5, 25.0, 5.0,
-            f"NVIDIA A100 datasheet (80GB HBM2e SXM, 2,039 GB/s, 312 TFLOP/s bf16); {_DESIGN}"),
+            f"NVIDIA A100 datasheet (80GB HBM2e SXM, 2,039 GB/s, 312 TFLOP/s bf16); {_DESIGN}",
+            "NVLink 3", 300.0),
     GPUSpec("h100-pcie", 79.6, 2000, 756, "PCIe Gen5 x16", 63.0, 50.0, 5.0,
             "NVIDIA H100 datasheet (PCIe: 80GB HBM2e, 2.0 TB/s, 756 TFLOP/s bf16 dense); "
-            "H2D assumed as H100 SXM (same Gen5 x16 link)"),
+            "H2D assumed as H100 SXM (same Gen5 x16 link)", "PCIe Gen5 x16", 52.0),
     GPUSpec("h100-sxm", 79.6, 3350, 989, "PCIe Gen5 x16", 63.0, 52.0, 5.0,
             f"NVIDIA H100 datasheet (SXM: 80GB HBM3, 3.35 TB/s, 989 TFLOP/s bf16 dense); "
-            f"H2D ~50-57 GB/s measured, 52 used; {_DESIGN}"),
+            f"H2D ~50-57 GB/s measured, 52 used; {_DESIGN}", "NVLink 4", 450.0),
     GPUSpec("h200", 140.4, 4800, 989, "PCIe Gen5 x16", 63.0, 52.0, 5.0,
             "NVIDIA H200 datasheet (SXM: 141GB HBM3e, 4.8 TB/s, 989 TFLOP/s bf16 dense); "
-            "H2D not published, assumed equal to H100 SXM (same Gen5 x16 link)"),
+            "H2D not published, assumed equal to H100 SXM (same Gen5 x16 link)", "NVLink 4", 450.0),
     GPUSpec("gh200", 95.6, 4000, 989, "NVLink-C2C", 450.0, 360.0, 5.0,
             f"NVIDIA GH200 datasheet (96GB HBM3, 4 TB/s, NVLink-C2C 450 GB/s per direction); "
-            f"H2D ~346-375 GB/s measured, 360 used; {_DESIGN}"),
+            f"H2D ~346-375 GB/s measured, 360 used; {_DESIGN}", "NVLink 4", 450.0),
+    GPUSpec("b200", 179.1, 8000, 2250, "PCIe Gen5 x16 (host CPU)", 63.0, 52.0, 5.0,
+            "NVIDIA HGX/DGX B200 specifications as summarised by public pages (180 GB HBM3e per "
+            "GPU, nvidia-smi 183359MiB = 179.1 GiB in public logs; 8 TB/s; 2.25 PFLOP/s "
+            "dense bf16 at 1,000 W; NVLink 5 1.8 TB/s bidirectional); the GPU's PCIe Gen6 is "
+            "limited by Gen5 host CPUs: H2D assumed as H100 SXM", "NVLink 5", 900.0),
+    GPUSpec("h20", 95.6, 4000, 148, "PCIe Gen5 x16", 63.0, 52.0, 5.0,
+            "NVIDIA H20 as published by resellers and press (96 GB HBM3, 4.0 TB/s, 148 TFLOP/s "
+            "dense bf16, NVLink 900 GB/s bidirectional); 96 GB read as GH200's 95.6 GiB; H2D "
+            "assumed as H100 SXM", "NVLink 4", 450.0),
+    GPUSpec("l40s", 45.0, 864, 362, "PCIe Gen4 x16", 31.5, 25.0, 5.0,
+            "NVIDIA L40S datasheet (48 GB GDDR6 with ECC, 864 GB/s, 362 TFLOP/s dense bf16 "
+            "(733 with sparsity), PCIe Gen4 x16, no NVLink); nvidia-smi 46068MiB = 45.0 GiB; "
+            "H2D as A100 (same Gen4 x16 link)", "PCIe Gen4 x16", 25.0),
+    GPUSpec("mi300x", 191.5, 5300, 1307, "PCIe Gen5 x16", 63.0, 52.0, 5.0,
+            "AMD Instinct MI300X datasheet (192 GB HBM3, 5.3 TB/s, 1,307.4 TFLOP/s dense bf16, "
+            "Infinity Fabric 7 x 128 GB/s = 896 GB/s aggregate per GPU in an 8-GPU mesh); "
+            "191.5 GiB usable assumed; H2D assumed as H100 SXM (same Gen5 x16 link)",
+            "Infinity Fabric", 448.0),
 ]}
 
 
