@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from kvsim.errors import Infeasible
+from kvsim.errors import Infeasible, KvsimError
 from kvsim.hw import catalog
 from kvsim.replay import ReplayConfig, run_replay
 
@@ -126,3 +126,25 @@ def test_every_catalog_gpu_plans_and_names_its_source(attn_trace):
         assert g.source in r["provenance"]["hw.gpu"]
         tpot[name] = r["tpot_ms"]
     assert tpot["l40s"] == pytest.approx(tpot["h100-sxm"] * 52 / 25, rel=0.1)
+
+
+def test_tensor_parallelism_splits_weights_kv_and_the_link(attn_trace):
+    """TP 2: each GPU holds half the weights and KV heads, so an offload that is bound by its
+    own host link takes half the time and twice the requests fit; one link shared by the pair
+    gives the time back; the all-reduces are priced on the catalog's peer link."""
+    kw = dict(policy="dense-offload", gpu="h100-sxm", model="qwen3-4b", context=32768, batch=8,
+              requests=8, scheduler="prefill-first")
+    one, two = replay(attn_trace, **kw), replay(attn_trace, tp=2, **kw)
+    shared = replay(attn_trace, tp=2, tp_link="shared", **kw)
+    assert two["tpot_ms"] == pytest.approx(one["tpot_ms"] / 2, rel=0.02)
+    assert shared["tpot_ms"] == pytest.approx(one["tpot_ms"], rel=0.02)
+    assert two["memory"]["max_batch_fit"] >= 2 * one["memory"]["max_batch_fit"] - 1
+    m = catalog.model("qwen3-4b")
+    assert two["memory"]["hbm_weights_gib"] == pytest.approx(
+        m.shard(2).weight_bytes / 2**30) and m.shard(2).kv_bytes_per_token == \
+        m.kv_bytes_per_token / 2
+    assert "NVLink 4" in two["provenance"]["hw.tensor_parallel"] and two["tp"] == 2
+    res = [replay(attn_trace, **{**kw, "policy": "dense-resident", "tp": t}) for t in (1, 2)]
+    assert res[1]["tpot_ms"] < res[0]["tpot_ms"]  # half the bytes per GPU, plus all-reduces
+    with pytest.raises(KvsimError, match="do not split 3 ways"):
+        replay(attn_trace, tp=3, **kw)

@@ -84,8 +84,9 @@ def run(args) -> int:
                      requests=args.requests, seed=args.seed, trace=args.trace, slo=limits,
                      slo_requests=args.slo_requests, scheduling=scheduling_options(args),
                      engine=engine_options(args),
-                     dtypes={k: getattr(args, k) for k in ("kv_dtype", "weight_dtype")
-                             if getattr(args, k) is not None})
+                     deployment={k: getattr(args, k) for k in ("kv_dtype", "weight_dtype", "tp",
+                                                               "tp_link")
+                                 if getattr(args, k) not in (None, 1, "own")})
     spec.validate()
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -47,8 +47,19 @@ def add_parser(sub) -> None:
     load.add_argument("--qps", type=float, help="Poisson arrivals at this rate (open loop)")
     load.add_argument("--concurrency", type=int,
                       help="closed loop with this many requests in flight (default: --batch)")
-    load.add_argument("--workload", metavar="CSV",
-                      help="CSV of arrival (s), prompt and output (tokens) per request")
+    load.add_argument("--workload", metavar="FILE",
+                      help="requests from a file: kvsim's CSV (arrival s, prompt, output tokens) "
+                           "or a public trace (Azure LLM inference CSV, BurstGPT CSV, Mooncake "
+                           "JSONL; see --workload-format)")
+    p.add_argument("--workload-format", default="auto",
+                   choices=["auto", "kvsim", "azure", "burstgpt", "mooncake"],
+                   help="the --workload file's format; auto: told by its header or first line "
+                        "[default: auto]")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="multiply the --workload file's arrival times by X (0.5: twice the "
+                        "rate) [default: 1]")
+    p.add_argument("--limit", type=int, metavar="N",
+                   help="only the --workload file's first N requests by arrival")
     p.add_argument("--requests", type=int,
                    help="requests to simulate (default: 2 x concurrency, or 64 with --qps)")
     p.add_argument("--host-gib", type=float, help="host memory for the KV cache (default 256)")
@@ -96,6 +107,13 @@ def add_dtype_flags(p) -> None:
     p.add_argument("--weight-dtype", choices=["bf16", "fp16", "fp8", "int4"],
                    help="layer weights' element type (embeddings and LM head keep the model's) "
                         "[default: the model's dtype]")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: N GPUs of a node serve one replica; each holds 1/N "
+                        "of the weights and KV heads, all-reduces go over the catalog's peer "
+                        "link; memory and HBM figures are per GPU [default: 1]")
+    p.add_argument("--tp-link", choices=["own", "shared"], default="own",
+                   help="with --tp: each GPU on its own host link, or one shared by the group "
+                        "[default: own]")
 
 
 def add_engine_flags(p) -> None:
@@ -144,10 +162,13 @@ def run(args) -> int:
                        gpu=args.gpu, model=args.model, context=args.context, batch=args.batch,
                        qps=args.qps, concurrency=args.concurrency, requests=args.requests,
                        output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
+                       workload_format=args.workload_format, time_scale=args.time_scale,
+                       workload_limit=args.limit,
                        host_gib=args.host_gib, workspace_gib=args.workspace_gib,
                        timeline=args.timeline, timeline_steps=args.timeline_steps,
                        force=args.force, **scheduling_options(args), **engine_options(args),
-                       kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype,
+                       kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, tp=args.tp,
+                       tp_link=args.tp_link,
                        slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                               ("ttft_ms", args.slo_ttft_ms),
                                               ("e2e_s", args.slo_e2e_s)) if v is not None})

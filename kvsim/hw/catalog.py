@@ -197,6 +197,28 @@ class ModelSpec:
     def source(self) -> str:
         return f"config.json of {self.hf_id}" + (f" ({self.note})" if self.note else "")
 
+    def shard(self, tp: int) -> "ModelSpec":
+        """What one GPU of a tensor-parallel group of ``tp`` holds and computes, as vLLM shards:
+        query heads, MLP (every expert's) width and vocabulary split ``tp`` ways; KV heads too,
+        or replicated where there are fewer than ``tp`` of them (one per GPU)."""
+        import dataclasses
+        if tp == 1:
+            return self
+        for what, n in (("query heads", self.q_heads), ("intermediate size", self.intermediate),
+                        ("expert width", self.moe_intermediate or tp)):
+            if n % tp:
+                raise KvsimError(f"--tp {tp}: {self.name}'s {what} ({n}) do not split {tp} ways")
+        kv = max(1, self.kv_heads // tp) if self.kv_heads % tp == 0 or self.kv_heads < tp \
+            else None
+        if kv is None:
+            raise KvsimError(f"--tp {tp}: {self.name}'s {self.kv_heads} KV heads do not split "
+                             f"{tp} ways")
+        return dataclasses.replace(
+            self, q_heads=self.q_heads // tp, kv_heads=kv,
+            intermediate=self.intermediate // tp, vocab=-(-self.vocab // tp),
+            moe_intermediate=self.moe_intermediate // tp,
+            shared_intermediate=self.shared_intermediate // tp)
+
     def describe(self) -> str:
         moe = (f" ({self.active_params / 1e9:.2f}B active, {self.experts} experts, "
                f"{self.experts_per_token} per token)" if self.experts else "")

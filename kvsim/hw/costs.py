@@ -27,6 +27,7 @@ DEFAULT_GPU = "h100-sxm"
 HBM_EFFICIENCY = 0.85  # achievable / spec HBM bandwidth (design note, public measurements)
 FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-size GEMMs
 GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA (design note)
+ALLREDUCE_US = 10.0  # per all-reduce launch and synchronisation (assumed; see set_tp)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class CostModel:
         self.fetch = "policy"  # overlap or serial fetch: as the policy says, or forced
         self.decide_models: dict[str, DecideModel] = {}  # per decide kernel (engine or table)
         self.decide_range: tuple[float, float] | None = None  # contexts the table measured
+        self.tp, self.peer_bw = 1, 0.0  # tensor parallelism (set_tp)
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -313,6 +315,39 @@ class CostModel:
         if lo_hi and not lo_hi[0] <= context <= lo_hi[1]:
             self.extrapolations.add(f"kernel_decide: context {context:.0f}, measured "
                                     f"{lo_hi[0]:.0f}..{lo_hi[1]:.0f} (linear model)")
+
+    def set_tp(self, tp: int, shared_link: bool = False) -> "CostModel":
+        """One GPU of a tensor-parallel group of ``tp``: the group's all-reduces priced on the
+        catalog's peer link; with ``shared_link`` the group's GPUs share one host link."""
+        self.tp = tp
+        if tp == 1:
+            return self
+        g = self.spec
+        if g is None or not g.peer_gbps:
+            raise KvsimError(f"--tp {tp} needs the GPU-to-GPU bandwidth of a catalog GPU (--gpu)")
+        self.peer_bw = g.peer_gbps * GB
+        self.provenance["tensor_parallel"] = (
+            f"{tp} GPUs: ring all-reduce, 2 per layer, over {g.peer} at {g.peer_gbps:g} GB/s per "
+            f"direction ({g.source}) + {ALLREDUCE_US:g} us each (assumed: NCCL's small-message "
+            f"latency, not measured)")
+        if shared_link:
+            for p, path in self.links.items():
+                self.links[p] = LinkPath(path.alpha, path.beta / tp, f"{path.source}; shared by "
+                                         f"{tp} GPUs")
+            self.provenance["tensor_parallel"] += f"; one host link shared by the {tp} GPUs"
+        else:
+            self.provenance["tensor_parallel"] += "; each GPU on its own host link"
+        return self
+
+    def allreduce_time(self, tokens, m: ModelSpec) -> np.ndarray:
+        """One layer's all-reduces (after attention and after the MLP) of ``tokens`` hidden
+        states in a tensor-parallel group: a ring moves ``2 (N - 1) / N`` of the bytes."""
+        t = np.asarray(tokens, float)
+        if self.tp == 1:
+            return np.zeros_like(t)
+        nbytes = t * m.hidden * m.dtype_bytes
+        one = ALLREDUCE_US * 1e-6 + 2 * (self.tp - 1) / self.tp * nbytes / self.peer_bw
+        return np.where(t > 0, 2 * one, 0.0)
 
     def overlap_for(self, policy_overlap: bool) -> bool:
         return {"policy": policy_overlap, "serial": False, "overlap": True}[self.fetch]

@@ -20,7 +20,7 @@ from kvsim.policies.spec import PolicySpec, parse
 from kvsim.replay import ReplayConfig, report, run_replay
 
 CONFIG_COLUMNS = ["gpu", "model", "context", "policy", "options", "batch", "qps", "output_len",
-                  "requests", "seed", "trace", "scheduling", "engine", "dtypes"]
+                  "requests", "seed", "trace", "scheduling", "engine", "deployment"]
 
 
 @dataclass
@@ -40,7 +40,7 @@ class SweepSpec:
     slo_requests: int = 200
     scheduling: dict = field(default_factory=dict)  # ReplayConfig scheduler fields
     engine: dict = field(default_factory=dict)  # ReplayConfig engine and what-if fields
-    dtypes: dict = field(default_factory=dict)  # ReplayConfig kv_dtype, weight_dtype
+    deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link
 
     def policy_specs(self) -> list[PolicySpec]:
         """One validated spec per policy and combination of the option grid's values."""
@@ -66,8 +66,10 @@ class SweepSpec:
                              f"system up); got {self.slo_requests}")
         ReplayConfig(**self.scheduling, **self.engine).check()
         from kvsim.replay import with_dtypes
-        with_dtypes(catalog.model(self.models[0]), self.dtypes.get("kv_dtype"),
-                    self.dtypes.get("weight_dtype"))
+        for m in self.models:
+            with_dtypes(catalog.model(m), self.deployment.get("kv_dtype"),
+                        self.deployment.get("weight_dtype")).shard(self.deployment.get("tp", 1))
+        ReplayConfig(**self.deployment).check()
         if self.engine.get("engine") is not None:
             from kvsim.hw.engine import load
             load(self.engine["engine"])  # an unreadable engine file fails before the sweep
@@ -89,7 +91,7 @@ def expand(spec: SweepSpec) -> list[dict]:
                 "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
                 "trace": spec.trace, "scheduling": json.dumps(spec.scheduling, sort_keys=True),
                 "engine": json.dumps(spec.engine, sort_keys=True),
-                "dtypes": json.dumps(spec.dtypes, sort_keys=True)})
+                "deployment": json.dumps(spec.deployment, sort_keys=True)})
     return configs
 
 
@@ -114,7 +116,7 @@ def _replay_config(c: dict, **over) -> ReplayConfig:
               model=c["model"], context=c["context"], batch=c["batch"], qps=c["qps"],
               requests=c["requests"], output_len=c["output_len"], seed=c["seed"],
               **json.loads(c.get("scheduling") or "{}"), **json.loads(c.get("engine") or "{}"),
-              **json.loads(c.get("dtypes") or "{}"),
+              **json.loads(c.get("deployment") or "{}"),
               kv_read_everywhere=False)  # --kv-read-frac: for the policies that fetch
     kw.update(over)
     return ReplayConfig(**kw)

@@ -45,7 +45,10 @@ class ReplayConfig:
     concurrency: int | None = None  # closed loop (default: = batch)
     requests: int | None = None  # default: 2 x concurrency (closed) or 64 (Poisson)
     output_len: int = 128
-    workload_csv: str | Path | None = None
+    workload_csv: str | Path | None = None  # a workload file: kvsim's CSV or a public trace
+    workload_format: str = "auto"  # auto | kvsim | azure | burstgpt | mooncake
+    time_scale: float = 1.0  # the file's arrival times multiplied by this (0.5: twice the rate)
+    workload_limit: int | None = None  # only the file's first N requests by arrival
     seed: int = 0
     host_gib: float | None = None
     workspace_gib: float | None = None
@@ -60,6 +63,8 @@ class ReplayConfig:
     engine: str | None = None  # an engine profile: built-in name or JSON file (kvsim fit)
     kv_dtype: str | None = None  # KV-cache element type: bf16 | fp8 (default: the model's)
     weight_dtype: str | None = None  # layer weights: bf16 | fp8 | int4
+    tp: int = 1  # tensor parallelism: GPUs of one replica (each simulated as one GPU's shard)
+    tp_link: str = "own"  # "own": a host link per GPU; "shared": one for the group
     # what-if overrides, each recorded in provenance as such
     kv_read_frac: float | None = None  # the policy's KV read per step, replacing the trace's
     kv_read_everywhere: bool = True  # False (plan): policies that do not fetch keep their own
@@ -90,8 +95,20 @@ class ReplayConfig:
             v = getattr(self, name)
             if v is not None and not v >= 0:
                 raise KvsimError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise KvsimError(f"--tp must be a whole number >= 1, got {self.tp!r}")
+        if self.tp_link not in ("own", "shared"):
+            raise KvsimError(f"--tp-link must be own or shared, got {self.tp_link!r}")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise KvsimError(f"--link-gbps must be positive, got {self.link_gbps}")
+        if self.workload_format != "auto" and self.workload_format not in workload.FORMATS:
+            raise KvsimError(f"--workload-format {self.workload_format!r}: one of auto, "
+                             f"{', '.join(workload.FORMATS)}")
+        workload.check_scale_limit(self.time_scale, self.workload_limit)
+        if self.workload_csv is None and (self.workload_format != "auto" or self.time_scale != 1
+                                          or self.workload_limit is not None):
+            raise KvsimError("--workload-format, --time-scale and --limit apply to a --workload "
+                             "file")
         if self.timeline is not None:
             check_destination(self.timeline, self.force)  # fail before the work, write nothing
 
@@ -108,11 +125,16 @@ def run_replay(cfg: ReplayConfig) -> dict:
     cfg.check()
     spec = one_policy(cfg.policy, cfg.policy_options)
     model = with_dtypes(cfg.model if isinstance(cfg.model, ModelSpec) else
-                        catalog.model(cfg.model), cfg.kv_dtype, cfg.weight_dtype)
+                        catalog.model(cfg.model), cfg.kv_dtype, cfg.weight_dtype).shard(cfg.tp)
+    # the workload first: a bad workload file fails before the trace and the policy's analysis
+    work = workload.build(cfg.workload_csv, cfg.qps, cfg.concurrency, cfg.batch, cfg.requests,
+                          cfg.context, cfg.output_len, cfg.seed, cfg.workload_format,
+                          cfg.time_scale, cfg.workload_limit)
     trace_path = Path(cfg.trace) if cfg.trace is not None else DEFAULT_TRACE
     tr = load_trace(trace_path)
     costs, cost_source = costs_for(cfg.gpu, tr.hardware, cfg.engine, cfg.overrides(),
                                    model.layers)
+    costs.set_tp(cfg.tp, cfg.tp_link == "shared")
     analysis = analyze(trace_path, spec, cfg.seed)
     skipped = None
     if cfg.kv_read_frac is not None:
@@ -125,8 +147,6 @@ def run_replay(cfg: ReplayConfig) -> dict:
     work_at_prefill = prefill_work(spec, model)
     memory = Memory(costs.hbm_bytes, _gib(cfg.host_gib, DEFAULT_HOST_GIB),
                     model.weight_bytes, _gib(cfg.workspace_gib, DEFAULT_WORKSPACE_GIB))
-    work = workload.build(cfg.workload_csv, cfg.qps, cfg.concurrency, cfg.batch, cfg.requests,
-                          cfg.context, cfg.output_len, cfg.seed)
     scheduling = cfg.scheduling(default_token_budget(costs.gpu_name, costs.hbm_bytes))
     sim = Simulator(model, costs, analysis.cost, memory, cfg.batch, scheduling, work_at_prefill)
     res = sim.run(work)

@@ -234,6 +234,7 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
         "policy": spec.name, "policy_options": analysis.params, "gpu": costs.gpu_name,
         "model": model.name, "context": cfg.context, "batch": cfg.batch,
         "output_len": cfg.output_len, "seed": cfg.seed, "engine": costs.engine.name,
+        "tp": cfg.tp,
         **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
         "sim": sim, "memory": mem_report, "policy_cost": dataclasses.asdict(analysis.cost),
         "policy_stats": stats, "policy_timings": analysis.timings,

@@ -21,6 +21,7 @@ step). A step without chunks is a plain decode step.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +57,10 @@ class StepCosts:
         self.overhead = c.step_overhead
         self.decide = c.decide_model(p.decide_kernel, m, p.decide_bytes_per_token) \
             if p.decide_bytes_per_token > 0 else None
+        if self.decide is not None and c.tp > 1:  # each GPU decides for its share of the heads
+            self.decide = dataclasses.replace(self.decide, **{
+                f: getattr(self.decide, f) / c.tp
+                for f in ("per_layer_us", "per_ktoken_us", "per_kfetched_us")})
 
     def per_batch(self, B: int) -> tuple[float, float]:
         """(GEMM seconds per layer, LM head seconds) of a decode batch of ``B`` sequences,
@@ -78,7 +83,8 @@ class StepCosts:
         kv_layer = m.kv_bytes_per_token / m.layers * tokens  # bytes of one layer's KV
         gemm = (self.per_batch(D)[0] if D else 0.0) if isinstance(D, int) else \
             np.where(np.asarray(D) > 0, c.gemm_time(D, m), 0.0)
-        compute = gemm + c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens)
+        compute = gemm + c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens) \
+            + c.allreduce_time(D, m)
         link = c.link_time(p.host_read_frac * kv_layer, p.path,
                            copies=c.copies(p.copies_per_layer, D)) \
             if p.host_read_frac > 0 else np.zeros_like(tokens)
@@ -106,7 +112,8 @@ class StepCosts:
         weights = m.layer_weight_bytes(D + chunks.tokens) / c.hbm_bw  # a pass over the weights
         gemm = np.maximum(np.maximum(dec_gemm, weights),
                           2.0 * m.active_layer_params * (D + chunks.tokens) / c.flops)
-        compute = compute - dec_gemm + gemm + chunks.attn_flops / L / c.flops
+        compute = compute - dec_gemm + gemm + chunks.attn_flops / L / c.flops \
+            + c.allreduce_time(D + chunks.tokens, m) - c.allreduce_time(D, m)
         layers = step_time(compute, decide, link, L, self.overlap)
         emit = D + chunks.done
         extra = np.where(emit > 0, c.head_time(emit, m), 0.0) + np.maximum(
@@ -135,10 +142,12 @@ class StepCosts:
                                          copies=c.copies(p.copies_per_layer, D)))
             if self.decide is not None:
                 decide = float(self.decide.seconds(D, tokens, p.host_read_frac))
-            alone = float(step_time(gemm_d + attn, decide, link, L, self.overlap)) + head_d + ovh
+            alone = float(step_time(gemm_d + attn + float(c.allreduce_time(D, m)), decide, link, L,
+                                    self.overlap)) + head_d + ovh
         weights = float(m.layer_weight_bytes(D + chunk_tokens)) / c.hbm_bw
         gemm = max(gemm_d, weights, 2.0 * m.active_layer_params * (D + chunk_tokens) / c.flops)
-        compute = attn + gemm + attn_flops / L / c.flops
+        reduce = float(c.allreduce_time(D + chunk_tokens, m))  # tensor parallel: all-reduces
+        compute = attn + gemm + attn_flops / L / c.flops + reduce
         layers = float(step_time(compute, decide, link, L, self.overlap))
         emit = D + len(done)
         extra = (self.per_batch(emit)[1] if emit else 0.0) + (float(np.maximum(
