@@ -70,18 +70,20 @@ def test_validate_any_registered_policy(cpu_profile):
 
 
 def test_validate_verkv_cpu_tiny(cpu_profile):
-    """VerKV runs where its budget allows (4096 tokens here; 256 is too short and is skipped
-    with a note), fetching what the simulator's statistics on the same layer say."""
+    """VerKV runs where its budget allows (4096 tokens here; 256 is too short for sink 64 +
+    local 64 and is skipped with a note), fetching what the simulator's statistics on the same
+    layer say."""
     res = V.validate(cpu_profile, device="cpu", progress=False, contexts=[256, 4096],
-                     batches=[1], layers=1, steps=1, warmup=1, rounds=1, policies=("verkv",))
+                     batches=[1], layers=1, steps=1, warmup=1, rounds=1,
+                     policies=("verkv:sink=64:local=64",))
     _check(res, 1)
     r = res["configs"][0]
-    assert (r["policy"], r["context"], r["batch"]) == ("verkv", 4096, 1)
+    assert (r["policy"], r["context"], r["batch"]) == ("verkv:sink=64:local=64", 4096, 1)
     assert 0 < r["loop_fetched_frac"] < 1
     # the simulator's VerKV statistics come from the same layer: same fetch share, within the
     # policy's accounting (shortlisted keys counted, the pass's other rows)
     assert abs(r["predicted_kv_read_frac"] - r["loop_fetched_frac"]) < 0.05
-    assert any("verkv skipped at context 256" in n for n in res["notes"])
+    assert any("skipped at context 256" in n for n in res["notes"])
 
 
 def test_prediction_is_the_simulator_on_the_profile(cpu_profile):
