@@ -148,3 +148,24 @@ def test_tensor_parallelism_splits_weights_kv_and_the_link(attn_trace):
     assert res[1]["tpot_ms"] < res[0]["tpot_ms"]  # half the bytes per GPU, plus all-reduces
     with pytest.raises(KvsimError, match="do not split 3 ways"):
         replay(attn_trace, tp=3, **kw)
+
+
+def test_round_robin_replicas_are_independent_replicas(attn_trace):
+    """A closed loop of 8 over 2 replicas is two loops of 4: the same latencies, twice the
+    throughput, one replica's memory and utilisation; under Poisson load more replicas serve
+    the same arrivals with shorter queues."""
+    kw = dict(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b", context=4096,
+              output_len=32)
+    one = replay(attn_trace, batch=4, concurrency=4, requests=8, **kw)
+    two = replay(attn_trace, batch=4, concurrency=8, requests=16, replicas=2, **kw)
+    assert two["tpot_ms"] == pytest.approx(one["tpot_ms"], rel=1e-9)
+    assert two["ttft_ms"] == pytest.approx(one["ttft_ms"], rel=1e-9)
+    assert two["throughput_tok_s"] == pytest.approx(2 * one["throughput_tok_s"], rel=1e-9)
+    assert two["sim"]["gpu_util"] == pytest.approx(one["sim"]["gpu_util"], rel=1e-9)
+    assert two["hbm_gib"] == one["hbm_gib"] and two["replicas"] == 2
+    load = dict(kw, batch=16, qps=8.0, requests=300, seed=3)
+    r1, r2 = replay(attn_trace, **load), replay(attn_trace, replicas=2, **load)
+    assert r2["sim"]["requests"] == r1["sim"]["requests"] == 300
+    assert r2["sim"]["ttft_p99_ms"] < r1["sim"]["ttft_p99_ms"]
+    with pytest.raises(KvsimError, match="--replicas"):
+        replay(attn_trace, replicas=0, **kw)

@@ -85,7 +85,7 @@ def run(args) -> int:
                      slo_requests=args.slo_requests, scheduling=scheduling_options(args),
                      engine=engine_options(args),
                      deployment={k: getattr(args, k) for k in ("kv_dtype", "weight_dtype", "tp",
-                                                               "tp_link")
+                                                               "tp_link", "replicas")
                                  if getattr(args, k) not in (None, 1, "own")})
     spec.validate()
     executor = make_executor(args.executor, args.jobs)

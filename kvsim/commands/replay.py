@@ -111,6 +111,10 @@ def add_dtype_flags(p) -> None:
                    help="tensor parallelism: N GPUs of a node serve one replica; each holds 1/N "
                         "of the weights and KV heads, all-reduces go over the catalog's peer "
                         "link; memory and HBM figures are per GPU [default: 1]")
+    p.add_argument("--replicas", type=int, default=1, metavar="R",
+                   help="data-parallel replicas (each of --tp GPUs) behind a round-robin "
+                        "router; throughput and latencies over all, utilisation and memory per "
+                        "replica [default: 1]")
     p.add_argument("--tp-link", choices=["own", "shared"], default="own",
                    help="with --tp: each GPU on its own host link, or one shared by the group "
                         "[default: own]")
@@ -168,7 +172,7 @@ def run(args) -> int:
                        timeline=args.timeline, timeline_steps=args.timeline_steps,
                        force=args.force, **scheduling_options(args), **engine_options(args),
                        kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, tp=args.tp,
-                       tp_link=args.tp_link,
+                       tp_link=args.tp_link, replicas=args.replicas,
                        slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                               ("ttft_ms", args.slo_ttft_ms),
                                               ("e2e_s", args.slo_e2e_s)) if v is not None})

@@ -65,6 +65,7 @@ class ReplayConfig:
     weight_dtype: str | None = None  # layer weights: bf16 | fp8 | int4
     tp: int = 1  # tensor parallelism: GPUs of one replica (each simulated as one GPU's shard)
     tp_link: str = "own"  # "own": a host link per GPU; "shared": one for the group
+    replicas: int = 1  # data-parallel replicas behind a round-robin router
     # what-if overrides, each recorded in provenance as such
     kv_read_frac: float | None = None  # the policy's KV read per step, replacing the trace's
     kv_read_everywhere: bool = True  # False (plan): policies that do not fetch keep their own
@@ -97,6 +98,9 @@ class ReplayConfig:
                 raise KvsimError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise KvsimError(f"--tp must be a whole number >= 1, got {self.tp!r}")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or \
+                self.replicas < 1:
+            raise KvsimError(f"--replicas must be a whole number >= 1, got {self.replicas!r}")
         if self.tp_link not in ("own", "shared"):
             raise KvsimError(f"--tp-link must be own or shared, got {self.tp_link!r}")
         if self.link_gbps is not None and not self.link_gbps > 0:
@@ -149,7 +153,15 @@ def run_replay(cfg: ReplayConfig) -> dict:
                     model.weight_bytes, _gib(cfg.workspace_gib, DEFAULT_WORKSPACE_GIB))
     scheduling = cfg.scheduling(default_token_budget(costs.gpu_name, costs.hbm_bytes))
     sim = Simulator(model, costs, analysis.cost, memory, cfg.batch, scheduling, work_at_prefill)
-    res = sim.run(work)
+    if cfg.replicas == 1:
+        res = sim.run(work)
+    else:  # one simulator per replica (the first also draws the timeline)
+        from kvsim.sim import replicas
+        parts = replicas.split(work, cfg.replicas)
+        runs = [(idx, (sim if j == 0 else Simulator(model, costs, analysis.cost, memory,
+                                                     cfg.batch, scheduling, work_at_prefill))
+                 .run(w)) for j, (idx, w) in enumerate(parts)]
+        res = replicas.merge(runs, work.n)
     if analysis.cost.decide_bytes_per_token > 0:
         costs.check_decide_range(float(work.prompt.max() + work.output.max()))
     out = report.build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, memory,

@@ -75,8 +75,9 @@ def simulation(res, work, slo: dict | None = None) -> dict:
     makespan = float(res.finish.max() - res.arrival.min())
     decode = [c for c in res.chunks if c.kind in ("decode", "mixed")]
     decode_time = sum(c.decode_seconds for c in decode)  # a mixed step: its decodes' share
-    gpu_busy = sum(c.gpu_busy for c in res.chunks)
-    link_busy = sum(c.link_busy for c in res.chunks)
+    reps = res.replicas  # busy time summed over replicas: utilisation per replica
+    gpu_busy = sum(c.gpu_busy for c in res.chunks) / reps
+    link_busy = sum(c.link_busy for c in res.chunks) / reps
     nan = float("nan")
     pct = lambda a, q: float(np.percentile(a, q)) * 1e3 if len(a) else nan  # noqa: E731
     per_s = lambda x: x / makespan if makespan > 0 else nan  # noqa: E731
@@ -89,15 +90,15 @@ def simulation(res, work, slo: dict | None = None) -> dict:
         "e2e_p99_s": pct(e2e, 99) / 1e3,
         "queue_wait_p99_ms": pct(res.admitted - res.arrival, 99),
         "throughput_tok_s": per_s(float(res.output.sum())),
-        "decode_tok_s": (sum(c.batch * c.steps for c in decode) / decode_time
+        "decode_tok_s": (reps * sum(c.batch * c.steps for c in decode) / decode_time
                          if decode_time else nan),
         "requests_per_s": per_s(work.n),
         "requests": work.n,
         "makespan_s": makespan,
-        "decode_steps": int(sum(c.steps for c in decode)),
+        "decode_steps": int(sum(c.steps for c in decode)),  # all replicas
         "mean_batch": (sum(c.batch * c.decode_seconds for c in decode) / decode_time
                        if decode_time else 0.0),
-        "mean_in_system": res.in_system_area / makespan if makespan > 0 else 0.0,
+        "mean_in_system": res.in_system_area / makespan if makespan > 0 else 0.0,  # all
         "gpu_util": gpu_busy / makespan if makespan > 0 else 0.0,
         "link_util": link_busy / makespan if makespan > 0 else 0.0,
         "preemptions": res.preemptions,
@@ -234,7 +235,7 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
         "policy": spec.name, "policy_options": analysis.params, "gpu": costs.gpu_name,
         "model": model.name, "context": cfg.context, "batch": cfg.batch,
         "output_len": cfg.output_len, "seed": cfg.seed, "engine": costs.engine.name,
-        "tp": cfg.tp,
+        "tp": cfg.tp, "replicas": cfg.replicas,
         **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
         "sim": sim, "memory": mem_report, "policy_cost": dataclasses.asdict(analysis.cost),
         "policy_stats": stats, "policy_timings": analysis.timings,

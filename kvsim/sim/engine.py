@@ -109,6 +109,7 @@ class SimResult:
     in_system_area: float  # integral of the number of requests in the system over time
     max_batch_fit: int  # how many requests of the largest size fit in memory at once
     preemptions: int = 0
+    replicas: int = 1  # data-parallel replicas merged into this result (kvsim.sim.replicas)
 
 
 @dataclass
