@@ -30,7 +30,9 @@ def fmt(x) -> str:
     if isinstance(x, float):
         if x == 0 or not math.isfinite(x):
             return f"{x:g}"
-        return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.3e}"
+        if 1e4 <= abs(x) < 1e15:  # 39,440 rather than 3.944e+04
+            return f"{x:,.0f}"
+        return f"{x:.4g}"
     return str(x)
 
 

@@ -8,7 +8,12 @@ HELP = "build per-layer VarRate bases from calibration traces"
 
 
 def add_parser(sub) -> None:
+    import argparse
     p = sub.add_parser("calibrate", help=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n"
+                              "  kvsim calibrate --traces cal-*.npz --out basis.npz\n"
+                              "  kvsim replay mk-2k.npz --policy varrate --basis basis.npz",
                        description="Fit each layer's VarRate residual basis (top-R right "
                                    "singular vectors of the anchor residuals) on the contexts of "
                                    "unlabeled calibration traces (`kvsim capture`), and store it "

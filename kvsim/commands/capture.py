@@ -13,7 +13,11 @@ HELP = "record a trace of real attention (K/V, queries, scorer outputs)"
 def add_parser(sub) -> None:
     from kvsim.model.tasks import TASKS
     p = sub.add_parser(
-        "capture", help=HELP,
+        "capture", help=HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  kvsim capture --task mk --context 2048 --layers 0,10,20,29 --out mk-2k.npz\n"
+               "  kvsim capture --model ./my-hf-model --task niah --context 8192 --out n.npz\n"
+               "  kvsim replay mk-2k.npz --policy verkv --sink 4 --local 4     (then replay it)",
         description="Run one task prompt through the model with dense attention and write a "
                     "trace: post-RoPE K/V per layer and KV head, question-pass and decode-step "
                     "queries per query head, positions, RoPE settings, SnapKV and KVzip scores.")

@@ -11,7 +11,7 @@ HELP = "list catalog GPUs, model shapes and built-in engine profiles with their 
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("catalog", help=HELP,
+    p = sub.add_parser("catalog", help=HELP, epilog="example: kvsim catalog --json | jq .gpus",
                        description=__doc__)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)

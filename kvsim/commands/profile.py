@@ -7,7 +7,16 @@ HELP = ("measure a GPU (--gpu N) or the CPU (--device cpu): link bandwidth, kern
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("profile", help=HELP)
+    import argparse
+    p = sub.add_parser(
+        "profile", help=HELP, description=HELP[0].upper() + HELP[1:] + ".",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+               "  kvsim profile --gpu 0 --model qwen3-4b --out traces/h200-qwen3-4b.npz  "
+               "(2-4 min)\n"
+               "  kvsim profile --device cpu --quick --out cpu.npz\n"
+               "  kvsim replay traces/h200-qwen3-4b.npz --policy dense-offload    "
+               "(plan on what it measured)")
     p.add_argument("--gpu", type=int, default=None, metavar="N", help="CUDA device index")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="cpu: profile the CPU (memcpy as the link); cuda: same as --gpu 0")
