@@ -54,8 +54,8 @@ def add_parser(sub) -> None:
                                dest=f"slo_{metric}", help=what)
     slo_group.add_argument("--slo-requests", type=int, default=200,
                            help="requests per SLO probe [default: 200]")
-    from kvsim.commands.replay import add_dtype_flags, add_engine_flags, add_scheduling_flags
-    add_dtype_flags(p)
+    from kvsim.commands.replay import add_deployment_flags, add_engine_flags, add_scheduling_flags
+    add_deployment_flags(p)
     add_scheduling_flags(p)
     add_engine_flags(p)
     p.add_argument("--quality", nargs="+", metavar="JSON",

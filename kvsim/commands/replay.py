@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="qwen3-4b",
                    help=f"model shape: a catalog name ({', '.join(catalog.MODELS)}) or a Hugging "
                         f"Face config.json (file or directory; dense or MoE) [default: qwen3-4b]")
-    add_dtype_flags(p)
+    add_deployment_flags(p)
     p.add_argument("--context", type=int, default=32768,
                    help="prompt tokens per request [default: 32768]")
     p.add_argument("--output-len", type=int, default=128,
@@ -99,8 +99,9 @@ def add_scheduling_flags(p) -> None:
                         "to host memory over the link and back [default: recompute]")
 
 
-def add_dtype_flags(p) -> None:
-    """Element types of the KV cache and the weights: shared by replay and plan."""
+def add_deployment_flags(parser) -> None:
+    """Element types, tensor parallelism and replicas: shared by replay and plan."""
+    p = parser.add_argument_group("deployment", "element types and how many GPUs serve")
     p.add_argument("--kv-dtype", choices=["bf16", "fp16", "fp8"],
                    help="KV-cache element type (bytes in HBM, host memory and over the link) "
                         "[default: the model's dtype]")
