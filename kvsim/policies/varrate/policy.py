@@ -125,6 +125,10 @@ class VarRate(Policy):
         """The basis file must match the trace's layers, shapes and RoPE."""
         if self._basis is not None:
             self._basis.check(trace, self._rope)
+        if self.params.mode == "reconstruct":
+            self.notes.add(f"{self.name} in decode mode reconstruct rebuilds the full cache "
+                           f"after prefill: the serving figures are dense-resident's (its error "
+                           f"is VarRate's); --mode fused plans with the compressed footprint")
 
     def _layer_basis(self, layer: int, prep: vc.Prepared) -> torch.Tensor:
         if self._basis is None:
