@@ -128,3 +128,13 @@ def test_a_multimodal_config_plans_its_text_model(tmp_path):
     d = _write(tmp_path, {"architectures": ["X"], "text_config": QWEN3_4B,
                           "tie_word_embeddings": True})
     assert catalog.model(str(d)).params == catalog.model("qwen3-4b").params
+
+
+def test_the_catalog_is_read_from_its_configs():
+    """Every catalog shape is a config.json under kvsim/hw/models/, read by the same reader as
+    a user's, with its source."""
+    assert set(catalog.MODELS) == {p.stem for p in hfconfig.MODELS_DIR.glob("*.json")}
+    for name, m in catalog.MODELS.items():
+        assert m.name == name and m.source.startswith("config.json of ") and "/" in m.hf_id
+    assert catalog.model("qwen3-4b").max_context == 131072  # YaRN x4 on 32,768, as its card
+    assert catalog.model("qwen3-4b") == hfconfig.load(hfconfig.MODELS_DIR / "qwen3-4b.json")

@@ -1,4 +1,5 @@
-"""Spec catalogs: GPUs (from public datasheets and measurements) and model shapes (from configs).
+"""Spec catalogs: GPUs (from public datasheets and measurements) and model shapes (the published
+``config.json`` fields in ``kvsim/hw/models/``, read like a user's own config).
 
 Every entry carries its public source; reports quote it as the provenance of the figure used.
 A profiled trace (``kvsim profile``) replaces these numbers with measured ones.
@@ -227,21 +228,12 @@ class ModelSpec:
                 f"{self.kv_bytes_per_token / 1024:.0f} KiB KV per token")
 
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in [
-    ModelSpec("qwen3-4b", "Qwen/Qwen3-4B", 36, 32, 8, 128, 2560, 9728, 151936, True, 1e6, 131072,
-              note="32,768 tokens natively, 131,072 with YaRN per the model card"),
-    ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", 36, 32, 8, 128, 4096, 12288, 151936, False, 1e6, 40960),
-    ModelSpec("ministral-3-8b", "mistralai/Ministral-3-8B-Instruct-2512", 34, 32, 8,
-              128, 4096, 14336, 131072, False, 1e6, 262144,
-              note="text model; layers, hidden and heads per the Megatron-Bridge model docs; "
-                   "intermediate size and vocabulary not re-verified against the config"),
-    ModelSpec("llama-3.1-8b", "meta-llama/Llama-3.1-8B", 32, 32, 8, 128, 4096, 14336, 128256,
-              False, 5e5, 131072),
-    ModelSpec("qwen2.5-7b", "Qwen/Qwen2.5-7B", 28, 28, 4, 128, 3584, 18944, 152064, False, 1e6,
-              131072),
-    ModelSpec("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", 30, 9, 3, 64, 576, 1536,
-              49152, True, 1e5, 8192),
-]}
+def _models() -> dict[str, ModelSpec]:
+    from kvsim.hw import hfconfig
+    return hfconfig.builtin()
+
+
+MODELS: dict[str, ModelSpec] = _models()  # from the configs in kvsim/hw/models/
 
 
 def _lookup(table: dict, name: str, what: str):

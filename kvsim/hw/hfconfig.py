@@ -20,13 +20,19 @@ import math
 from pathlib import Path
 
 from kvsim.errors import KvsimError
-from kvsim.hw.catalog import ModelSpec
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
+MODELS_DIR = Path(__file__).resolve().parent / "models"
 
 
 def looks_like_path(name: str) -> bool:
     return name.endswith(".json") or "/" in name or Path(name).exists()
+
+
+def builtin() -> dict:
+    """The catalog's model shapes: the configs in ``kvsim/hw/models/`` (published fields, the
+    model named and sourced by their ``_kvsim`` entry)."""
+    return {m.name: m for m in (load(p) for p in sorted(MODELS_DIR.glob("*.json")))}
 
 
 def _int(cfg: dict, key: str, where: str, default=None, positive=True) -> int:
@@ -44,7 +50,7 @@ def _int(cfg: dict, key: str, where: str, default=None, positive=True) -> int:
     return int(v)
 
 
-def load(path: str | Path) -> ModelSpec:
+def load(path: str | Path) -> "ModelSpec":
     """The :class:`ModelSpec` of a ``config.json`` (or of a directory's)."""
     p = Path(path)
     if p.is_dir():
@@ -58,7 +64,15 @@ def load(path: str | Path) -> ModelSpec:
         raise KvsimError(f"{p}: not a readable JSON config ({e})") from None
     if not isinstance(cfg, dict):
         raise KvsimError(f"{p}: a config.json holds a JSON object")
-    where = str(p)
+    return parse(cfg, str(p))
+
+
+def parse(cfg: dict, where: str) -> "ModelSpec":
+    """The shape a config's fields describe; an ``_kvsim`` entry (the catalog's own configs)
+    names it and its source."""
+    from kvsim.hw.catalog import ModelSpec
+    own = cfg.get("_kvsim") if isinstance(cfg.get("_kvsim"), dict) else {}
+    p = Path(where)
     top = cfg
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **cfg["text_config"]}
@@ -109,7 +123,9 @@ def load(path: str | Path) -> ModelSpec:
                    shared_intermediate=int(shared),
                    moe_layers=layers - len(dense_layers & set(range(layers))))
     inter = _int(cfg, "intermediate_size", where, default=0, positive=False)
-    name = top.get("_name_or_path") or p.parent.name or p.stem
-    return ModelSpec(str(name), str(p), layers, heads, kv, head_dim, hidden, inter, vocab,
+    name = own.get("name") or top.get("_name_or_path") or p.parent.name or p.stem
+    note = own.get("note") or ("MoE" if experts else "")
+    return ModelSpec(str(name), str(own.get("hf_id") or where), layers, heads, kv, head_dim,
+                     hidden, inter, vocab,
                      bool(top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
-                     theta, max_pos, DTYPE_BYTES[dtype], note="MoE" if experts else "", **moe)
+                     theta, max_pos, DTYPE_BYTES[dtype], note=note, **moe)
