@@ -177,7 +177,7 @@ def run(args) -> int:
                        slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                               ("ttft_ms", args.slo_ttft_ms),
                                               ("e2e_s", args.slo_e2e_s)) if v is not None})
-    r = run_replay(cfg)
+    r = run_replay(cfg, progress=not args.json)  # the policy's analysis can take a minute
     if ignored:
         r["warnings"].insert(0, f"{', '.join(ignored)} ignored: not options of {spec.name}")
     if args.json:

@@ -64,8 +64,9 @@ def _prefill_attention_seconds(k: torch.Tensor, n_q: int) -> float:
 
 
 def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
-        device: str | torch.device = "cpu") -> tuple[dict, dict]:
-    """(statistics, timings) of ``policy`` replayed on every captured layer of ``trace``."""
+        device: str | torch.device = "cpu", progress: bool = False) -> tuple[dict, dict]:
+    """(statistics, timings) of ``policy`` replayed on every captured layer of ``trace``; with
+    ``progress`` a bar over the layers on a terminal."""
     require_attention(trace, policy.name)
     a = trace.attention
     policy.bind(a.rope, a.head_dim)
@@ -77,7 +78,10 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
     timed = {ids[i] for i in np.linspace(0, len(ids) - 1, min(TIMING_LAYERS, len(ids)))
              .round().astype(int)} if policy.times_compress else set()
     calls, compressed, t_comp, t_dense = Calls(), [], [], []
-    for la in a.layers:
+    from tqdm import tqdm
+    bar = tqdm(a.layers, desc=f"{policy.name} on the trace", unit="layer", leave=False,
+               disable=None if progress else True)  # on a terminal, when asked
+    for la in bar:
         t = lambda x: torch.as_tensor(x, device=device).to(dtype)  # noqa: E731
         k, v, qq, qd = t(la.k), t(la.v), t(la.q_question), t(la.q_decode)
         scores = {name: t(s)[:, :n_ctx] for name, s in la.scores.items()}
@@ -153,11 +157,11 @@ def provenance(trace: Trace, policy, seed: int, timings: dict) -> str:
     return text
 
 
-def analyze(policy, trace: Trace | None, seed: int = 0) -> PolicyResult:
+def analyze(policy, trace: Trace | None, seed: int = 0, progress: bool = False) -> PolicyResult:
     """The policy's statistics (measured on ``trace`` when it needs attention, else by
     definition) and the decode cost it derives from them."""
     if policy.needs_attention:
-        stats, timings = run(policy, trace, seed)
+        stats, timings = run(policy, trace, seed, progress=progress)
         prov = provenance(trace, policy, seed, timings)
         note = policy.provenance(stats)
         prov += f"; {note}" if note else ""

@@ -125,7 +125,9 @@ class ReplayConfig:
         return Scheduling(self.scheduler, budget, self.admission, self.preemption)
 
 
-def run_replay(cfg: ReplayConfig) -> dict:
+def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
+    """The replay ``cfg`` asks for; ``progress``: a bar over the trace's layers while a policy
+    analyses them (on a terminal)."""
     cfg.check()
     spec = one_policy(cfg.policy, cfg.policy_options)
     model = with_dtypes(cfg.model if isinstance(cfg.model, ModelSpec) else
@@ -223,15 +225,16 @@ def _load(path: str, mtime: float) -> tracefile.Trace:
     return tracefile.load(path)
 
 
-def analyze(path: Path, spec: PolicySpec, seed: int) -> PolicyResult:
+def analyze(path: Path, spec: PolicySpec, seed: int, progress: bool = False) -> PolicyResult:
     """A policy's analysis of a trace; it does not depend on GPU, model, context or batch, so a
     sweep computes it once per (trace, policy, options, seed)."""
     return _analyze(str(path.resolve()), _mtime(path), spec.name,
-                    json.dumps(spec.options, sort_keys=True), seed)
+                    json.dumps(spec.options, sort_keys=True), seed, progress)
 
 
 @functools.lru_cache(maxsize=256)
-def _analyze(path: str, mtime: float, name: str, options_json: str, seed: int) -> PolicyResult:
+def _analyze(path: str, mtime: float, name: str, options_json: str, seed: int,
+             progress: bool = False) -> PolicyResult:
     from kvsim.measure import harness  # tensor code loads here, when a policy runs
     from kvsim.policies import make
     policy = make(name, json.loads(options_json))
@@ -239,7 +242,7 @@ def _analyze(path: str, mtime: float, name: str, options_json: str, seed: int) -
     if policy.needs_attention and tr.attention is None:
         raise KvsimError(f"policy {name} needs a trace with an attention section "
                          f"(kvsim capture); {path} has none")
-    return harness.analyze(policy, tr, seed)
+    return harness.analyze(policy, tr, seed, progress)
 
 
 def with_kv_read(spec: PolicySpec, analysis: PolicyResult, frac: float) -> PolicyResult:
