@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import base64
 import datetime
+import html
 import io
 import json
 import platform
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from kvsim import __version__
@@ -115,12 +118,12 @@ def _md_table(df: pd.DataFrame) -> str:
 
 
 PLOT_TEXT = {
-    "throughput_vs_batch": "Decode throughput vs max batch, per policy; a flat tail means memory "
-                           "stopped admission.",
+    "throughput_vs_batch": "Decode throughput vs max batch, per policy.",
     "tpot_vs_context": "Time per output token vs context at the smallest batch.",
     "max_batch_fit": "How many requests fit in HBM and host memory at once, at the longest "
                      "context.",
-    "hbm_breakdown": "What occupies HBM in the largest-batch run of each policy.",
+    "hbm_breakdown": "What occupies HBM in the largest-batch run of each policy, one panel per "
+                     "GPU.",
     "link_utilisation": "Share of time the host link is busy.",
     "crossover": "TPOT ratio VerKV / dense offload; where a line crosses 1, VerKV stops winning.",
     "pareto": "Task accuracy (kvsim eval, % of dense) vs decode throughput.",
@@ -130,68 +133,205 @@ PLOT_TEXT = {
 }
 
 
-def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality) -> None:
+def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality) -> list:
+    """The report as a list of blocks, rendered to Markdown and to HTML: ("h1"|"h2"|"h3", text),
+    ("p", text), ("ul", [text]), ("img", plot name), ("table", frame); text may hold **bold**
+    and `code`."""
+    from kvsim.plan import plots
     ok = df[df.status == "ok"]
-    lines = ["# kvsim capacity plan", "",
-             f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by "
-             f"kvsim {__version__} on {platform.node()} ({platform.machine()}).", "",
-             f"Command: `{command}`" if command else "", "",
-             f"{len(df)} configurations: {len(ok)} ran, "
-             f"{(df.status == 'infeasible').sum()} infeasible, "
-             f"{(df.status == 'failed').sum()} failed. Table: `results.csv`, `results.parquet`.",
-             "", "## Where the inputs came from", ""]
+    blocks: list = [
+        ("h1", "kvsim capacity plan"),
+        ("p", f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by "
+              f"kvsim {__version__} on {platform.node()} ({platform.machine()})."),
+    ]
+    if command:
+        blocks.append(("p", f"Command: `{command}`"))
+    blocks += [("p", f"{len(df)} configurations: {len(ok)} ran, "
+                     f"{(df.status == 'infeasible').sum()} infeasible, "
+                     f"{(df.status == 'failed').sum()} failed. Table: `results.csv`, "
+                     f"`results.parquet`."),
+               ("h2", "Where the inputs came from")]
     prov: dict[str, set] = {}
     for p in ok.get("provenance", pd.Series(dtype=str)).dropna():
         for k, v in json.loads(p).items():
             if k not in ("workload", "trace"):
                 prov.setdefault(k, set()).add(v)
-    for k in sorted(prov):
-        for v in sorted(prov[k]):
-            lines.append(f"- **{k}**: {v}")
+    items = [f"**{k}**: {v}" for k in sorted(prov) for v in sorted(prov[k])]
     if quality:
-        lines.append(f"- **quality**: kvsim eval results from {', '.join(quality)}")
+        items.append(f"**quality**: kvsim eval results from {', '.join(quality)}")
+    blocks.append(("ul", items))
     said: dict[str, list[str]] = {}  # one entry per kind of warning (numbers aside)
     for w in ok.get("warnings", pd.Series(dtype=str)).dropna():
         for one in str(w).split(" | "):
             said.setdefault(re.sub(r"\d[\d.]*", "#", one), []).append(one)
     if said:
-        lines += ["", "## Warnings", "", "How many configurations each kind applies to (one "
-                  "example each):", ""]
-        lines += [f"- {len(v)} x {v[0]}" for _, v in sorted(said.items(), key=lambda x: -len(x[1]))]
-    lines += ["", "## Plots", ""]
+        blocks += [("h2", "Warnings"),
+                   ("p", "How many configurations each kind applies to (one example each):"),
+                   ("ul", [f"{len(v)} x {v[0]}"
+                           for _, v in sorted(said.items(), key=lambda x: -len(x[1]))])]
+    blocks.append(("h2", "Plots"))
     for name, text in PLOT_TEXT.items():
         if (out / f"{name}.png").exists() and series.get(name):
-            lines += [f"### {name.replace('_', ' ')}", "", text, "",
-                      f"![{name}]({name}.png)", ""]
+            blocks += [("h3", name.replace("_", " ")), ("p", text)]
+            if name == "throughput_vs_batch":
+                blocks.append(("p", plots.hbm_limited_note(df)))
+            blocks.append(("img", name))
     crossings = series.get("crossover", {}).get("_crossings", {})
     if crossings:
-        lines += ["## Crossovers", ""]
-        lines += [f"- {k}: ratio crosses 1 at about {v:,.0f} tokens" for k, v in crossings.items()]
-        lines.append("")
+        blocks += [("h2", "Crossovers"),
+                   ("ul", [f"{k}: ratio crosses 1 at about {v:,.0f} tokens"
+                           for k, v in crossings.items()])]
     if spec.slo:
         from kvsim.plan import slo
-        lines += ["## SLO", "", f"The highest Poisson rate that is sustained (completions keep "
-                  f"pace with arrivals, the queue stays bounded) with {slo.describe(spec.slo)} "
-                  f"({spec.slo_requests} requests per probe): column `slo_max_qps`, with the "
-                  f"p50/p99 TPOT and TTFT measured at it (`slo_at_*`), what binds there "
-                  f"(`slo_binding`) and what failed at the next rate (`slo_fails_because`).", ""]
+        blocks += [("h2", "SLO"),
+                   ("p", f"The highest Poisson rate that is sustained (completions keep "
+                         f"pace with arrivals, the queue stays bounded) with "
+                         f"{slo.describe(spec.slo)} ({spec.slo_requests} requests per probe): "
+                         f"column `slo_max_qps`, with the p50/p99 TPOT and TTFT measured at it "
+                         f"(`slo_at_*`), what binds there (`slo_binding`) and what failed at the "
+                         f"next rate (`slo_fails_because`).")]
+        items = []
         for r in ok.itertuples():
             if getattr(r, "slo_max_qps", None) is not None:
-                lines.append(f"- {r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
+                items.append(f"{r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
                              f"{r.slo_max_qps:.3g} req/s (TPOT p50/p99 {r.slo_at_tpot_p50_ms:.3g}/"
                              f"{r.slo_at_tpot_p99_ms:.3g} ms, TTFT p50/p99 "
                              f"{r.slo_at_ttft_p50_ms:.4g}/{r.slo_at_ttft_p99_ms:.4g} ms; "
                              f"{r.slo_binding}); at "
                              f"{r.slo_qps_fails:.3g} req/s: {r.slo_fails_because}"
                              if r.slo_max_qps > 0 else
-                             f"- {r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
+                             f"{r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
                              f"no rate from {r.slo_qps_fails:g} req/s up: {r.slo_fails_because}")
-        lines.append("")
-    lines += ["## Runs", "", _md_table(df), ""]
+        blocks.append(("ul", items))
+    blocks += [("h2", "Runs"), ("table", df)]
     bad = df[df.status != "ok"]
     if len(bad):
-        lines += ["## Not run", ""]
-        lines += [f"- {r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: {r.error}"
-                  for r in bad.itertuples()]
-    text = "\n".join(lines) + "\n"
+        blocks += [("h2", "Not run"),
+                   ("ul", [f"{r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
+                           f"{r.error}" for r in bad.itertuples()])]
+    return blocks
+
+
+def _render_md(blocks: list) -> str:
+    lines: list[str] = []
+    for kind, body in blocks:
+        if kind in ("h1", "h2", "h3"):
+            lines += ["#" * int(kind[1]) + " " + body, ""]
+        elif kind == "p":
+            lines += [body, ""]
+        elif kind == "ul":
+            if body:
+                lines += [f"- {x}" for x in body] + [""]
+        elif kind == "img":
+            lines += [f"![{body}]({body}.png)", ""]
+        elif kind == "table":
+            lines += [_md_table(body), ""]
+    return "\n".join(lines) + "\n"
+
+
+def _inline(text: str) -> str:
+    """Escaped HTML of a report line, with its **bold** and `code`."""
+    t = html.escape(str(text), quote=False)
+    t = re.sub(r"`([^`]*)`", r"<code>\1</code>", t)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", t)
+
+
+HTML_COLUMNS = SUMMARY[:-1] + ["hbm_limited", "status"]
+
+_CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;
+color:#222}h1,h2,h3{line-height:1.2}code{background:#f3f3f3;padding:0 .2em}
+figure{margin:1em 0}figure img{max-width:100%;height:auto}
+.wrap{overflow-x:auto}table{border-collapse:collapse;font-size:12px}
+th,td{border:1px solid #ccc;padding:2px 6px;text-align:right;white-space:nowrap}
+td.s{text-align:left}th{background:#eee;cursor:pointer;user-select:none;position:sticky;top:0}
+th[aria-sort=ascending]::after{content:" \\25B2"}th[aria-sort=descending]::after{content:" \\25BC"}
+tr.bad td{color:#999}"""
+
+# Click a header to sort (again: reverse). The hash #sort=COLUMN (or #sort=-COLUMN, descending)
+# sorts on load, which is also how tests drive the sort in a headless browser.
+_JS = """(function(){
+var t=document.getElementById('results');if(!t)return;
+function key(c){var v=c.getAttribute('data-v');var n=parseFloat(v);
+return (v!==''&&!isNaN(n)&&isFinite(v))?n:v;}
+function sortBy(col,desc){var hs=t.tHead.rows[0].cells,i=-1;
+for(var j=0;j<hs.length;j++){if(hs[j].getAttribute('data-col')===col)i=j;
+hs[j].removeAttribute('aria-sort');}if(i<0)return false;
+var b=t.tBodies[0],rows=Array.prototype.slice.call(b.rows);
+rows.sort(function(r,s){var x=key(r.cells[i]),y=key(s.cells[i]);
+if(x===''&&y==='')return 0;if(x==='')return 1;if(y==='')return -1;
+var c=(typeof x==='number'&&typeof y==='number')?x-y:
+(typeof x==='number')?-1:(typeof y==='number')?1:String(x).localeCompare(String(y));
+return desc?-c:c;});
+rows.forEach(function(r){b.appendChild(r);});
+hs[i].setAttribute('aria-sort',desc?'descending':'ascending');t.setAttribute('data-sorted',
+(desc?'-':'')+col);return true;}
+window.kvsimSort=sortBy;
+var hs=t.tHead.rows[0].cells;for(var j=0;j<hs.length;j++){hs[j].addEventListener('click',
+function(){var c=this.getAttribute('data-col');sortBy(c,this.getAttribute('aria-sort')===
+'ascending');});}
+function fromHash(){var m=/sort=(-?)([^&]+)/.exec(location.hash);
+if(m)sortBy(decodeURIComponent(m[2]),m[1]==='-');}
+window.addEventListener('hashchange',fromHash);fromHash();})();"""
+
+
+def _html_table(df: pd.DataFrame) -> str:
+    cols = [c for c in HTML_COLUMNS if c in df and df[c].notna().any()]
+    head = "".join(f'<th data-col="{html.escape(c)}" title="click to sort">{html.escape(c)}</th>'
+                   for c in cols)
+    rows = []
+    for _, r in df.iterrows():
+        cells = []
+        for c in cols:
+            v = r[c]
+            if v is None or (isinstance(v, float) and pd.isna(v)):
+                raw, shown = "", ""
+            elif isinstance(v, (bool, np.bool_)):
+                raw = shown = str(bool(v)).lower()
+            elif isinstance(v, (int, np.integer)):
+                raw, shown = str(int(v)), f"{int(v):,}" if c != "context" else str(int(v))
+            elif isinstance(v, (float, np.floating)):
+                raw, shown = repr(float(v)), f"{float(v):.4g}"
+            else:
+                raw = shown = str(v)
+            num = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
+                v, (bool, np.bool_))
+            cells.append(f'<td data-v="{html.escape(raw)}"{"" if num else " class=s"}>'
+                         f"{html.escape(shown)}</td>")
+        key = html.escape(str(r.get("key", "")))
+        cls = "" if r.get("status") == "ok" else ' class="bad"'
+        rows.append(f'<tr data-key="{key}"{cls}>{"".join(cells)}</tr>')
+    return (f'<div class="wrap"><table id="results"><thead><tr>{head}</tr></thead>'
+            f'<tbody>\n{chr(10).join(rows)}\n</tbody></table></div>')
+
+
+def _render_html(blocks: list, out: Path) -> str:
+    parts = []
+    for kind, body in blocks:
+        if kind in ("h1", "h2", "h3"):
+            parts.append(f"<{kind}>{_inline(body)}</{kind}>")
+        elif kind == "p":
+            parts.append(f"<p>{_inline(body)}</p>")
+        elif kind == "ul":
+            if body:
+                parts.append("<ul>" + "".join(f"<li>{_inline(x)}</li>" for x in body) + "</ul>")
+        elif kind == "img":  # embedded: the page opens offline, without the files beside it
+            svg, png = out / f"{body}.svg", out / f"{body}.png"
+            mime, data = (("image/svg+xml", svg.read_bytes()) if svg.exists() else
+                          ("image/png", png.read_bytes()))
+            parts.append(f'<figure id="plot-{body}"><img data-plot="{body}" alt="{body}" '
+                         f'src="data:{mime};base64,{base64.b64encode(data).decode()}">'
+                         f"</figure>")
+        elif kind == "table":
+            parts.append(_html_table(body))
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<title>kvsim capacity plan</title>"
+            f"<style>{_CSS}</style></head><body>\n" + "\n".join(parts)
+            + f"\n<script>{_JS}</script>\n</body></html>\n")
+
+
+def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality) -> None:
+    blocks = _report_blocks(df, series, out, command, spec, quality)
+    text = _render_md(blocks)
     atomic_write(out / "report.md", lambda f: f.write(text.encode()), force=True)
+    page = _render_html(blocks, out)
+    atomic_write(out / "report.html", lambda f: f.write(page.encode()), force=True)

@@ -2,6 +2,11 @@
 
 Each function draws one figure and returns the series it drew ({label: (x, y)}), so tests can
 check the content and the report can say what is shown. Figures are saved as PNG and SVG.
+
+Conventions (issue 15, item 7): tick labels are plain (8K / 32K for contexts, 1 / 4 / 16 for
+batches, plain numbers elsewhere, never 10^k); an axis is logarithmic only when its data span at
+least ``LOG_SPAN`` times, otherwise linear; bars carry their values; a figure has one legend,
+beside its panels; unused grid cells are removed; titles say what is drawn, not a conclusion.
 """
 
 from __future__ import annotations
@@ -14,11 +19,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 from kvsim.io import atomic_write  # noqa: E402
+from kvsim.plan.axes import LOG_SPAN, plain, tokens  # noqa: E402,F401  (LOG_SPAN: tests)
+from kvsim.plan.axes import grid as _grid  # noqa: E402
+from kvsim.plan.axes import legend as _legend  # noqa: E402
+from kvsim.plan.axes import scale as _scale  # noqa: E402
+from kvsim.plan.axes import single as _single  # noqa: E402
+
+FIGURE_HOOK = None  # callable(name, figure), called before a figure is saved and closed (tests)
 
 
 def _save(fig, out: Path, name: str) -> list[str]:
+    if FIGURE_HOOK is not None:
+        FIGURE_HOOK(name, fig)
     files = []
     for ext in ("png", "svg"):
         path = out / f"{name}.{ext}"
@@ -29,18 +44,12 @@ def _save(fig, out: Path, name: str) -> list[str]:
     return files
 
 
-def _grid(n: int, width: float = 4.6, height: float = 3.4):
-    cols = min(n, 3)
-    rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False,
-                             layout="constrained")
-    for ax in axes.flat[n:]:
-        ax.set_visible(False)
-    return fig, list(axes.flat[:n])
-
-
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["status"] == "ok"] if "status" in df else df
+
+
+def _truthy(s: pd.Series) -> pd.Series:
+    return s.astype(str).str.strip().str.lower().isin(["true", "1", "1.0"])
 
 
 def _panels(d: pd.DataFrame, keys: list[str]):
@@ -62,41 +71,77 @@ def _lines(ax, p: pd.DataFrame, x: str, y: str, series: dict, prefix: str) -> No
         series[f"{prefix}|{lab}"] = (g[x].tolist(), g[y].tolist())
 
 
-def throughput_vs_batch(df: pd.DataFrame, out: Path) -> dict:
+def _closed_loop(df: pd.DataFrame) -> pd.DataFrame:
     d = _ok(df)
-    d = d[d["qps"].isna()] if "qps" in d else d
+    return d[d["qps"].isna()] if "qps" in d else d
+
+
+def hbm_limited(df: pd.DataFrame) -> list[str]:
+    """The closed-loop configurations whose memory admits fewer requests than their batch
+    (the results' ``hbm_limited`` column), as short names."""
+    d = _closed_loop(df)
+    if "hbm_limited" not in d or d.empty:
+        return []
+    d = d[_truthy(d["hbm_limited"])].sort_values(["gpu", "model", "context", "label", "batch"])
+    return [f"{r.gpu} {r.model} {tokens(r.context)} {r.label} batch {int(r.batch)}"
+            + (f" (fits {int(r.max_batch_fit)})" if "max_batch_fit" in d else "")
+            for r in d.itertuples()]
+
+
+def hbm_limited_note(df: pd.DataFrame, most: int = 6) -> str:
+    """One sentence naming which configurations are HBM-limited (from the results)."""
+    d = _closed_loop(df)
+    if "hbm_limited" not in d:
+        return "The results have no hbm_limited column."
+    names = hbm_limited(df)
+    if not names:
+        return "No configuration shown is HBM-limited: memory admits every batch."
+    more = f", and {len(names) - most} more" if len(names) > most else ""
+    return (f"HBM-limited (memory admits fewer requests than the batch; circled): "
+            f"{'; '.join(names[:most])}{more}.")
+
+
+def throughput_vs_batch(df: pd.DataFrame, out: Path) -> dict:
+    d = _closed_loop(df)
     series = {}
     fig, panels = _panels(d, ["gpu", "model", "context"])
     if fig is None:
         return series
     for ax, (gpu, model, ctx), p in panels:
         _lines(ax, p, "batch", "decode_tok_s", series, f"{gpu}|{model}|{ctx}")
-        ax.set(xscale="log", yscale="log", xlabel="max batch", ylabel="decode tokens / s",
-               title=f"{gpu}, {model}, {ctx // 1024}K context")
-        ax.grid(alpha=0.3, which="both")
-    panels[0][0].legend(fontsize=7)
-    fig.suptitle("Decode throughput vs batch (memory caps admission where a line flattens)")
+        if "hbm_limited" in p:
+            lim = p[_truthy(p["hbm_limited"])]
+            if len(lim):
+                ax.scatter(lim.batch, lim.decode_tok_s, s=140, facecolors="none",
+                           edgecolors="black", linewidths=1.2, zorder=3,
+                           label="HBM-limited (fits fewer than the batch)")
+        _scale(ax, "x", p.batch, plain, ticks=True)
+        _scale(ax, "y", p.decode_tok_s)
+        ax.set(xlabel="max batch", ylabel="decode tokens / s")
+        ax.set_title(f"{gpu}, {model}, {tokens(ctx)} context", fontsize=10)
+        ax.grid(alpha=0.3)
+    _legend(fig, [a for a, _, _ in panels])
+    fig.suptitle("Decode throughput vs batch")
+    fig.text(0.5, 0, hbm_limited_note(df), ha="center", va="top", fontsize=8, wrap=True)
     _save(fig, out, "throughput_vs_batch")
     return series
 
 
 def tpot_vs_context(df: pd.DataFrame, out: Path) -> dict:
-    d = _ok(df)
-    d = d[d["qps"].isna()] if "qps" in d else d
+    d = _closed_loop(df)
     d = d[d.batch == d.batch.min()]
-    panels = sorted(d.groupby(["gpu", "model"]).groups)
     series = {}
-    if not panels:
+    fig, panels = _panels(d, ["gpu", "model"])
+    if fig is None:
         return series
-    fig, axes = _grid(len(panels))
-    for ax, (gpu, model) in zip(axes, panels):
-        p = d[(d.gpu == gpu) & (d.model == model)]
+    for ax, (gpu, model), p in panels:
         _lines(ax, p, "context", "tpot_ms", series, f"{gpu}|{model}")
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="TPOT (ms)",
-               title=f"{gpu}, {model}, batch {int(p.batch.iloc[0])}")
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=7)
+        _scale(ax, "x", p.context, tokens, ticks=True)
+        _scale(ax, "y", p.tpot_ms)
+        ax.set(xlabel="context (tokens)", ylabel="TPOT (ms)")
+        ax.set_title(f"{gpu}, {model}, batch {int(p.batch.iloc[0])}", fontsize=10)
+        ax.grid(alpha=0.3)
+    _legend(fig, [a for a, _, _ in panels])
     fig.suptitle("Time per output token vs context")
     _save(fig, out, "tpot_vs_context")
     return series
@@ -111,18 +156,27 @@ def max_batch_fit(df: pd.DataFrame, out: Path) -> dict:
     series = {}
     if t.empty:
         return series
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(t)), 3.6))
+    cap = 4096
+    fig, ax = _single(max(5, 1.3 * len(t) * max(1, len(t.columns) / 2)) + 1.5, 3.8)
     width = 0.8 / len(t.columns)
     x = np.arange(len(t))
     for i, gpu in enumerate(t.columns):
-        vals = t[gpu].clip(upper=4096).to_numpy()
-        ax.bar(x + i * width, vals, width, label=gpu)
+        raw = t[gpu].to_numpy(float)
+        vals = np.minimum(raw, cap)
+        bars = ax.bar(x + i * width, vals, width, label=gpu)
+        ax.bar_label(bars, labels=["" if not np.isfinite(r) else
+                                   f"{cap:,}+" if r > cap else f"{r:,.0f}" for r in raw],
+                     fontsize=7, padding=2)
         series[gpu] = (t.index.tolist(), vals.tolist())
     ax.set_xticks(x + width * (len(t.columns) - 1) / 2, t.index, rotation=20, ha="right",
                   fontsize=8)
-    ax.set(yscale="log", ylabel="requests that fit at once",
-           title=f"Largest batch that fits in memory at {int(d.context.max()) // 1024}K context")
-    ax.legend(fontsize=8)
+    allv = np.concatenate([s[1] for s in series.values()])
+    _scale(ax, "y", allv, span=20)  # bars: linear unless the values span decades
+    ax.margins(y=0.15)
+    ax.set(ylabel="requests that fit at once")
+    ax.set_title(f"Largest batch that fits in memory at {tokens(d.context.max())} context",
+                 fontsize=10)
+    _legend(fig, [ax])
     _save(fig, out, "max_batch_fit")
     return series
 
@@ -133,47 +187,68 @@ HBM_PARTS = [("hbm_weights_gib", "weights"), ("hbm_kv_gib", "resident KV"),
 
 
 def hbm_breakdown(df: pd.DataFrame, out: Path) -> dict:
+    """One panel per GPU: what occupies HBM in the largest-batch run of each policy at the
+    longest context. Series: {part: (labels, GiB)} for one GPU, {"gpu|part": ...} for several."""
     d = _ok(df)
-    d = d[(d.context == d.context.max()) & (d.gpu == d.gpu.iloc[0])] if len(d) else d
-    rows = d.sort_values("batch").groupby("label").tail(1)  # largest batch per policy
+    if d.empty:
+        return {}
+    ctx = d.context.max()
+    d = d[d.context == ctx]
+    gpus = sorted(d.gpu.unique())
     series = {}
-    if rows.empty:
-        return series
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows)), 3.6))
-    bottom = np.zeros(len(rows))
-    for col, name in HBM_PARTS:
-        vals = rows[col].fillna(0).to_numpy(float) if col in rows else np.zeros(len(rows))
-        ax.bar(rows.label, vals, bottom=bottom, label=name)
-        bottom += vals
-        series[name] = (rows.label.tolist(), vals.tolist())
-    ax.tick_params(axis="x", rotation=20, labelsize=8)
-    ax.set(ylabel="GiB", title=f"HBM use on {rows.gpu.iloc[0]} at "
-                               f"{int(rows.context.iloc[0]) // 1024}K context, largest batch run")
-    ax.legend(fontsize=8)
+    n_lab = d.label.nunique()
+    fig, axes = _grid(len(gpus), width=max(3.6, 1.1 * n_lab + 1.2), height=3.6)
+    for ax, gpu in zip(axes, gpus):
+        rows = d[d.gpu == gpu].sort_values("batch").groupby("label").tail(1)  # largest batch
+        rows = rows.sort_values("label")
+        bottom = np.zeros(len(rows))
+        for col, name in HBM_PARTS:
+            vals = rows[col].fillna(0).to_numpy(float) if col in rows else np.zeros(len(rows))
+            bars = ax.bar(rows.label, vals, bottom=bottom, label=name)
+            bottom += vals
+            big = vals >= 0.08 * max(bottom.max(), 1e-9)
+            ax.bar_label(bars, labels=[f"{v:.1f}" if b else "" for v, b in zip(vals, big)],
+                         label_type="center", fontsize=7)
+            series[name if len(gpus) == 1 else f"{gpu}|{name}"] = (rows.label.tolist(),
+                                                                   vals.tolist())
+        ax.bar_label(bars, labels=[f"{t:.1f} GiB" for t in bottom], fontsize=7, padding=2)
+        if "hbm_capacity_gib" in rows and rows.hbm_capacity_gib.notna().any():
+            cap = float(rows.hbm_capacity_gib.max())
+            ax.axhline(cap, color="black", lw=0.8, ls="--", label="HBM capacity")
+        ax.margins(y=0.12)
+        ax.tick_params(axis="x", rotation=20, labelsize=8)
+        for lab in ax.get_xticklabels():
+            lab.set_ha("right")
+        ax.set(ylabel="GiB")
+        batches = ", ".join(str(int(b)) for b in sorted(rows.batch.unique()))
+        ax.set_title(f"{gpu} (batch {batches})", fontsize=10)
+    _legend(fig, axes)
+    fig.suptitle(f"HBM use at {tokens(ctx)} context, largest batch run of each policy",
+                 fontsize=11)
     _save(fig, out, "hbm_breakdown")
     return series
 
 
 def link_utilisation(df: pd.DataFrame, out: Path) -> dict:
-    d = _ok(df)
-    d = d[d["qps"].isna()] if "qps" in d else d
+    d = _closed_loop(df)
     d = d[d.context == d.context.max()]
-    panels = sorted(d.groupby("gpu").groups)
     series = {}
-    if not panels:
+    gpus = sorted(d.gpu.unique())
+    if not gpus:
         return series
-    fig, axes = _grid(len(panels))
-    for ax, gpu in zip(axes, panels):
-        p = d[d.gpu == gpu]
+    fig, axes = _grid(len(gpus))
+    panels = [(ax, gpu, d[d.gpu == gpu]) for ax, gpu in zip(axes, gpus)]
+    for ax, gpu, p in panels:
         for lab, g in p.groupby("label"):
             g = g.groupby("batch", as_index=False)["link_util"].mean()
             ax.plot(g.batch, g.link_util, marker="o", label=lab)
             series[f"{gpu}|{lab}"] = (g.batch.tolist(), g.link_util.tolist())
-        ax.set(xscale="log", ylim=(0, 1.05), xlabel="max batch", ylabel="host link busy share",
-               title=f"{gpu}, {int(d.context.max()) // 1024}K context")
+        _scale(ax, "x", p.batch, plain, ticks=True)
+        ax.set(ylim=(0, 1.05), xlabel="max batch", ylabel="host link busy share")
+        ax.set_title(f"{gpu}, {tokens(d.context.max())} context", fontsize=10)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle("Host-link utilisation")
+    _legend(fig, [a for a, _, _ in panels])
+    fig.suptitle("Host-link busy share vs batch")
     _save(fig, out, "link_utilisation")
     return series
 
@@ -181,13 +256,12 @@ def link_utilisation(df: pd.DataFrame, out: Path) -> dict:
 def crossover(df: pd.DataFrame, out: Path, fast: str = "verkv",
               base: str = "dense-offload") -> dict:
     """TPOT(fast) / TPOT(base) vs context; where it crosses 1, ``fast`` stops beating ``base``."""
-    d = _ok(df)
-    d = d[d["qps"].isna()] if "qps" in d else d
+    d = _closed_loop(df)
     if not {fast, base} <= set(d.policy):
         return {}
     b = d[d.policy == base].groupby(["gpu", "model", "batch", "context"])["tpot_ms"].min()
     series, crossings = {}, {}
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _single(8, 4)
     for lab, g in d[d.policy == fast].groupby("label"):
         for (gpu, model, batch), h in g.groupby(["gpu", "model", "batch"]):
             h = h.sort_values("context")
@@ -204,11 +278,15 @@ def crossover(df: pd.DataFrame, out: Path, fast: str = "verkv",
                     crossings[name] = cx
                     ax.axvline(cx, color="grey", lw=0.6, ls=":")
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.set(xscale="log", yscale="log", xlabel="context (tokens)",
-           ylabel=f"TPOT {fast} / TPOT {base}",
-           title=f"Below 1: {fast} is faster than {base}")
-    ax.set_xscale("log", base=2)
-    ax.legend(fontsize=6)
+    xs = [v for s in series.values() for v in s[0]]
+    ys = [v for s in series.values() for v in s[1]] + [1.0]
+    _scale(ax, "x", xs, tokens, ticks=True)
+    _scale(ax, "y", ys)
+    ax.set(xlabel="context (tokens)", ylabel=f"TPOT {fast} / TPOT {base}")
+    ax.set_title(f"TPOT ratio {fast} / {base} vs context (below 1: {fast} is faster)",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    _legend(fig, [ax])
     _save(fig, out, "crossover")
     series["_crossings"] = crossings
     return series
@@ -223,10 +301,11 @@ def pareto(df: pd.DataFrame, quality: pd.DataFrame, out: Path) -> dict:
     merged = best.merge(quality, on="label", how="inner")
     if merged.empty:
         return {}
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _single(7.5, 4)
     ax.scatter(merged.decode_tok_s, merged.relative_accuracy * 100)
     for _, r in merged.iterrows():
-        ax.annotate(r.label, (r.decode_tok_s, r.relative_accuracy * 100), fontsize=7)
+        ax.annotate(r.label, (r.decode_tok_s, r.relative_accuracy * 100), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
     pts = merged.sort_values("decode_tok_s", ascending=False)
     front, top = [], -np.inf
     for _, r in pts.iterrows():
@@ -235,9 +314,12 @@ def pareto(df: pd.DataFrame, quality: pd.DataFrame, out: Path) -> dict:
             top = r.relative_accuracy
     fx, fy = zip(*sorted(front))
     ax.plot(fx, fy, color="grey", ls="--", label="Pareto front")
-    ax.set(xscale="log", xlabel="decode tokens / s (best batch)", ylabel="accuracy, % of dense",
-           title="Quality vs throughput")
-    ax.legend(fontsize=8)
+    _scale(ax, "x", merged.decode_tok_s)
+    _scale(ax, "y", merged.relative_accuracy * 100)
+    ax.set(xlabel="decode tokens / s (best batch)", ylabel="accuracy, % of dense")
+    ax.set_title("Accuracy vs decode throughput", fontsize=10)
+    ax.grid(alpha=0.3)
+    _legend(fig, [ax])
     _save(fig, out, "pareto")
     return {"points": (merged.decode_tok_s.tolist(), merged.relative_accuracy.tolist()),
             "front": (list(fx), list(fy))}
@@ -258,11 +340,16 @@ def goodput_vs_rate(df: pd.DataFrame, out: Path) -> dict:
         _lines(ax, p, "qps", "goodput_rps", series, f"{gpu}|{model}|{ctx}")
         lim = [p.qps.min(), p.qps.max()]
         ax.plot(lim, lim, color="grey", lw=0.8, ls=":", label="every request within SLO")
+        for axis in ("x", "y"):
+            f = ticker.ScalarFormatter(useOffset=False)
+            f.set_scientific(False)
+            (ax.xaxis if axis == "x" else ax.yaxis).set_major_formatter(f)
         ax.set(xlabel="offered rate (requests / s)", ylabel="goodput (requests / s)",
-               ylim=(0, None), title=f"{gpu}, {model}, {ctx // 1024}K context")
-        ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
-    fig.suptitle("Goodput vs offered rate: requests per second meeting every SLO")
+               ylim=(0, None))
+        ax.set_title(f"{gpu}, {model}, {tokens(ctx)} context", fontsize=10)
+        ax.grid(alpha=0.3)
+    _legend(fig, [a for a, _, _ in panels])
+    fig.suptitle("Goodput (requests / s meeting every SLO) vs offered rate")
     _save(fig, out, "goodput_vs_rate")
     return series
 
