@@ -9,6 +9,7 @@ torch) load when a policy that needs attention is analysed.
 from __future__ import annotations
 
 import functools
+import math
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ SLO_KEYS = ("tpot_ms", "ttft_ms", "e2e_s")
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "traces" / "smollm2-mk-2k.npz"
 DEFAULT_HOST_GIB = 256.0  # a 2 TiB host shared by 8 GPUs
 DEFAULT_WORKSPACE_GIB = 4.0  # CUDA context, activations, allocator slack
+MAX_BATCH = 1_000_000  # sequences in one batch: far beyond any GPU's memory
+MAX_REQUESTS = 100_000_000  # per simulation
 
 
 @dataclass
@@ -74,17 +77,28 @@ class ReplayConfig:
     link_gbps: float | None = None
 
     def check(self) -> None:
-        for name in ("context", "batch", "output_len", "timeline_steps"):
-            if getattr(self, name) < 1:
-                raise KvsimError(f"--{name.replace('_', '-')} must be positive, "
-                                 f"got {getattr(self, name)}")
+        for name in ("context", "batch", "output_len", "timeline_steps", "requests",
+                     "concurrency"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise KvsimError(f"--{name.replace('_', '-')} must be positive, got {v}")
+        for name, most in (("batch", MAX_BATCH), ("concurrency", MAX_BATCH),
+                           ("requests", MAX_REQUESTS)):
+            v = getattr(self, name)
+            if v is not None and v > most:
+                raise KvsimError(f"--{name} {v:,} is beyond what kvsim simulates ({most:,})")
+        if self.qps is not None and not (math.isfinite(self.qps) and self.qps > 0):
+            raise KvsimError(f"--qps must be a finite rate > 0, got {self.qps}")
         if self.qps is not None and self.concurrency is not None:
             raise KvsimError("give either --qps (open loop) or --concurrency (closed loop), "
                              "not both")
+        if self.gpu is not None and not str(self.gpu).strip():
+            raise KvsimError("--gpu is empty: name a catalog GPU (kvsim catalog)")
         for name in ("host_gib", "workspace_gib"):
             v = getattr(self, name)
-            if v is not None and v < 0:
-                raise KvsimError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise KvsimError(f"--{name.replace('_', '-')} must be a finite size >= 0, "
+                                 f"got {v}")
         for k, v in self.slo.items():
             if k not in SLO_KEYS or not (isinstance(v, (int, float)) and v > 0):
                 raise KvsimError(f"SLO {k}={v!r}: give a positive --slo-tpot-ms, --slo-ttft-ms "
