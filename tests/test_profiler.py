@@ -404,3 +404,18 @@ def test_gpu_quick_profile(tmp_path):
         assert t in hw.tables
     assert "nvml" in hw.tables and len(hw.tables["nvml"]["t"]) > 0
     CostModel.from_hardware(hw)
+
+
+def test_a_noisy_link_table_still_gives_a_bandwidth():
+    """Three sizes timed on a busy machine can make the fitted line fall with size: the
+    bandwidth is then the largest copy's rate, never an error; times that are not positive
+    are one."""
+    from kvsim.errors import KvsimError
+    from kvsim.hw.fit import fit_alpha_beta
+    n = np.array([4096, 65536, 1 << 20], float)
+    alpha, beta = fit_alpha_beta(n, np.array([9e-5, 2e-5, 2.1e-5]))
+    assert beta == pytest.approx(n[-1] / 2.1e-5) and alpha >= 0
+    a2, b2 = fit_alpha_beta(n, 5e-6 + n / 50e9)  # a clean line is fitted exactly
+    assert a2 == pytest.approx(5e-6, rel=1e-6) and b2 == pytest.approx(50e9, rel=1e-6)
+    with pytest.raises(KvsimError, match="positive"):
+        fit_alpha_beta(n, np.array([1e-5, 0.0, 1e-4]))
