@@ -213,7 +213,7 @@ class CostModel:
         self.step_overhead = engine.get("step_overhead_ms", 0.0) / 1e3
         self.launches = engine.get("link_launches", self.launches)
         self.fetch = engine.get("fetch", self.fetch)
-        measured = self.spec is None or "measured" in prov.get("hbm_bandwidth", "")
+        measured = self.spec is None  # rates from a profile, not from a catalog entry
         for key, attr, spec_rate, default in (
                 ("hbm_efficiency", "hbm_bw", "hbm_gbps", HBM_EFFICIENCY),
                 ("flop_efficiency", "flops", "bf16_tflops", FLOP_EFFICIENCY)):
