@@ -36,7 +36,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def commands() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(kvsim.commands.__path__)
+    """Command names: the modules of kvsim/commands, underscores written as dashes."""
+    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(kvsim.commands.__path__)
                   if not m.name.startswith("_"))
 
 
@@ -50,7 +51,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name in commands():
-        mod = importlib.import_module(f"kvsim.commands.{name}")
+        mod = importlib.import_module(f"kvsim.commands.{name.replace('-', '_')}")
         if name == chosen:
             mod.add_parser(sub)
         else:

@@ -27,6 +27,10 @@ UPSTREAM_ONLY = [
                   "kvsim.validate", "kvsim.plan", "kvsim.commands", "profiler", "torch")),
     ("kvsim.plan", ("kvsim.validate", "kvsim.commands", "profiler", "torch")),
     ("kvsim.contract", ("kvsim.", "torch")),
+    ("kvsim.captureset", ("kvsim.policies", "kvsim.measure", "kvsim.sim", "kvsim.replay",
+                          "kvsim.plan", "kvsim.model", "kvsim.commands", "torch")),
+    ("kvsim.policy_profile", ("kvsim.sim", "kvsim.replay", "kvsim.validate", "kvsim.plan",
+                              "kvsim.commands", "profiler", "kvsim.model")),
 ]
 
 
@@ -60,7 +64,8 @@ def test_no_module_imports_downstream():
 def test_simulator_and_planner_load_no_torch_or_matplotlib():
     code = ("import sys, kvsim.sim.engine, kvsim.sim.timeline, kvsim.sim.workload, "
             "kvsim.plan.sweep, kvsim.plan.planner, kvsim.plan.slo, kvsim.plan.executors, "
-            "kvsim.replay, kvsim.contract, kvsim.policies, kvsim.cli; "
+            "kvsim.replay, kvsim.contract, kvsim.policies, kvsim.cli, kvsim.policy_profile, "
+            "kvsim.policy_profile.fit, kvsim.captureset; "
             "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()

@@ -17,7 +17,11 @@ def add_parser(sub) -> None:
         epilog="examples:\n"
                "  kvsim capture --task mk --context 2048 --layers 0,10,20,29 --out mk-2k.npz\n"
                "  kvsim capture --model ./my-hf-model --task niah --context 8192 --out n.npz\n"
-               "  kvsim replay mk-2k.npz --policy verkv --sink 4 --local 4     (then replay it)",
+               "  kvsim replay mk-2k.npz --policy verkv --sink 4 --local 4     (then replay it)\n"
+               "  kvsim capture --task qa --lengths 1024,2048,4096,8192 --questions 4 \\\n"
+               "      --layers 0,1,3,7,13,20,27 --kv-heads 1 --layer-weights 1,1,3,5,7,7,6 \\\n"
+               "      --out qa-nested.npz     (one prefill, four lengths: a capture set for\n"
+               "                               kvsim policy-profile)",
         description="Run one task prompt through the model with dense attention and write a "
                     "trace: post-RoPE K/V per layer and KV head, question-pass and decode-step "
                     "queries per query head, positions, RoPE settings, SnapKV and KVzip scores.")
@@ -29,6 +33,15 @@ def add_parser(sub) -> None:
     p.add_argument("--index", type=int, default=0, help="which prompt (of the task or file)")
     p.add_argument("--out", required=True, help="trace file to write (.npz)")
     p.add_argument("--layers", help="layers to record, e.g. 0,5,10 (default: all)")
+    p.add_argument("--lengths", help="a capture set instead of a trace: prompt lengths, e.g. "
+                   "1024,2048,4096,8192; the longest context is prefilled once and its prefixes "
+                   "are the shorter ones (tasks mk, qa)")
+    p.add_argument("--questions", type=int, default=4,
+                   help="with --lengths: questions per length [default: 4]")
+    p.add_argument("--kv-heads", type=int, help="with --lengths: KV heads kept per layer, "
+                   "rotating with the layer [default: all]")
+    p.add_argument("--layer-weights", help="with --lengths: how many model layers each of "
+                   "--layers stands for, e.g. 1,1,3,5 [default: 1 each]")
     p.add_argument("--decode-steps", type=int, default=8, help="greedy decode steps recorded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch CPU threads")
@@ -53,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.index < 0:
         raise KvsimError("--index must be >= 0")
+    if args.lengths:
+        return _run_nested(args, out)
+    if args.kv_heads is not None or args.layer_weights:
+        raise KvsimError("--kv-heads and --layer-weights apply to a capture set (--lengths)")
     lm = load_model(args.model)
     if args.prompts:
         prompts, errors = tasks.load_prompts(args.prompts)
@@ -74,4 +91,49 @@ def run(args: argparse.Namespace) -> int:
           f"{a.n_tokens} tokens (context {a.context_len}, {len(a.question_pos)} question rows, "
           f"{len(a.decode_pos)} decode steps); dense answered {t.meta['prediction']!r}, "
           f"expected {prompt.answers}")
+    return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvsimError(f"{flag} {text!r}: give whole numbers separated by commas") from None
+    if not vals:
+        raise KvsimError(f"{flag} is empty")
+    return vals
+
+
+def _run_nested(args, out: Path) -> int:
+    """``--lengths``: a capture set (kvsim.model.nested), checked before the model loads."""
+    from kvsim import captureset
+    from kvsim.model import load_model
+    from kvsim.model.capture import parse_layers
+    from kvsim.model.nested import NESTED_TASKS, capture_nested, nested_prompt
+    lengths = _ints(args.lengths, "--lengths")
+    if lengths != sorted(set(lengths)) or lengths[0] < 256:
+        raise KvsimError(f"--lengths {args.lengths!r}: distinct ascending lengths >= 256")
+    if args.task not in NESTED_TASKS:
+        raise KvsimError(f"--task {args.task}: capture sets know {', '.join(NESTED_TASKS)}")
+    if args.prompts:
+        raise KvsimError("--prompts does not apply with --lengths (the task builds the prompt)")
+    weights = None
+    if args.layer_weights:
+        w = [float(x) for x in args.layer_weights.split(",")]
+        if not all(x > 0 for x in w):
+            raise KvsimError("--layer-weights must be positive")
+        weights = w
+    lm = load_model(args.model)
+    layers = parse_layers(args.layers, lm.info["layers"])
+    if weights is not None and len(weights) != len(layers):
+        raise KvsimError(f"--layer-weights gives {len(weights)} weights for {len(layers)} layers")
+    prompt = nested_prompt(args.task, lengths, args.questions, args.seed, lm.codec.count)
+    c = capture_nested(lm, prompt, lengths, layers, args.kv_heads or lm.info["kv_heads"],
+                       dict(zip(layers, weights or [1.0] * len(layers))), args.decode_steps,
+                       progress=not args.no_progress, seed=args.seed, notes=args.notes)
+    captureset.save(c, out, force=args.force)
+    right = [a.dense_correct for ln in c.lengths for a in ln.asked]
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {c.task}, {len(c.layers)} layers, "
+          f"lengths {', '.join(str(ln.context_len) for ln in c.lengths)} context tokens, "
+          f"{len(right)} questions (dense right on {sum(right):g}); {c.meta['seconds']:.0f} s")
     return 0

@@ -64,9 +64,11 @@ def _prefill_attention_seconds(k: torch.Tensor, n_q: int) -> float:
 
 
 def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
-        device: str | torch.device = "cpu", progress: bool = False) -> tuple[dict, dict]:
+        device: str | torch.device = "cpu", progress: bool = False,
+        timed: bool = True) -> tuple[dict, dict]:
     """(statistics, timings) of ``policy`` replayed on every captured layer of ``trace``; with
-    ``progress`` a bar over the layers on a terminal."""
+    ``progress`` a bar over the layers on a terminal; ``timed=False`` skips the prefill
+    timings (a policy profile, which runs layer by layer, needs none)."""
     require_attention(trace, policy.name)
     a = trace.attention
     policy.bind(a.rope, a.head_dim)
@@ -76,7 +78,7 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
     dpos = torch.as_tensor(a.decode_pos, dtype=torch.long, device=device)
     ids = [la.layer for la in a.layers]
     timed = {ids[i] for i in np.linspace(0, len(ids) - 1, min(TIMING_LAYERS, len(ids)))
-             .round().astype(int)} if policy.times_compress else set()
+             .round().astype(int)} if policy.times_compress and timed else set()
     calls, compressed, t_comp, t_dense = Calls(), [], [], []
     from tqdm import tqdm
     bar = tqdm(a.layers, desc=f"{policy.name} on the trace", unit="layer", leave=False,

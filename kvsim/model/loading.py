@@ -73,6 +73,26 @@ class Codec:
         q_text = question + "\n" + answer_prefix
         return self._bos() + self.encode(context + sep), self.encode(q_text)
 
+    def nested_layout(self, pieces: list[str], question: str, answer_prefix: str = ""
+                      ) -> tuple[list[list[int]], list[int]]:
+        """Token ids of a context given as ``pieces`` (the first after the prompt's head, each
+        encoded alone so that any prefix of pieces is a prefix of the ids), and of a question
+        part that may follow any such prefix (the separator, question, template tail, answer
+        prefix). The same question ids after fewer pieces make a shorter prompt."""
+        sep = "\n\n"
+        if self.chat:
+            mark_c, mark_q = "\x00KVSIM_CONTEXT\x00", "\x00KVSIM_QUESTION\x00"
+            text = self.tok.apply_chat_template(
+                [{"role": "user", "content": mark_c + sep + mark_q}], tokenize=False,
+                add_generation_prompt=True)
+            head, rest = text.split(mark_c, 1)
+            tail = rest.split(mark_q, 1)[1]
+        else:
+            head, tail = "", "\n"
+        ids = [self._bos() + self.encode(head + pieces[0])]
+        ids += [self.encode(p) for p in pieces[1:]]
+        return ids, self.encode(sep + question + tail + answer_prefix)
+
 
 @dataclass
 class LoadedModel:

@@ -111,6 +111,19 @@ def prefill(model, ctx_ids: list[int], kvzip_ids: list[int] | None = None,
     return pre
 
 
+@torch.no_grad()
+def prefill_recording(model, ctx_ids: list[int], layers: set[int],
+                      chunk: int = PREFILL_CHUNK) -> tuple[object, dict[int, torch.Tensor]]:
+    """Context prefill with stock attention that keeps every context row's queries of
+    ``layers``: (cache, layer -> (n_q, n, d)). A nested capture takes each shorter context's
+    SnapKV window from them."""
+    cache = _new_cache(model)
+    ctl = Controller(mode="stock", record_layers=set(layers))
+    with active(ctl):
+        _forward(model, ctx_ids, cache, chunk)
+    return cache, {l: torch.cat(qs, dim=1) for l, qs in ctl.queries.items()}
+
+
 @dataclass
 class Generation:
     text: str

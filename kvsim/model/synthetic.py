@@ -86,3 +86,36 @@ def synthetic_attention_trace(n_layers: int = 2, n_q: int = 8, n_kv: int = 2, d:
                              "with; 'kvzip' scores are a reconstruction-attention stand-in"))
     meta["synthetic"] = True
     return T.Trace(meta, None, attention)
+
+
+def synthetic_capture_set(lengths=(256, 512, 1024), questions: int = 3, tasks: int = 1,
+                          n_layers: int = 2, seed: int = 0, task: str = "synthetic"):
+    """A :class:`kvsim.captureset.CaptureSet` cut from synthetic traces (one per question, at the
+    longest length): each length keeps a prefix of the context and the question's own question
+    and decode rows. For tests of the capture-set and policy-profile code; not a model."""
+    from kvsim import captureset as cs
+    n_max = max(lengths)
+    base = synthetic_attention_trace(n_layers=n_layers, n_q=4, n_kv=2, d=32, context=n_max,
+                                     question=8, decode=3, seed=seed, kvzip=False)
+    a = base.attention
+    layers = [la.layer for la in a.layers]
+    qtraces = [synthetic_attention_trace(n_layers=n_layers, n_q=4, n_kv=2, d=32, context=n_max,
+                                         question=8, decode=3, seed=seed * 1000 + i + 1,
+                                         kvzip=False).attention for i in range(questions)]
+    out_lengths = []
+    for n in lengths:
+        asked = []
+        for i, qa in enumerate(qtraces):
+            sfx = {la.layer: cs.Suffix(qla.k[:, n_max:], qla.v[:, n_max:], qla.q_question,
+                                       qla.q_decode) for la, qla in zip(a.layers, qa.layers)}
+            asked.append(cs.Asked(f"q{i}", ["x"], "", (i + 1) / (questions + 1), "x", 1.0,
+                                  qa.layers[0].q_question.shape[1], sfx))
+        snap = {la.layer: np.abs(la.k[:, :n, 0]).astype(np.float32) for la in a.layers}
+        out_lengths.append(cs.Length(n + 32, n, snap, asked))
+    return cs.CaptureSet(
+        meta={"task": task, "model": "synthetic", "seed": seed, "decode_steps": 3,
+              "model_info": {"kv_heads": 2, "q_heads": 4, "layers": n_layers, "head_dim": 32}},
+        layers=layers, heads={l: [0, 1] for l in layers}, weights={l: 1.0 for l in layers},
+        ctx_k={la.layer: la.k[:, :n_max] for la in a.layers},
+        ctx_v={la.layer: la.v[:, :n_max] for la in a.layers}, lengths=out_lengths,
+        rope=dict(a.rope), provenance="synthetic capture set (tests)")

@@ -64,6 +64,8 @@ class ReplayConfig:
     preemption: str = "recompute"  # or "swap"
     slo: dict = field(default_factory=dict)  # per-request limits for goodput: tpot_ms, ttft_ms, e2e_s
     engine: str | None = None  # an engine profile: built-in name or JSON file (kvsim fit)
+    policy_profile: str | None = None  # FILE, "default" or "none"; None: the shipped profile
+    # when no trace is named (kvsim.replay.policy_source)
     kv_dtype: str | None = None  # KV-cache element type: bf16 | fp8 (default: the model's)
     weight_dtype: str | None = None  # layer weights: bf16 | fp8 | int4
     tp: int = 1  # tensor parallelism: GPUs of one replica (each simulated as one GPU's shard)
@@ -155,11 +157,15 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
     costs, cost_source = costs_for(cfg.gpu, tr.hardware, cfg.engine, cfg.overrides(),
                                    model.layers)
     costs.set_tp(cfg.tp, cfg.tp_link == "shared")
-    analysis = analyze(trace_path, spec, cfg.seed)
+    from kvsim.replay import policy_source
+    n_plan = int(round(float(work.prompt.mean())))
+    source = policy_source.choose(cfg, spec, trace_path, n_plan, analyze)
+    analysis = source.analysis
     skipped = None
     if cfg.kv_read_frac is not None:
         try:
             analysis = with_kv_read(spec, analysis, cfg.kv_read_frac)
+            source = policy_source.Source(analysis, None, warnings=source.warnings)
         except KvsimError as e:
             if cfg.kv_read_everywhere:
                 raise
@@ -168,20 +174,27 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
     memory = Memory(costs.hbm_bytes, _gib(cfg.host_gib, DEFAULT_HOST_GIB),
                     model.weight_bytes, _gib(cfg.workspace_gib, DEFAULT_WORKSPACE_GIB))
     scheduling = cfg.scheduling(default_token_budget(costs.gpu_name, costs.hbm_bytes))
-    sim = Simulator(model, costs, analysis.cost, memory, cfg.batch, scheduling, work_at_prefill)
-    if cfg.replicas == 1:
-        res = sim.run(work)
-    else:  # one simulator per replica (the first also draws the timeline)
-        from kvsim.sim import replicas
-        parts = replicas.split(work, cfg.replicas)
-        runs = [(idx, (sim if j == 0 else Simulator(model, costs, analysis.cost, memory,
-                                                     cfg.batch, scheduling, work_at_prefill))
-                 .run(w)) for j, (idx, w) in enumerate(parts)]
-        res = replicas.merge(runs, work.n)
+
+    def simulate(cost):
+        sim = Simulator(model, costs, cost, memory, cfg.batch, scheduling, work_at_prefill)
+        if cfg.replicas == 1:
+            return sim, sim.run(work)
+        from kvsim.sim import replicas  # one simulator per replica (the first draws the timeline)
+        runs = [(idx, (sim if j == 0 else Simulator(model, costs, cost, memory, cfg.batch,
+                                                     scheduling, work_at_prefill)).run(w))
+                for j, (idx, w) in enumerate(replicas.split(work, cfg.replicas))]
+        return sim, replicas.merge(runs, work.n)
+
+    sim, res = simulate(analysis.cost)
     if analysis.cost.decide_bytes_per_token > 0:
         costs.check_decide_range(float(work.prompt.max() + work.output.max()))
     out = report.build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, memory,
                        work, res, scheduling, work_at_prefill)
+    if source.applied is not None:
+        bands = {end: report.simulation(simulate(r.cost)[1], work, cfg.slo)
+                 for end, r in (("lo", source.lo), ("hi", source.hi)) if r is not None}
+        report.add_profile(out, source.applied, bands)
+    out["warnings"] += source.warnings
     if skipped:
         out["warnings"].append(skipped)
     if cfg.timeline is not None:

@@ -244,6 +244,43 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
     }
 
 
+def add_profile(out: dict, applied, bands: dict) -> None:
+    """A policy profile's estimate in the report: the KV read (per decode step, per question
+    pass, overall) with 90% intervals, TPOT and throughput at the ends of the KV read's interval
+    (``bands``: "lo"/"hi" -> simulation), the per-layer KV read measured at each length, and
+    where it came from; the trace's "policy_transfer" note gives way to the profile's."""
+    iv = applied.intervals
+    kv = "decode.kv_read_frac" if "decode.kv_read_frac" in iv else "question.kv_read_frac"
+    lo, hi = iv.get(kv, (out["kv_read_frac"], out["kv_read_frac"]))
+    out["kv_read_frac_lo"], out["kv_read_frac_hi"] = lo, hi
+    for ps in ("question", "overall"):
+        if f"{ps}.kv_read_frac" in iv:
+            out[f"{ps}_kv_read_frac"] = applied.stats[ps]["kv_read_frac"]
+            out[f"{ps}_kv_read_frac_lo"], out[f"{ps}_kv_read_frac_hi"] = iv[f"{ps}.kv_read_frac"]
+    for key in ("tpot_ms", "throughput_tok_s"):
+        ends = sorted([out[key]] + [b[key] for b in bands.values()])
+        out[f"{key}_lo"], out[f"{key}_hi"] = ends[0], ends[-1]
+    out["policy_profile"] = {
+        "measured_tokens": list(applied.measured), "at_tokens": applied.at,
+        "extrapolated": applied.extrapolated, "provenance": applied.provenance,
+        "intervals": {k: list(v) for k, v in iv.items()},
+        "forms": {k: {"form": f, "backtest_error": e} for k, (f, e) in applied.forms.items()},
+        "per_layer_kv_read_frac": applied.per_layer,
+        "interval_note": "90%: hierarchical bootstrap over tasks and questions (resampled "
+                         "predictions stretched by sqrt(T/(T-1)) for T tasks), widened to the "
+                         "forms whose back-test error is within 2x of the chosen one; TPOT and "
+                         "throughput are simulated at the ends of the KV read's interval",
+    }
+    out["provenance"]["policy"] = f"{out['policy']}: {applied.provenance}"
+    transfer = out["provenance"].pop("policy_transfer", None)
+    if transfer:
+        out["warnings"] = [w for w in out["warnings"] if w != transfer]
+    out["provenance"]["policy_transfer"] = (
+        f"policy statistics measured on the profile's captures at {applied.measured[0]}.."
+        f"{applied.measured[1]} tokens are applied to {out['model']} at {applied.at} tokens")
+    out["warnings"].append(out["provenance"]["policy_transfer"])
+
+
 def flatten(report: dict, skip=("provenance", "warnings", "policy_options")) -> dict:
     """One row of scalars: top-level values, then each group's, nested groups joined with ``_``
     (``policy_stats.question.kv_read_frac`` -> ``question_kv_read_frac``). A key met twice must

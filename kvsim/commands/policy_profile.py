@@ -1,0 +1,149 @@
+"""``kvsim policy-profile``: measure a grid of policy settings on capture sets (a measured input
+of the planner, as ``kvsim profile`` is for hardware); show a profile at a context; back-test its
+context fits."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvsim.errors import KvsimError
+
+HELP = "measure policy statistics across lengths, layers and settings; show or back-test them"
+
+EPILOG = """examples:
+  kvsim policy-profile traces/captures/*.npz --policy verkv,topk,poissoncomp \\
+      --compression 8,16,32 --eps 0.01,0.05,0.1,0.3 --sketch 2bit,perfect --sink 4 --local 4 \\
+      --out my-profile.json                 (resumable: rerun the same command after a stop)
+  kvsim policy-profile --show traces/policy-profile-smollm2.json --policy verkv --sink 4 \\
+      --local 4 --context 32768             (the statistics at 32K, with 90% intervals)
+  kvsim policy-profile --backtest traces/policy-profile-smollm2.json --policy verkv --sink 4 \\
+      --local 4                             (fit on lengths up to 4K, predict 8K)
+  kvsim replay --policy verkv --policy-profile my-profile.json --sink 4 --local 4
+"""
+
+
+def add_parser(sub) -> None:
+    from kvsim.commands._policy_flags import add_policy_flags, policy_help
+    p = sub.add_parser("policy-profile", help=HELP, description=__doc__, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("captures", nargs="*", help="capture sets (kvsim capture --lengths)")
+    p.add_argument("--policy", help="policies, comma-separated, each " + policy_help())
+    p.add_argument("--out", help="profile to write (.json)")
+    p.add_argument("--show", metavar="PROFILE", help="print PROFILE's statistics at --context")
+    p.add_argument("--backtest", metavar="PROFILE",
+                   help="print the back-test of PROFILE's context fits")
+    p.add_argument("--fit-up-to", type=int, default=4096,
+                   help="--backtest: fit on target lengths up to this [default: 4096]")
+    p.add_argument("--context", type=int, default=32768, help="--show: planned context "
+                   "[default: 32768]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--no-progress", action="store_true")
+    add_policy_flags(p, lists=True)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from kvsim.commands._policy_flags import policy_options
+    from kvsim.policies.spec import parse
+    if sum(bool(x) for x in (args.out, args.show, args.backtest)) != 1:
+        raise KvsimError("give one of --out (build from capture sets), --show PROFILE or "
+                         "--backtest PROFILE")
+    if not args.policy:
+        raise KvsimError("--policy is required")
+    specs, unused = parse(args.policy, policy_options(args), grid=True)
+    if unused:
+        raise KvsimError(f"{', '.join(unused)} applies to none of the policies named")
+    if args.out:
+        if not args.captures:
+            raise KvsimError("name the capture sets to measure (kvsim capture --lengths)")
+        if not args.out.endswith(".json"):
+            raise KvsimError(f"{args.out}: a policy profile file must end in .json")
+        from kvsim.policy_profile.build import build
+        prof = build(args.captures, specs, args.out, args.seed, args.force,
+                     progress=not args.no_progress)
+        print(f"wrote {args.out}: {len(prof['settings'])} settings x {len(prof['captures'])} "
+              f"capture sets, {len(prof['rows']):,} rows")
+        return 0
+    if args.captures:
+        raise KvsimError("capture sets are read only when building (--out)")
+    from kvsim import policy_profile as pp
+    prof = pp.load(args.show or args.backtest)
+    from kvsim.policies import make
+    settings = [(s, __import__("dataclasses").asdict(make(s.name, s.options).params))
+                for s in specs]
+    if args.show:
+        return _show(prof, settings, args.context, args.json)
+    return _backtest(prof, settings, args.fit_up_to, args.json)
+
+
+def _show(prof, settings, context: int, as_json: bool) -> int:
+    from kvsim.commands._out import print_json, table
+    out = []
+    for spec, params in settings:
+        a = prof.at(spec.name, params, context)
+        rows = [{"statistic": f"{k.split('.')[0]} {k.split('.')[1]}",
+                 "value": a.stats[k.split(".")[0]].get(k.split(".")[1])
+                 if k.split(".")[0] in a.stats else None,
+                 "lo": lo, "hi": hi, "form": a.forms[k][0],
+                 "back-test err": a.forms[k][1]} for k, (lo, hi) in a.intervals.items()]
+        for r in rows:
+            if r["value"] is None:
+                r["value"] = a.stats.get(r["statistic"].split()[1])
+        out.append({"policy": spec.label, "params": params, "context": context,
+                    "provenance": a.provenance, "warnings": a.warnings, "statistics": rows,
+                    "per_layer_kv_read_frac": a.per_layer})
+        if not as_json:
+            print(f"{spec.label} at {context:,} tokens: {a.provenance}")
+            for w in a.warnings:
+                print(f"warning: {w}")
+            table(rows)
+            layers = sorted(a.per_layer)
+            lens = sorted(next(iter(a.per_layer.values()))["decode"])
+            print("\nKV read per forward pass, per layer (measured; decode / overall):")
+            table([{"layer": l, **{f"{n:,}": f"{a.per_layer[l]['decode'][n]:.3f} / "
+                                          f"{a.per_layer[l]['overall'][n]:.3f}" for n in lens}}
+                   for l in layers])
+            print()
+    if as_json:
+        print_json(out)
+    return 0
+
+
+def _backtest(prof, settings, up_to: int, as_json: bool) -> int:
+    """Fit each statistic's chosen form on the lengths up to ``up_to``, predict the longer ones,
+    print the error; the form is the one the whole profile chose (as the planner uses it)."""
+    import numpy as np
+
+    from kvsim.commands._out import print_json, table
+    from kvsim.policy_profile import PASSES, STATS, fit
+    k = sum(t <= up_to for t in prof.targets)
+    if k < 2 or k == len(prof.targets):
+        raise KvsimError(f"--fit-up-to {up_to}: the profile's lengths are {prof.targets}; "
+                         f"leave at least two to fit and one to predict")
+    rows = []
+    for spec, params in settings:
+        w = prof._weights(spec.name, params)
+        for ps in PASSES:
+            for stat in STATS:
+                units = prof._units(w, ps, stat)
+                if not units or (stat in ("resident_frac", "meta_frac", "held_tokens")
+                                 and ps != "overall"):
+                    continue
+                y = np.array([np.mean(np.concatenate([t[j] for t in units]))
+                              for j in range(len(prof.n))])
+                form, _ = fit.choose(prof.n[:k], y[:k]) if k >= 3 else ("loglin", {})
+                for j in range(k, len(prof.n)):
+                    p = fit.predict(form, prof.n[:k], y[:k], [prof.n[j]])
+                    pred = float(p[0]) if p is not None else float("nan")
+                    rows.append({"policy": spec.label, "pass": ps, "statistic": stat,
+                                 "form": form, "fitted on": f"{prof.n[0]:.0f}..{prof.n[k-1]:.0f}",
+                                 "predicted at": int(round(prof.n[j])), "predicted": pred,
+                                 "measured": float(y[j]),
+                                 "error %": 100 * fit.error(pred, float(y[j]))})
+    if as_json:
+        print_json(rows)
+    else:
+        table(rows)
+    return 0

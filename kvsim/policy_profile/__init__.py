@@ -1,0 +1,306 @@
+"""Policy profiles: what a policy does to traffic and error, measured across context lengths,
+layers and parameters, and applied at the planned context with a 90% interval.
+
+A profile (``kvsim policy-profile``, :mod:`.build`) is a JSON file holding, per policy setting,
+capture set (task), length, question, layer and pass (``question``, ``decode``, ``overall``), the
+harness's statistics (:data:`STATS`). Applying it (:meth:`Profile.at`, numpy only):
+
+1. settings: an exact match of the policy's options, or a linear interpolation in log space
+   between the two grid values around a numeric option (eps, compression) that is off the grid;
+2. layers: each captured layer weighted by the share of the model's depth it stands for;
+3. context: each statistic's mean per length fitted by the form a back-test chose, a central
+   value at the planned length and a 90% interval (:mod:`.fit`).
+
+Extrapolation is shown up to :data:`MAX_EXTRAPOLATION` times the longest measured length (and
+down to a quarter of the shortest); beyond, the profile refuses with one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvsim.errors import KvsimError
+from kvsim.io import atomic_write
+from kvsim.policy_profile import fit
+
+FORMAT = "kvsim-policy-profile"
+VERSION = 1
+PASSES = ("question", "decode", "overall")
+STATS = ("kv_read_frac", "decisions_fetch_frac", "kvhead_steps_fetch_frac",
+         "tokens_per_fetch_frac", "violation_rate", "denominator_rel_err_mean",
+         "output_rel_err_mean", "output_rel_err_max", "resident_frac", "meta_frac", "held_tokens")
+COLUMNS = ["setting", "capture", "target", "context_len", "question", "layer", "weight", "pass",
+           *STATS]
+TRAFFIC = ("kv_read_frac", "decisions_fetch_frac", "kvhead_steps_fetch_frac",
+           "tokens_per_fetch_frac")  # charged per decode step: from the decode pass
+LAYER_LEVEL = ("resident_frac", "meta_frac", "held_tokens")  # the same in every pass
+MAX_EXTRAPOLATION = 16.0
+DEFAULT = Path(__file__).resolve().parents[2] / "traces" / "policy-profile-smollm2.json"
+
+
+def setting_key(name: str, params: dict) -> str:
+    return name + json.dumps(params, sort_keys=True)
+
+
+def _split(key: str) -> tuple[str, dict]:
+    i = key.index("{")
+    return key[:i], json.loads(key[i:])
+
+
+def save(profile: dict, path: str | os.PathLike, force: bool = False) -> Path:
+    return atomic_write(path, lambda f: f.write(json.dumps(profile).encode()), force)
+
+
+@dataclass
+class Applied:
+    """A policy's statistics at one planned context, from a profile."""
+    stats: dict  # in the harness's shape: headline keys, question/decode/overall groups
+    intervals: dict  # "pass.stat" -> (lo, hi)
+    forms: dict  # "pass.stat" -> (form, back-test error)
+    measured: tuple[int, int]  # shortest and longest measured context
+    at: int
+    per_layer: dict  # layer -> {pass: {context_len: kv_read_frac}}
+    provenance: str
+    warnings: list = field(default_factory=list)
+
+    @property
+    def extrapolated(self) -> bool:
+        return not self.measured[0] <= self.at <= self.measured[1]
+
+
+class Profile:
+    def __init__(self, data: dict, where: str):
+        self.where = where
+        self.data = data
+        if data.get("format") != FORMAT:
+            raise KvsimError(f"{where}: not a kvsim policy profile (format != {FORMAT!r})")
+        if data.get("version") != VERSION:
+            raise KvsimError(f"{where}: policy profile version {data.get('version')!r} is not "
+                             f"supported (this kvsim reads {VERSION})")
+        try:
+            cols = data["columns"]
+            if cols != COLUMNS:
+                raise KvsimError(f"{where}: columns differ from this kvsim's {COLUMNS}")
+            self.settings = [_split(k) for k in data["settings"]]
+            self.captures = data["captures"]
+            rows = data["rows"]
+            tasks = sorted({c["task"] for c in self.captures})
+            self.tasks = tasks
+            targets = sorted({int(r[2]) for r in rows})
+            self.targets = targets
+            # context length per target: the mean over capture sets
+            ctx: dict[int, list[int]] = {}
+            for r in rows:
+                ctx.setdefault(int(r[2]), []).append(int(r[3]))
+            self.n = np.array([np.mean(ctx[t]) for t in targets])
+            # per setting: (task, target) -> question unit -> pass -> stat -> [(layer, w, v)]
+            self.cells: dict[int, dict] = {}
+            for r in rows:
+                si, ci, tgt, _, q, layer, w, ps = r[:8]
+                cell = self.cells.setdefault(int(si), {}).setdefault(
+                    (self.captures[int(ci)]["task"], int(tgt)), {}).setdefault((int(ci), int(q)),
+                                                                             {})
+                cell.setdefault(ps, []).append((int(layer), float(w), r[8:]))
+        except KvsimError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise KvsimError(f"{where}: malformed policy profile ({type(e).__name__}: {e})") \
+                from None
+        if not self.cells:
+            raise KvsimError(f"{where}: the profile holds no rows")
+
+    # ------------------------------------------------------------------ settings
+
+    def has(self, name: str) -> bool:
+        return any(n == name for n, _ in self.settings)
+
+    def describe_grid(self, name: str) -> str:
+        vals: dict[str, set] = {}
+        for n, p in self.settings:
+            if n == name:
+                for k, v in p.items():
+                    vals.setdefault(k, set()).add(v)
+        varied = {k: sorted(v, key=str) for k, v in vals.items() if len(v) > 1}
+        fixed = {k: next(iter(v)) for k, v in vals.items() if len(v) == 1}
+        return (", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in varied.items()) +
+                "; " + ", ".join(f"{k}={v}" for k, v in fixed.items() if v is not None))
+
+    def _weights(self, name: str, params: dict) -> dict[int, float]:
+        """Setting index -> weight: the exact setting, or an interpolation between grid
+        settings along every numeric option that is off the grid (linear in log space)."""
+        same = [(i, p) for i, (n, p) in enumerate(self.settings) if n == name]
+        if not same:
+            raise KvsimError(f"{self.where} has no {name} settings")
+        exact = [i for i, p in same if p == params]
+        if exact:
+            return {exact[0]: 1.0}
+        for key, want in params.items():
+            grid = {p.get(key) for _, p in same if p.get(key) is not None}
+            if want in grid or not isinstance(want, (int, float)) or isinstance(want, bool) \
+                    or not all(isinstance(g, (int, float)) for g in grid) or len(grid) < 2:
+                continue
+            grid = sorted(grid)
+            if not grid[0] < want < grid[-1]:
+                raise KvsimError(f"{name} {key}={want:g} is outside the profile's grid "
+                                 f"({grid[0]:g}..{grid[-1]:g}); measure it with kvsim "
+                                 f"policy-profile or replay one trace (--trace)")
+            hi = next(g for g in grid if g > want)
+            lo = max(g for g in grid if g < want)
+            t = (math.log(want) - math.log(lo)) / (math.log(hi) - math.log(lo)) \
+                if lo > 0 else (want - lo) / (hi - lo)
+            out: dict[int, float] = {}
+            for g, wt in ((lo, 1 - t), (hi, t)):
+                for i, w in self._weights(name, {**params, key: g}).items():
+                    out[i] = out.get(i, 0.0) + w * wt
+            return out
+        raise KvsimError(f"{self.where} has no {name} setting like {_short(params)}; it holds "
+                         f"{self.describe_grid(name)}")
+
+    # ------------------------------------------------------------------ values
+
+    def _units(self, weights: dict[int, float], ps: str, stat: str) -> list[list[np.ndarray]]:
+        """units[task][j]: the layer-weighted statistic of each question at length j."""
+        s = STATS.index(stat)
+        out = []
+        for task in self.tasks:
+            per_len = []
+            for tgt in self.targets:
+                acc = None
+                for si, wt in weights.items():
+                    cell = self.cells[si].get((task, tgt), {})
+                    vals = []
+                    for unit in sorted(cell):
+                        rows = cell[unit].get(ps, [])
+                        got = [(w, r[s]) for _, w, r in rows if r[s] is not None]
+                        vals.append(sum(w * v for w, v in got) / sum(w for w, _ in got)
+                                    if got else np.nan)
+                    v = wt * np.array(vals, dtype=float)
+                    acc = v if acc is None else acc + v
+                acc = acc[np.isfinite(acc)] if acc is not None else np.array([])
+                if not acc.size:
+                    break
+                per_len.append(acc)
+            if len(per_len) == len(self.targets):
+                out.append(per_len)
+        return out
+
+    def per_layer(self, weights: dict[int, float], stat: str = "kv_read_frac") -> dict:
+        """layer -> pass -> context length -> the statistic's mean over questions."""
+        s = STATS.index(stat)
+        acc: dict[tuple, dict] = {}  # (layer, pass, target) -> unit -> interpolated value
+        for si, wt in weights.items():
+            for (task, tgt), cell in self.cells[si].items():
+                for unit, rows in cell.items():
+                    for ps in PASSES:
+                        for layer, _, r in rows.get(ps, []):
+                            if r[s] is not None:
+                                d = acc.setdefault((layer, ps, tgt), {})
+                                d[(task, unit)] = d.get((task, unit), 0.0) + wt * r[s]
+        n_at = dict(zip(self.targets, self.n))
+        out: dict[int, dict] = {}
+        for (layer, ps, tgt), units in sorted(acc.items()):
+            out.setdefault(layer, {}).setdefault(ps, {})[int(round(n_at[tgt]))] = \
+                float(np.mean(list(units.values())))
+        return out
+
+    def at(self, name: str, params: dict, n_tokens: int, head_dim: int | None = None) -> Applied:
+        """``name`` with ``params`` at ``n_tokens`` of context."""
+        lo_ok, hi_ok = self.n[0] / 4, self.n[-1] * MAX_EXTRAPOLATION
+        if not lo_ok <= n_tokens <= hi_ok:
+            raise KvsimError(f"--context {n_tokens}: the policy profile measured "
+                             f"{self.n[0]:.0f}..{self.n[-1]:.0f} tokens and extrapolates to "
+                             f"{lo_ok:.0f}..{hi_ok:.0f} at most; give --kv-read-frac or a "
+                             f"trace at that length (--trace)")
+        weights = self._weights(name, params)
+        return _at(self, name, json.dumps(sorted(weights.items())), int(n_tokens),
+                   head_dim or int(self.captures[0].get("head_dim") or 64))
+
+    def summary(self) -> str:
+        c = self.captures
+        n_layers = sorted({len(x["layers"]) for x in c})
+        total = c[0].get("total_layers")
+        q = sum(ln["questions"] for x in c for ln in x["lengths"])
+        return (f"{len(c)} capture sets ({', '.join(self.tasks)}; {q} questions) of "
+                f"{c[0].get('model') or '?'} at {self.n[0]:.0f}..{self.n[-1]:.0f} context tokens, "
+                f"{'/'.join(map(str, n_layers))} of {total} layers weighted to the whole depth")
+
+
+@functools.lru_cache(maxsize=512)
+def _at(prof: Profile, name: str, weights_json: str, n: int, head_dim: int) -> Applied:
+    weights = {int(k): float(v) for k, v in json.loads(weights_json)}
+    parts: dict[str, dict] = {ps: {} for ps in PASSES}
+    intervals, forms = {}, {}
+    for ps in PASSES:
+        for stat in STATS:
+            if stat in LAYER_LEVEL and ps != "overall":
+                continue
+            units = prof._units(weights, ps, stat)
+            if not units:
+                continue
+            bounds = (0.0, math.inf) if stat == "held_tokens" else (0.0, 1.0)
+            e = fit.estimate(prof.n, units, n, bounds)
+            parts[ps][stat] = e.value
+            intervals[f"{ps}.{stat}"] = (e.lo, e.hi)
+            forms[f"{ps}.{stat}"] = (e.form, e.backtest_error)
+    overall, decode = parts["overall"], parts["decode"] or parts["question"]
+    stats = {k: v for k, v in overall.items()}
+    for k in fit_traffic(decode):
+        stats[k] = decode[k]
+    stats |= {"context_tokens": n, "head_dim": head_dim,
+              "traffic_basis": "decode steps" if parts["decode"] else "question pass",
+              "layers": sorted({la for x in prof.captures for la in x["layers"]}).__len__()}
+    for ps in PASSES:
+        if parts[ps]:
+            stats[ps] = {k: v for k, v in parts[ps].items() if k not in LAYER_LEVEL}
+    mlo, mhi = int(round(prof.n[0])), int(round(prof.n[-1]))
+    where = ("interpolated" if mlo <= n <= mhi else "extrapolated")
+    kv = forms.get("decode.kv_read_frac") or forms.get("question.kv_read_frac")
+    prov = (f"policy profile {Path(prof.where).name}: {prof.summary()}; measured at "
+            f"{mlo}..{mhi} tokens, {where} to {n}"
+            + (f" (KV read: form {kv[0]}, chosen by back-test)" if kv else "")
+            + f"; 90% interval: bootstrap over tasks and questions, widened by close forms")
+    warnings = []
+    if where == "extrapolated":
+        warnings.append(f"policy statistics extrapolated from {mlo}..{mhi} measured tokens to "
+                        f"{n} ({n / mhi:.1f}x the longest)" if n > mhi else
+                        f"policy statistics extrapolated below the shortest measured length "
+                        f"({mlo}) to {n}")
+    return Applied(stats, intervals, forms, (mlo, mhi), n, prof.per_layer(weights), prov,
+                   warnings)
+
+
+def fit_traffic(decode: dict) -> list[str]:
+    return [k for k in TRAFFIC if k in decode]
+
+
+def _short(params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items() if v is not None)
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, mtime: float) -> Profile:
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise KvsimError(f"{path}: not a policy profile (invalid JSON: {e})") from None
+    except UnicodeDecodeError:
+        raise KvsimError(f"{path}: not a policy profile (not text)") from None
+    if not isinstance(data, dict):
+        raise KvsimError(f"{path}: not a kvsim policy profile")
+    return Profile(data, path)
+
+
+def load(path: str | os.PathLike) -> Profile:
+    p = Path(path)
+    if not p.exists():
+        raise KvsimError(f"{p}: no such policy profile")
+    if not p.is_file():
+        raise KvsimError(f"{p}: not a regular file")
+    return _load(str(p.resolve()), p.stat().st_mtime)

@@ -1,0 +1,154 @@
+"""Building a policy profile: every setting of a grid run on every question of every capture set.
+
+One *job* is one policy setting on one (capture set, length, question); it runs the policy on each
+captured layer alone (the harness, as ``kvsim replay`` does, with the same per-layer seeds) and
+yields one row per (layer, pass). Finished jobs are appended to a journal beside the output
+(flushed and fsynced), so an interrupted build resumes where it stopped; the profile is written
+atomically at the end and the journal removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from kvsim import captureset
+from kvsim.errors import KvsimError
+from kvsim.io import check_destination
+from kvsim.policy_profile import COLUMNS, FORMAT, PASSES, STATS, VERSION, save, setting_key
+from kvsim.trace import Attention, Trace
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _journal_path(out: Path) -> Path:
+    return out.with_name(f".{out.name}.journal")
+
+
+def _read_journal(path: Path, signature: dict) -> dict[str, list]:
+    """Finished jobs of an interrupted build with the same signature (a torn last line, from a
+    kill mid-write, is dropped)."""
+    if not path.exists():
+        return {}
+    lines = path.read_text().splitlines()
+    try:
+        head = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        head = None
+    if head != {"signature": signature}:
+        raise KvsimError(f"{path} is the journal of a different build (other captures, grid "
+                         f"or seed); delete it to start over")
+    done = {}
+    for line in lines[1:]:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[rec["job"]] = rec["rows"]
+    return done
+
+
+def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
+          force: bool = False, progress: bool = True) -> dict:
+    """Run every spec (``PolicySpec``) on every question of ``captures``; write the profile."""
+    from tqdm import tqdm
+
+    import torch
+
+    from kvsim.measure import harness
+    from kvsim.policies import make
+    out = Path(out)
+    check_destination(out, force)
+    sets, files = [], []
+    for p in captures:
+        path = Path(p)
+        if not path.is_file():
+            raise KvsimError(f"{p}: not a regular file (give capture sets from kvsim capture "
+                             f"--lengths)")
+        c = captureset.load(path)
+        sets.append(c)
+        files.append({"file": path.name, "sha256_16": _digest(path), "task": c.task,
+                      "seed": c.meta.get("seed"), "model": c.meta.get("model"),
+                      "layers": c.layers, "heads": {str(l): h for l, h in c.heads.items()},
+                      "weights": {str(l): w for l, w in c.weights.items()},
+                      "total_layers": c.meta.get("model_info", {}).get("layers"),
+                      "head_dim": int(c.ctx_k[c.layers[0]].shape[2]),
+                      "lengths": [{"target": ln.target, "context_len": ln.context_len,
+                                   "questions": len(ln.asked),
+                                   "dense_correct": [a.dense_correct for a in ln.asked]}
+                                  for ln in c.lengths],
+                      "provenance": c.provenance})
+    policies = [make(s.name, s.options) for s in specs]
+    for pol in policies:
+        if not pol.needs_attention:
+            raise KvsimError(f"policy {pol.name} needs no attention statistics (its traffic is "
+                             f"defined); leave it out of the profile")
+    settings = [setting_key(p.name, dataclasses.asdict(p.params)) for p in policies]
+    if len(set(settings)) != len(settings):
+        raise KvsimError("the grid names the same setting twice")
+    signature = {"captures": [f["sha256_16"] for f in files], "settings": settings,
+                 "seed": seed}
+    jpath = _journal_path(out)
+    done = _read_journal(jpath, signature) if jpath.exists() else {}
+    jobs = [(si, ci, j, i) for ci, c in enumerate(sets) for j, ln in enumerate(c.lengths)
+            for i in range(len(ln.asked)) for si in range(len(policies))]  # one view at a time
+    bar = tqdm(total=len(jobs), initial=sum(_job(*jb) in done for jb in jobs),
+               desc="policy profile", unit="job", disable=not progress)
+    with open(jpath, "a") as journal:
+        if not done and journal.tell() == 0:
+            journal.write(json.dumps({"signature": signature}) + "\n")
+        views = {}
+        for si, ci, j, i in jobs:
+            key = _job(si, ci, j, i)
+            if key in done:
+                continue
+            pol, c = policies[si], sets[ci]
+            bar.set_postfix_str(f"{pol.name} {c.task} {c.lengths[j].target}")
+            if (ci, j, i) not in views:
+                views = {(ci, j, i): c.view(j, i, files[ci]["file"])}
+            view = views[(ci, j, i)]
+            rows = []
+            for la in view.attention.layers:
+                a = view.attention
+                one = Trace(view.meta, attention=Attention([la], a.context_len, a.question_pos,
+                                                           a.decode_pos, a.rope, a.provenance))
+                stats, _ = harness.run(pol, one, seed, dtype=torch.float32, timed=False)
+                for ps in PASSES:
+                    part = stats.get(ps, {})
+                    rows.append([si, ci, c.lengths[j].target, c.lengths[j].context_len, i,
+                                 int(la.layer), c.weights[int(la.layer)], ps]
+                                + [_num(part.get(s, stats.get(s))) for s in STATS])
+            journal.write(json.dumps({"job": key, "rows": rows}) + "\n")
+            journal.flush()
+            os.fsync(journal.fileno())
+            done[key] = rows
+            bar.update(1)
+    bar.close()
+    profile = {"format": FORMAT, "version": VERSION, "seed": seed, "captures": files,
+               "settings": settings, "columns": COLUMNS,
+               "rows": [r for jb in jobs for r in done[_job(*jb)]]}
+    save(profile, out, force)
+    jpath.unlink(missing_ok=True)
+    return profile
+
+
+def _job(si, ci, j, i) -> str:
+    return f"{si}/{ci}/{j}/{i}"
+
+
+def _num(v):
+    if v is None:
+        return None
+    v = float(v)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise KvsimError(f"a statistic came out {v} (the captures hold extreme values?)")
+    return float(f"{v:.6g}")

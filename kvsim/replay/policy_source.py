@@ -1,0 +1,84 @@
+"""Where a replay's policy statistics come from: a policy profile at the planned context (the
+default when no trace is named) or exactly one trace.
+
+``--policy-profile FILE`` names a profile, ``default`` the shipped one, ``none`` none. Without the
+flag, a replay of the shipped default trace uses the shipped profile for the policies it holds
+(and says so); a trace named with ``--trace``/``TRACE`` means exactly that trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from kvsim import policy_profile as pp
+from kvsim.contract import PolicyResult
+from kvsim.errors import KvsimError
+from kvsim.policies.registry import resolve
+
+
+@dataclasses.dataclass
+class Source:
+    analysis: PolicyResult
+    applied: pp.Applied | None = None  # the profile's estimate, when a profile gave it
+    lo: PolicyResult | None = None  # the analysis at the low and high ends of the KV read
+    hi: PolicyResult | None = None
+    warnings: list = dataclasses.field(default_factory=list)
+
+
+def profile_for(choice: str | None, trace_named: bool) -> tuple[pp.Profile | None, bool]:
+    """(profile or None, whether the user named it)."""
+    if choice in (None, "default"):
+        if choice is None and trace_named:
+            return None, False
+        if not pp.DEFAULT.exists():
+            if choice == "default":
+                raise KvsimError(f"the shipped policy profile {pp.DEFAULT} is missing")
+            return None, False
+        return pp.load(pp.DEFAULT), choice == "default"
+    if choice == "none":
+        return None, True
+    return pp.load(choice), True
+
+
+def from_profile(prof: pp.Profile, spec, n_tokens: int) -> Source:
+    from kvsim.policies import make
+    policy = make(spec.name, spec.options)
+    params = dataclasses.asdict(policy.params)
+    a = prof.at(spec.name, params, n_tokens)
+
+    def result(kv_read: float | None) -> PolicyResult:
+        stats = dict(a.stats) if kv_read is None else {**a.stats, "kv_read_frac": kv_read}
+        return PolicyResult(spec.name, params, policy.decode_cost(stats), stats, a.provenance,
+                            {})
+
+    key = "decode.kv_read_frac" if "decode" in a.stats else "question.kv_read_frac"
+    lo, hi = a.intervals.get(key, (None, None))
+    src = Source(result(None), a, warnings=list(a.warnings))
+    if lo is not None and hi > lo:
+        src.lo, src.hi = result(lo), result(hi)
+    return src
+
+
+def choose(cfg, spec, trace_path: Path, n_tokens: int, analyze) -> Source:
+    """The policy statistics for this replay; ``analyze(path, spec, seed)`` runs the policy on
+    a trace when no profile applies."""
+    if not resolve(spec.name).needs_attention:
+        return Source(analyze(trace_path, spec, cfg.seed))
+    prof, named = profile_for(cfg.policy_profile, cfg.trace is not None)
+    if prof is not None and prof.has(spec.name):
+        try:
+            return from_profile(prof, spec, n_tokens)
+        except KvsimError as e:
+            if named:
+                raise
+            fallback = f"the shipped policy profile does not apply ({e}); statistics of one trace"
+    elif prof is not None and named:
+        raise KvsimError(f"policy profile {prof.where} holds no {spec.name} settings")
+    else:
+        fallback = None if prof is None else \
+            f"the shipped policy profile holds no {spec.name} settings; statistics of one trace"
+    src = Source(analyze(trace_path, spec, cfg.seed))
+    if fallback:
+        src.warnings.append(fallback)
+    return src

@@ -1,0 +1,258 @@
+"""Capture sets, policy profiles (build, resume, apply) and the context fits, on synthetic data
+(the real profile's figures are checked in test_shipped_profile.py)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvsim import captureset as cs
+from kvsim import policy_profile as pp
+from kvsim.errors import KvsimError
+from kvsim.model.synthetic import synthetic_capture_set
+from kvsim.policy_profile import fit
+from kvsim.policy_profile.build import build
+from kvsim.policies.spec import parse
+
+LENGTHS = (256, 512, 1024)
+GRID = dict(compression=[8.0, 16.0], eps=[0.05], sink=[4], local=[4])
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sets")
+    paths = []
+    for seed, task in ((1, "a"), (2, "b")):
+        p = d / f"{task}.npz"
+        cs.save(synthetic_capture_set(LENGTHS, questions=2, seed=seed, task=task), p)
+        paths.append(str(p))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def profile(sets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("prof") / "p.json"
+    specs, _ = parse("verkv", GRID, grid=True)
+    build(sets, specs, out, progress=False)
+    return out
+
+
+# ------------------------------------------------------------------------------ fits
+
+def test_each_form_recovers_its_own_curve_and_the_backtest_picks_it():
+    n = np.array([1000.0, 2000, 4000, 8000])
+    curves = {"power": 0.5 * (n / 1000) ** -0.7, "logit": 1 / (1 + np.exp(-(2 - 0.9 * np.log(n)))),
+              "inverse": 0.05 + 30 / n, "loglin": 0.9 - 0.08 * np.log(n)}
+    for form, y in curves.items():
+        assert fit.choose(n, y)[0] == form, form
+        assert fit.predict(form, n, y, [n[-1]])[0] == pytest.approx(y[-1], rel=1e-9)
+
+
+def test_interval_covers_the_truth_at_the_nominal_rate():
+    """Monte-Carlo: noisy power-law shares, 2 tasks (sd 8%) x 4 questions (sd 10%); at 4x beyond
+    the data the nominal 90% interval covers the truth in about 81% of 200 draws (2 tasks are
+    too few for a bootstrap to be calibrated; the README says so). A narrower interval (no
+    stretch, no form widening: about 67%) fails this."""
+    n = np.array([1000.0, 2000, 4000, 8000])
+    truth = lambda x: 0.4 * (x / 1000) ** -0.5  # noqa: E731
+    rng = np.random.default_rng(0)
+    hits, reps = 0, 60
+    for r in range(reps):
+        task_effect = rng.normal(0, 0.08, 2)
+        units = [[truth(v) * np.exp(task_effect[t] + rng.normal(0, 0.1, 4)) for v in n]
+                 for t in range(2)]
+        e = fit.estimate(n, units, 32000, seed=r)
+        hits += e.lo <= truth(32000) <= e.hi
+    assert hits / reps >= 0.75
+
+
+def test_backtest_only_uses_shorter_lengths():
+    n = np.array([1.0, 2, 4, 8]) * 1000
+    y = np.array([0.5, 0.4, 0.3, 0.9])  # the last point is not seen by a fit that predicts it
+    bt = fit.backtest(n, y)
+    for form, splits in bt.items():
+        for k, at, pred, meas in splits:
+            refit = fit.predict(form, n[:k], y[:k], [at])[0]
+            assert refit == pytest.approx(pred)
+
+
+# ------------------------------------------------------------------------------ capture sets
+
+def test_capture_set_round_trip_and_views_are_valid_traces(tmp_path):
+    c = synthetic_capture_set(LENGTHS, questions=2)
+    p = cs.save(c, tmp_path / "c.npz")
+    back = cs.load(p)
+    views = list(back.views())
+    assert len(views) == len(LENGTHS) * 2
+    j, i, t = views[3]
+    n = back.lengths[j].context_len
+    la = t.attention.layers[0]
+    assert t.attention.context_len == n
+    np.testing.assert_array_equal(la.k[:, :n], c.ctx_k[la.layer][:, :n])
+    np.testing.assert_array_equal(la.k[:, n:], c.lengths[j].asked[i].layers[la.layer].k)
+    with pytest.raises(KvsimError, match="exists"):
+        cs.save(c, p)
+
+
+def test_subset_keeps_the_rotated_heads_and_their_query_rows():
+    c = synthetic_capture_set(LENGTHS, questions=1, n_layers=2)
+    s = cs.subset(c, [1], 1, {1: 5.0})
+    assert s.heads == {1: [1]} and s.weights == {1: 5.0}
+    np.testing.assert_array_equal(s.ctx_k[1][0], c.ctx_k[1][1])
+    q = c.lengths[0].asked[0].layers[1].q_question  # 4 query heads, 2 per KV head
+    np.testing.assert_array_equal(s.lengths[0].asked[0].layers[1].q_question, q[2:4])
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda m: m.update(version=99), "version"),
+    (lambda m: m["weights"].update({"0": -1}), "weights"),
+    (lambda m: m.update(layers=[0, 0]), "same layers"),
+    (lambda m: m.update(lengths=[]), "no question"),
+])
+def test_bad_capture_sets_are_one_line_errors(tmp_path, edit, msg):
+    p = cs.save(synthetic_capture_set(LENGTHS, questions=1), tmp_path / "c.npz")
+    with np.load(p) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(str(arrays.pop("meta")))
+    edit(meta)
+    np.savez(tmp_path / "bad.npz", meta=np.array(json.dumps(meta)), **arrays)
+    with pytest.raises(KvsimError, match=msg):
+        cs.load(tmp_path / "bad.npz")
+
+
+# ------------------------------------------------------------------------------ profiles
+
+def _params(**over):
+    import dataclasses
+
+    from kvsim.policies import make
+    return dataclasses.asdict(make("verkv", {"sink": 4, "local": 4, "eps": 0.05, **over}).params)
+
+
+def test_profile_at_a_measured_length_is_the_weighted_mean_of_its_rows(profile):
+    prof = pp.load(profile)
+    si = [i for i, (_, p) in enumerate(prof.settings) if p == _params(compression=16.0)][0]
+    data = json.loads(profile.read_text())
+    col = pp.COLUMNS.index("kv_read_frac")
+    rows = [r for r in data["rows"] if r[0] == si and r[7] == "decode" and r[2] == prof.targets[1]]
+    # per question, the layers' weighted mean; then the mean over questions (both tasks)
+    by_q: dict = {}
+    for r in rows:
+        by_q.setdefault((r[1], r[4]), []).append((r[6], r[col]))
+    want = np.mean([sum(w * v for w, v in x) / sum(w for w, _ in x) for x in by_q.values()])
+    units = prof._units({si: 1.0}, "decode", "kv_read_frac")
+    assert np.mean(np.concatenate([t[1] for t in units])) == pytest.approx(want)
+
+
+def test_interpolation_between_grid_settings_lies_between_them(profile):
+    prof = pp.load(profile)
+    at = int(prof.n[1])
+    lo = prof.at("verkv", _params(compression=8.0), at).stats["kv_read_frac"]
+    hi = prof.at("verkv", _params(compression=16.0), at).stats["kv_read_frac"]
+    mid = prof.at("verkv", _params(compression=11.3), at).stats["kv_read_frac"]
+    assert min(lo, hi) - 1e-12 <= mid <= max(lo, hi) + 1e-12
+
+
+@pytest.mark.parametrize("over, n, msg", [
+    ({"compression": 32.0}, 256, "outside the profile's grid"),
+    ({"compression": 16.0, "sketch": "perfect"}, 256, "no verkv setting like"),
+    ({"compression": 16.0}, 100_000, "extrapolates to"),
+])
+def test_profile_refuses_what_it_did_not_measure(profile, over, n, msg):
+    with pytest.raises(KvsimError, match=msg):
+        pp.load(profile).at("verkv", _params(**over), n)
+
+
+def test_an_interrupted_build_resumes_to_the_same_profile(sets, profile, tmp_path):
+    """The journal of a build killed after some jobs (and mid-line) is picked up; the result is
+    identical to the uninterrupted build's."""
+    specs, _ = parse("verkv", GRID, grid=True)
+    out = tmp_path / "p.json"
+    clean = json.loads(profile.read_text())
+    journal = out.with_name(f".{out.name}.journal")
+    from kvsim.policy_profile.build import _job  # noqa: F401  (the journal's job naming)
+    sig = {"captures": [c["sha256_16"] for c in clean["captures"]],
+           "settings": clean["settings"], "seed": 0}
+    first = [r for r in clean["rows"] if (r[1], r[2], r[4], r[0]) == (0, LENGTHS[0] + 32, 0, 0)]
+    journal.write_text(json.dumps({"signature": sig}) + "\n"
+                       + json.dumps({"job": "0/0/0/0", "rows": first}) + "\n" + '{"job": "0/0/0')
+    build(sets, specs, out, progress=False)
+    assert json.loads(out.read_text())["rows"] == clean["rows"]
+    assert not journal.exists()
+    journal.write_text(json.dumps({"signature": {**sig, "seed": 5}}) + "\n")
+    with pytest.raises(KvsimError, match="journal of a different build"):
+        build(sets, specs, tmp_path / "p.json", progress=False, force=True)
+
+
+def test_a_build_killed_by_signal_resumes_to_the_same_profile(sets, profile, tmp_path):
+    """kill -9 mid-build, by PID, then the same command: the same rows as a clean build."""
+    import os
+    import signal
+    import time
+    out = tmp_path / "k.json"
+    cmd = [sys.executable, "-m", "kvsim.cli", "policy-profile", *sets, "--policy", "verkv",
+           "--compression", "8,16", "--eps", "0.05", "--sink", "4", "--local", "4", "--out",
+           str(out), "--no-progress"]
+    p = subprocess.Popen(cmd)
+    journal = out.with_name(f".{out.name}.journal")
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if journal.exists() and len(journal.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    if p.poll() is None:
+        os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    if not out.exists():
+        assert journal.exists()
+        subprocess.run(cmd, check=True)
+    assert json.loads(out.read_text())["rows"] == json.loads(profile.read_text())["rows"]
+
+
+def test_replay_with_a_profile_reports_intervals_and_where_they_came_from(profile):
+    from kvsim.replay import ReplayConfig, run_replay
+    r = run_replay(ReplayConfig(policy="verkv", policy_options={"sink": 4, "local": 4,
+                                                                "eps": 0.05},
+                                policy_profile=str(profile), context=2048, gpu="h100-sxm"))
+    assert r["kv_read_frac_lo"] <= r["kv_read_frac"] <= r["kv_read_frac_hi"]
+    assert r["tpot_ms_lo"] <= r["tpot_ms"] <= r["tpot_ms_hi"]
+    assert r["throughput_tok_s_lo"] <= r["throughput_tok_s"] <= r["throughput_tok_s_hi"]
+    assert 0 <= r["question_kv_read_frac"] <= 1 and 0 <= r["overall_kv_read_frac"] <= 1
+    assert "extrapolated to 2048" in r["provenance"]["policy"]
+    assert r["policy_profile"]["extrapolated"] is True
+    assert any("extrapolated" in w for w in r["warnings"])
+    # a trace named on its own means exactly that trace: no profile
+    from kvsim.replay import DEFAULT_TRACE
+    t = run_replay(ReplayConfig(trace=DEFAULT_TRACE, policy="verkv",
+                                policy_options={"sink": 4, "local": 4}, gpu="h100-sxm"))
+    assert "policy_profile" not in t and "kv_read_frac_lo" not in t
+
+
+@pytest.mark.parametrize("args, msg", [
+    ([], "give one of --out"),
+    (["--out", "x.txt", "--policy", "verkv", "a.npz"], "must end in .json"),
+    (["--show", "nope.json", "--policy", "verkv"], "no such policy profile"),
+    (["--out", "x.json", "--policy", "dense", "{sets0}"], "needs no attention"),
+])
+def test_policy_profile_command_refuses_bad_input(args, msg, sets, tmp_path):
+    args = [a.replace("{sets0}", sets[0]) for a in args]
+    p = subprocess.run([sys.executable, "-m", "kvsim.cli", "policy-profile", *args],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2 and msg in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_float32_policy_runs_match_float64_traffic():
+    """The profile runs policies in float32 (3-6x faster on CPU); its traffic statistics equal
+    the float64 run's on real-structured keys."""
+    import torch
+
+    from kvsim.measure import harness
+    from kvsim.model.synthetic import synthetic_attention_trace
+    from kvsim.policies import make
+    t = synthetic_attention_trace(n_layers=1, context=1024, kvzip=False)
+    pol = make("verkv", {"sink": 4, "local": 4})
+    a, _ = harness.run(pol, t, 0, dtype=torch.float64, timed=False)
+    b, _ = harness.run(pol, t, 0, dtype=torch.float32, timed=False)
+    assert b["kv_read_frac"] == pytest.approx(a["kv_read_frac"], abs=2e-3)
