@@ -256,3 +256,19 @@ def test_float32_policy_runs_match_float64_traffic():
     a, _ = harness.run(pol, t, 0, dtype=torch.float64, timed=False)
     b, _ = harness.run(pol, t, 0, dtype=torch.float32, timed=False)
     assert b["kv_read_frac"] == pytest.approx(a["kv_read_frac"], abs=2e-3)
+
+
+def test_plan_carries_the_intervals_and_draws_the_band(profile, tmp_path):
+    from kvsim.plan import plots
+    from kvsim.plan.executors import LocalExecutor
+    from kvsim.plan.sweep import SweepSpec, sweep
+    s = SweepSpec(gpus=["h100-sxm"], models=["qwen3-4b"], contexts=[1024, 2048],
+                  policies=["verkv"], batches=[1], output_len=8,
+                  option_grid={"sink": [4], "local": [4], "eps": [0.05], "compression": [16.0]},
+                  engine={"policy_profile": str(profile)})
+    df = sweep(s, LocalExecutor(1), progress=False)
+    assert (df.status == "ok").all()
+    assert (df.tpot_ms_lo <= df.tpot_ms).all() and (df.tpot_ms <= df.tpot_ms_hi).all()
+    series = plots.tpot_vs_context(df, tmp_path)
+    band = [k for k in series if k.endswith("|band")]
+    assert len(band) == 1 and series[band[0]][0] == [1024, 2048]

@@ -66,3 +66,32 @@ def test_capture_one_layer_round_trips(lm, tmp_path):
     assert a.n_tokens == a.context_len + len(a.question_pos) + 2
     kz = a.layers[0].scores["kvzip"][:, :a.context_len]
     assert (kz > 0).all() and kz.max() <= 1.0
+
+
+def test_a_nested_capture_s_prefix_is_the_short_prompt_s_own_attention(lm):
+    """One prefill of the longest context serves the shorter lengths: the view at a shorter
+    length equals a prefill of that prefix alone followed by the same question (causal
+    attention), up to float rounding of the chunked passes; and the asked facts lie inside."""
+    import numpy as np
+    import torch
+
+    from kvsim.model.nested import capture_nested, nested_prompt
+    from kvsim.model.runner import Prefilled, cache_kv, generate, prefill_recording
+    np_ = nested_prompt("mk", [400, 800], 1, 0, lm.codec.count)
+    c = capture_nested(lm, np_, [400, 800], [0, 7], 3, {}, decode_steps=2, progress=False)
+    view = c.view(0, 0)
+    n = c.lengths[0].context_len
+    pieces, _ = lm.codec.nested_layout(np_.pieces, "")
+    ids = [t for p in pieces for t in p][:n]
+    q = np_.questions[0][0]
+    _, q_ids = lm.codec.nested_layout(np_.pieces[:1], q.question, q.answer_prefix)
+    cache, _ = prefill_recording(lm.model, ids, set())
+    generate(lm.model, lm.codec, Prefilled(cache, ids, {}, torch.arange(0)), q_ids, 3,
+             stop=False, crop=False)
+    for la in view.attention.layers:
+        k, v = cache_kv(cache, la.layer)
+        assert k.shape[1] == la.k.shape[1]
+        np.testing.assert_allclose(la.k.astype(np.float32), k.float().numpy(), atol=2e-2)
+        np.testing.assert_allclose(la.v.astype(np.float32), v.float().numpy(), atol=2e-2)
+    assert all(0 <= x.depth < 1 for qs in np_.questions for x in qs)
+    assert np_.cuts[0] < np_.cuts[1] <= len(np_.pieces)

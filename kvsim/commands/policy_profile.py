@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
                    help="--backtest: fit on target lengths up to this [default: 4096]")
     p.add_argument("--context", type=int, default=32768, help="--show: planned context "
                    "[default: 32768]")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="worker processes when building (one thread each) [default: 1]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -61,8 +63,10 @@ def run(args) -> int:
         if not args.out.endswith(".json"):
             raise KvsimError(f"{args.out}: a policy profile file must end in .json")
         from kvsim.policy_profile.build import build
+        if args.jobs < 1:
+            raise KvsimError(f"--jobs must be >= 1, got {args.jobs}")
         prof = build(args.captures, specs, args.out, args.seed, args.force,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, jobs_n=args.jobs)
         print(f"wrote {args.out}: {len(prof['settings'])} settings x {len(prof['captures'])} "
               f"capture sets, {len(prof['rows']):,} rows")
         return 0

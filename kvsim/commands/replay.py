@@ -40,10 +40,6 @@ def add_parser(sub) -> None:
                    help=f"model shape: a catalog name ({', '.join(catalog.MODELS)}) or a Hugging "
                         f"Face config.json (file or directory; dense or MoE) [default: qwen3-4b]")
     add_deployment_flags(p)
-    p.add_argument("--policy-profile", metavar="FILE|default|none",
-                   help="policy statistics from this profile (kvsim policy-profile) at the "
-                        "planned context; 'none': from the trace only [default: the shipped "
-                        "profile when no TRACE is given]")
     p.add_argument("--context", type=int, default=32768,
                    help="prompt tokens per request [default: 32768]")
     p.add_argument("--output-len", type=int, default=128,
@@ -138,6 +134,10 @@ def add_engine_flags(p) -> None:
                         "VerKV paper's vLLM measurements on an H100) or a file from kvsim fit "
                         "[default: vllm-paper with a catalog GPU, roofline with a profiled "
                         "trace's hardware]")
+    g.add_argument("--policy-profile", metavar="FILE|default|none",
+                   help="policy statistics from this profile (kvsim policy-profile), fitted to "
+                        "the planned context with a 90%% interval; 'none': from the trace only "
+                        "[default: the shipped profile when no trace is named]")
     g.add_argument("--kv-read-frac", type=float, metavar="F",
                    help="the policy's KV read per decode step, as a share of the cache "
                         "(replaces the trace's measured fetch fraction; plan: for the policies "
@@ -151,8 +151,8 @@ def add_engine_flags(p) -> None:
 
 
 def engine_options(args) -> dict:
-    return {k: getattr(args, k) for k in ("engine", "kv_read_frac", "decide_ms",
-                                          "step_overhead_ms", "link_gbps")
+    return {k: getattr(args, k) for k in ("engine", "policy_profile", "kv_read_frac",
+                                          "decide_ms", "step_overhead_ms", "link_gbps")
             if getattr(args, k) is not None}
 
 
@@ -181,7 +181,6 @@ def run(args) -> int:
                        force=args.force, **scheduling_options(args), **engine_options(args),
                        kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, tp=args.tp,
                        tp_link=args.tp_link, replicas=args.replicas,
-                       policy_profile=args.policy_profile,
                        slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                               ("ttft_ms", args.slo_ttft_ms),
                                               ("e2e_s", args.slo_e2e_s)) if v is not None})

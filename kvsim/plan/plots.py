@@ -64,11 +64,17 @@ def _panels(d: pd.DataFrame, keys: list[str]):
 
 
 def _lines(ax, p: pd.DataFrame, x: str, y: str, series: dict, prefix: str) -> None:
-    """One line per label of ``p``: ``y`` against ``x``, recorded in ``series``."""
+    """One line per label of ``p``: ``y`` against ``x``, recorded in ``series``; where the rows
+    carry ``y_lo``/``y_hi`` (a policy profile's 90% interval), a shaded band."""
     for lab, g in p.groupby("label"):
         g = g.sort_values(x)
-        ax.plot(g[x], g[y], marker="o", label=lab)
+        line, = ax.plot(g[x], g[y], marker="o", label=lab)
         series[f"{prefix}|{lab}"] = (g[x].tolist(), g[y].tolist())
+        lo, hi = f"{y}_lo", f"{y}_hi"
+        if lo in g and hi in g and g[lo].notna().any():
+            ax.fill_between(g[x], g[lo], g[hi], color=line.get_color(), alpha=0.18,
+                            linewidth=0, label=f"{lab}: 90% interval (policy profile)")
+            series[f"{prefix}|{lab}|band"] = (g[x].tolist(), g[lo].tolist(), g[hi].tolist())
 
 
 def _closed_loop(df: pd.DataFrame) -> pd.DataFrame:

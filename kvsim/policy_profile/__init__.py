@@ -222,6 +222,12 @@ class Profile:
         return _at(self, name, json.dumps(sorted(weights.items())), int(n_tokens),
                    head_dim or int(self.captures[0].get("head_dim") or 64))
 
+    def sample_error(self, key: str) -> float:
+        """The largest relative error of the capture sets' layer samples against every layer,
+        as measured when they were chosen (0 where not measured, or every layer is kept)."""
+        return max([float(((c.get("layer_sample") or {}).get("max_rel_error") or {})
+                          .get(key, 0.0)) for c in self.captures] + [0.0])
+
     def summary(self) -> str:
         c = self.captures
         n_layers = sorted({len(x["layers"]) for x in c})
@@ -247,7 +253,9 @@ def _at(prof: Profile, name: str, weights_json: str, n: int, head_dim: int) -> A
             bounds = (0.0, math.inf) if stat == "held_tokens" else (0.0, 1.0)
             e = fit.estimate(prof.n, units, n, bounds)
             parts[ps][stat] = e.value
-            intervals[f"{ps}.{stat}"] = (e.lo, e.hi)
+            err = prof.sample_error(f"{ps}.{stat}")
+            intervals[f"{ps}.{stat}"] = (max(bounds[0], e.lo * (1 - err)),
+                                         min(bounds[1], e.hi * (1 + err)))
             forms[f"{ps}.{stat}"] = (e.form, e.backtest_error)
     overall, decode = parts["overall"], parts["decode"] or parts["question"]
     stats = {k: v for k, v in overall.items()}
@@ -265,7 +273,10 @@ def _at(prof: Profile, name: str, weights_json: str, n: int, head_dim: int) -> A
     prov = (f"policy profile {Path(prof.where).name}: {prof.summary()}; measured at "
             f"{mlo}..{mhi} tokens, {where} to {n}"
             + (f" (KV read: form {kv[0]}, chosen by back-test)" if kv else "")
-            + f"; 90% interval: bootstrap over tasks and questions, widened by close forms")
+            + f"; 90% interval: bootstrap over tasks and questions, widened by close forms"
+            + (f" and by the layer sample's measured error against every layer (KV read "
+               f"+-{100 * prof.sample_error('decode.kv_read_frac'):.0f}%)"
+               if prof.sample_error("decode.kv_read_frac") else ""))
     warnings = []
     if where == "extrapolated":
         warnings.append(f"policy statistics extrapolated from {mlo}..{mhi} measured tokens to "

@@ -58,13 +58,10 @@ def _read_journal(path: Path, signature: dict) -> dict[str, list]:
 
 
 def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
-          force: bool = False, progress: bool = True) -> dict:
+          force: bool = False, progress: bool = True, jobs_n: int = 1) -> dict:
     """Run every spec (``PolicySpec``) on every question of ``captures``; write the profile."""
     from tqdm import tqdm
 
-    import torch
-
-    from kvsim.measure import harness
     from kvsim.policies import make
     out = Path(out)
     check_destination(out, force)
@@ -86,6 +83,7 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
                                    "questions": len(ln.asked),
                                    "dense_correct": [a.dense_correct for a in ln.asked]}
                                   for ln in c.lengths],
+                      "layer_sample": c.meta.get("layer_sample"),
                       "provenance": c.provenance})
     policies = [make(s.name, s.options) for s in specs]
     for pol in policies:
@@ -103,35 +101,39 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
             for i in range(len(ln.asked)) for si in range(len(policies))]  # one view at a time
     bar = tqdm(total=len(jobs), initial=sum(_job(*jb) in done for jb in jobs),
                desc="policy profile", unit="job", disable=not progress)
+    # work units: one view (capture set, length, question) with the settings it still lacks
+    units: dict[tuple, list[int]] = {}
+    for si, ci, j, i in jobs:
+        if _job(si, ci, j, i) not in done:
+            units.setdefault((ci, j, i), []).append(si)
     with open(jpath, "a") as journal:
         if not done and journal.tell() == 0:
             journal.write(json.dumps({"signature": signature}) + "\n")
-        views = {}
-        for si, ci, j, i in jobs:
-            key = _job(si, ci, j, i)
-            if key in done:
-                continue
-            pol, c = policies[si], sets[ci]
-            bar.set_postfix_str(f"{pol.name} {c.task} {c.lengths[j].target}")
-            if (ci, j, i) not in views:
-                views = {(ci, j, i): c.view(j, i, files[ci]["file"])}
-            view = views[(ci, j, i)]
-            rows = []
-            for la in view.attention.layers:
-                a = view.attention
-                one = Trace(view.meta, attention=Attention([la], a.context_len, a.question_pos,
-                                                           a.decode_pos, a.rope, a.provenance))
-                stats, _ = harness.run(pol, one, seed, dtype=torch.float32, timed=False)
-                for ps in PASSES:
-                    part = stats.get(ps, {})
-                    rows.append([si, ci, c.lengths[j].target, c.lengths[j].context_len, i,
-                                 int(la.layer), c.weights[int(la.layer)], ps]
-                                + [_num(part.get(s, stats.get(s))) for s in STATS])
-            journal.write(json.dumps({"job": key, "rows": rows}) + "\n")
+            journal.flush()
+
+        def record(ci, j, i, results):
+            for si, rows in results.items():
+                key = _job(si, ci, j, i)
+                journal.write(json.dumps({"job": key, "rows": rows}) + "\n")
+                done[key] = rows
             journal.flush()
             os.fsync(journal.fileno())
-            done[key] = rows
-            bar.update(1)
+            bar.update(len(results))
+
+        if jobs_n > 1 and len(units) > 1:
+            import concurrent.futures as cf
+            import multiprocessing as mp
+            with cf.ProcessPoolExecutor(jobs_n, mp_context=mp.get_context("spawn"),
+                                        initializer=_init,
+                                        initargs=(list(captures), specs, seed)) as pool:
+                futs = {pool.submit(_run_unit, u, sis): u for u, sis in units.items()}
+                for f in cf.as_completed(futs):
+                    record(*futs[f], f.result())
+        else:
+            _init(None, None, seed, sets, policies)
+            for (ci, j, i), sis in units.items():
+                bar.set_postfix_str(f"{sets[ci].task} {sets[ci].lengths[j].target}")
+                record(ci, j, i, _run_unit((ci, j, i), sis))
     bar.close()
     profile = {"format": FORMAT, "version": VERSION, "seed": seed, "captures": files,
                "settings": settings, "columns": COLUMNS,
@@ -139,6 +141,47 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
     save(profile, out, force)
     jpath.unlink(missing_ok=True)
     return profile
+
+
+_WORKER: dict = {}
+
+
+def _init(paths, specs, seed, sets=None, policies=None) -> None:
+    """A worker's capture sets and policies (loaded once per process)."""
+    import torch
+
+    from kvsim.policies import make
+    if sets is None:
+        torch.set_num_threads(1)
+        sets = [captureset.load(p) for p in paths]
+        policies = [make(s.name, s.options) for s in specs]
+    _WORKER.update(sets=sets, policies=policies, seed=seed)
+
+
+def _run_unit(unit: tuple, settings: list[int]) -> dict[int, list]:
+    """Rows of each setting on one view, one per (layer, pass): every captured layer runs alone
+    through the harness (float32; the dense reference is float64)."""
+    import torch
+
+    from kvsim.measure import harness
+    ci, j, i = unit
+    c = _WORKER["sets"][ci]
+    view = c.view(j, i, f"capture set {ci}")
+    a = view.attention
+    out = {}
+    for si in settings:
+        pol, rows = _WORKER["policies"][si], []
+        for la in a.layers:
+            one = Trace(view.meta, attention=Attention([la], a.context_len, a.question_pos,
+                                                       a.decode_pos, a.rope, a.provenance))
+            stats, _ = harness.run(pol, one, _WORKER["seed"], dtype=torch.float32, timed=False)
+            for ps in PASSES:
+                part = stats.get(ps, {})
+                rows.append([si, ci, c.lengths[j].target, c.lengths[j].context_len, i,
+                             int(la.layer), c.weights[int(la.layer)], ps]
+                            + [_num(part.get(s, stats.get(s))) for s in STATS])
+        out[si] = rows
+    return out
 
 
 def _job(si, ci, j, i) -> str:

@@ -257,8 +257,9 @@ def add_profile(out: dict, applied, bands: dict) -> None:
         if f"{ps}.kv_read_frac" in iv:
             out[f"{ps}_kv_read_frac"] = applied.stats[ps]["kv_read_frac"]
             out[f"{ps}_kv_read_frac_lo"], out[f"{ps}_kv_read_frac_hi"] = iv[f"{ps}.kv_read_frac"]
-    for key in ("tpot_ms", "throughput_tok_s"):
-        ends = sorted([out[key]] + [b[key] for b in bands.values()])
+    for key in ("tpot_ms", "throughput_tok_s", "decode_tok_s"):
+        here = out[key] if key in out else out["sim"][key]
+        ends = sorted([here] + [b[key] for b in bands.values()])
         out[f"{key}_lo"], out[f"{key}_hi"] = ends[0], ends[-1]
     out["policy_profile"] = {
         "measured_tokens": list(applied.measured), "at_tokens": applied.at,
