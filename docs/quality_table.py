@@ -6,9 +6,9 @@ Rows are policies (with the options that name them), columns budgets; a cell is 
 share of dense on the same prompts (right / n) and the KV read per forward pass, question pass
 and decode steps alike (decode steps alone in brackets), as measured by the policy's own
 statistics. For VarRate the cell gives the measured footprint instead (nothing is read from host
-memory). Reads the output of every kvsim version: ``kv_read_frac_overall`` and
-``stats["footprint_frac"]`` now; ``kv_read_frac`` (then the per-pass mean) and per-key
-``{"decode_per_call": ...}`` statistics in the files shipped in docs/eval-smollm2/.
+memory). Reads the output of every kvsim version: ``overall_kv_read_frac``
+(``kv_read_frac_overall`` before 0.2) and ``stats["footprint_frac"]`` now; ``kv_read_frac``
+(then the per-pass mean) and per-key ``{"decode_per_call": ...}`` statistics in the files shipped in docs/eval-smollm2/.
 """
 
 from __future__ import annotations
@@ -54,9 +54,12 @@ def main(paths: list[str]) -> None:
             dense[k] += r["dense_accuracy"] * r["n"]  # the same prompts, dense
             n[k] += r["n"]
             stats = r.get("stats", {})
-            new = "kv_read_frac_overall" in r
-            kv[k].append((r["kv_read_frac_overall"] if new else r.get("kv_read_frac")) or 0.0)
-            kv_dec[k].append(r["kv_read_frac_decode"] if new else
+            for old, now in (("kv_read_frac_overall", "overall_kv_read_frac"),
+                             ("kv_read_frac_decode", "decode_kv_read_frac")):
+                r.setdefault(now, r.get(old))  # the names before kvsim 0.2
+            new = r.get("overall_kv_read_frac") is not None
+            kv[k].append((r["overall_kv_read_frac"] if new else r.get("kv_read_frac")) or 0.0)
+            kv_dec[k].append(r["decode_kv_read_frac"] if new else
                              (stats.get("kv_read_frac") or {}).get("decode_per_call"))
             f = stats.get("footprint_frac")
             foot[k].append(f.get("mean_per_call") if isinstance(f, dict) else f)

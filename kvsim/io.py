@@ -15,13 +15,60 @@ import numpy as np
 from kvsim.errors import KvsimError
 
 
+MAX_NPZ_BYTES = 16 * 2**30  # what a kvsim file may inflate to (a capture set is ~0.2 GiB)
+
+
+def regular_file(path: str | os.PathLike, what: str) -> Path:
+    """``path`` if it is a regular file (or a link to one); a FIFO, a device, a directory or a
+    dangling link is one line, before anything opens it (a FIFO would block the read)."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise KvsimError(f"{p}: no such {what} file") from None
+    except OSError as e:  # a symlink loop, a permission problem
+        raise KvsimError(f"{p}: cannot read the {what} file ({e.strerror})") from None
+    import stat
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise KvsimError(f"{p}: {kind} (give a {what} file)")
+    return p
+
+
+def _check_members(z: zipfile.ZipFile, where: str, what: str) -> None:
+    """Refuse before inflating: members that are not ``.npy``, or that inflate (or declare
+    arrays) beyond :data:`MAX_NPZ_BYTES`."""
+    total = 0
+    for info in z.infolist():
+        if not info.filename.endswith(".npy"):
+            raise KvsimError(f"{where}: not a kvsim {what} (member {info.filename!r} is not an "
+                             f".npy array)")
+        total += info.file_size
+        with z.open(info) as f:
+            try:
+                version = np.lib.format.read_magic(f)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(f, max_header_size=1 << 16)
+            except (ValueError, OSError, EOFError) as e:
+                raise KvsimError(f"{where}: member {info.filename!r} is not a readable .npy "
+                                 f"array ({e})") from None
+        declared = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize if dtype.itemsize \
+            else 0
+        if declared > MAX_NPZ_BYTES or total > MAX_NPZ_BYTES:
+            raise KvsimError(f"{where}: member {info.filename!r} declares "
+                             f"{max(declared, total) / 2**30:.3g} GiB, beyond what kvsim reads "
+                             f"({MAX_NPZ_BYTES / 2**30:g} GiB)")
+
+
 def read_npz(path: str | os.PathLike, what: str, fmt: str) -> tuple[dict, dict[str, np.ndarray]]:
     """(meta, arrays) of a kvsim ``.npz`` whose JSON ``meta`` has ``format == fmt``; every
     problem is one :class:`KvsimError` line naming the file and ``what`` it should be."""
     where = str(path)
-    if not Path(path).exists():
-        raise KvsimError(f"{where}: no such {what} file")
+    regular_file(path, what)
     try:
+        with zipfile.ZipFile(path) as zf:
+            _check_members(zf, where, what)
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:

@@ -190,7 +190,7 @@ def test_eval_scores_right_answers_right_and_wrong_ones_wrong(lm, monkeypatch):
     assert out["dense_accuracy"] == 0.5
     dense, topk, oracle = out["results"]
     assert dense["accuracy"] == 0.5 and dense["relative_accuracy"] == 1.0
-    assert dense["kv_read_frac"] == 0.0 and dense["kv_read_frac_overall"] == 0.0
+    assert dense["kv_read_frac"] == 0.0 and dense["overall_kv_read_frac"] == 0.0
     assert dense["stats"]["resident_frac"] == 1.0  # measured as on traces (kvsim.measure.stats)
     assert topk["stats"]["resident_frac"] == pytest.approx(0.25, abs=0.02)  # 4x
     assert topk["stats"]["meta_frac"] == 0.0 and topk["kv_read_frac"] == 0.0

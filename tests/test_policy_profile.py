@@ -159,6 +159,7 @@ def test_interpolation_between_grid_settings_lies_between_them(profile):
     ({"compression": 32.0}, 256, "outside the profile's grid"),
     ({"compression": 16.0, "sketch": "perfect"}, 256, "no verkv setting like"),
     ({"compression": 16.0}, 100_000, "extrapolates to"),
+    ({"compression": 16.0}, 60, "extrapolates to"),
 ])
 def test_profile_refuses_what_it_did_not_measure(profile, over, n, msg):
     with pytest.raises(KvsimError, match=msg):
@@ -202,12 +203,11 @@ def test_a_build_killed_by_signal_resumes_to_the_same_profile(sets, profile, tmp
         if journal.exists() and len(journal.read_text().splitlines()) >= 3:
             break
         time.sleep(0.05)
-    if p.poll() is None:
-        os.kill(p.pid, signal.SIGKILL)
+    assert p.poll() is None, "the build ended before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    if not out.exists():
-        assert journal.exists()
-        subprocess.run(cmd, check=True)
+    assert not out.exists() and journal.exists()
+    subprocess.run(cmd, check=True)
     assert json.loads(out.read_text())["rows"] == json.loads(profile.read_text())["rows"]
 
 

@@ -109,3 +109,29 @@ def test_save_checks_destination(tmp_path):
         T.save(full_trace(), tmp_path / "no" / "a.npz")
     with pytest.raises(KvsimError, match=".npz"):
         T.save(full_trace(), tmp_path / "a.txt")
+
+
+def test_unsafe_npz_inputs_are_one_line_before_any_read(tmp_path):
+    """A FIFO (would block), a directory, a member that is not .npy, and an .npy header that
+    declares 1e12 tokens (a 358 TiB allocation) are refused without reading the data."""
+    import io
+    import os
+    import zipfile
+
+    from kvsim.errors import KvsimError
+    from kvsim.io import read_npz
+    fifo = tmp_path / "fifo.npz"
+    os.mkfifo(fifo)
+    odd = tmp_path / "odd.npz"
+    with zipfile.ZipFile(odd, "w") as z:
+        z.writestr("notes.txt", b"hello")
+    huge = tmp_path / "huge.npz"
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f2", "fortran_order": False,
+                                               "shape": (3, 10**12, 64)})
+    with zipfile.ZipFile(huge, "w") as z:
+        z.writestr("attn/L0/k.npy", buf.getvalue())
+    for path, msg in ((fifo, "not a regular file"), (tmp_path, "a directory"),
+                      (odd, "is not an .npy array"), (huge, "beyond what kvsim reads")):
+        with pytest.raises(KvsimError, match=msg):
+            read_npz(path, "trace", "kvsim-trace")

@@ -93,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     table([{"policy": r["policy"], "accuracy %": 100 * r["accuracy"],
             "% of dense": None if r["relative_accuracy"] is None else 100 * r["relative_accuracy"],
             "KV read/decode %": 100 * r["kv_read_frac"],
-            "KV read/pass %": None if r.get("kv_read_frac_overall") is None
-            else 100 * r["kv_read_frac_overall"],
+            "KV read/pass %": None if r.get("overall_kv_read_frac") is None
+            else 100 * r["overall_kv_read_frac"],
             "s/forward": r["seconds_per_forward"]} for r in rows])
     for f in out["failures"]:
         print(f"failed: {f['prompt']}: {f['error']}")

@@ -19,9 +19,9 @@ its attention section (kvsim capture) the tensors the policy runs on, and then t
 statistics are exactly that trace's. Without TRACE, policies that need attention take their
 statistics from the shipped policy profile (measured at 1K-8K tokens on SmolLM2, fitted and
 extrapolated to --context with a 90% interval: kv_read_frac_lo/_hi, tpot_ms_lo/_hi); policies it
-does not hold use the shipped default trace. Every report names the source of each figure under "provenance";
---json groups the figures (sim, memory, policy_cost, policy_stats, policy_timings) and keeps the
-headline ones at the top level.
+does not hold use the shipped default trace. Every report names the source of each figure under
+"provenance"; --json groups the figures (sim, memory, policy_cost, policy_stats, policy_timings)
+and keeps the headline ones at the top level.
 """
 
 

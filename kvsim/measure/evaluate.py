@@ -124,12 +124,13 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
             "relative_accuracy": acc / dense_acc if dense_acc and not math.isnan(dense_acc)
             else None,
             "kv_read_frac": stats["kv_read_frac"],
-            "kv_read_frac_question": stats.get("question", {}).get("kv_read_frac"),
-            "kv_read_frac_decode": stats.get("decode", {}).get("kv_read_frac"),
-            "kv_read_frac_overall": stats.get("overall", {}).get("kv_read_frac"),
+            "question_kv_read_frac": stats.get("question", {}).get("kv_read_frac"),
+            "decode_kv_read_frac": stats.get("decode", {}).get("kv_read_frac"),
+            "overall_kv_read_frac": stats.get("overall", {}).get("kv_read_frac"),
             "kv_read_source": "measured: the policy's attend statistics (kvsim.measure.stats: "
-                              "kv_read_frac of decode steps; _overall per forward pass, question "
-                              "pass and decode steps alike)", "n": n,
+                              "kv_read_frac of decode steps; overall_ per forward pass, question "
+                              "pass and decode steps alike; the same names as kvsim replay's)",
+            "n": n,
             "stats": stats,
             "seconds_per_prompt": r["seconds"] / n if n else None,
             "seconds_per_forward": r["seconds"] / r["forwards"] if r["forwards"] else None,

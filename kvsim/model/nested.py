@@ -62,7 +62,8 @@ def nested_prompt(task: str, lengths: list[int], n_questions: int, seed: int,
         raise KvsimError(f"--lengths: the shortest must be at least {200 + _RESERVE} tokens")
     taken_keys: set[str] = set()
     taken_vals: set[str] = set()
-    intro = tasks._NIAH_INTRO if task == "mk" else "Answer the question based on the given documents.\n"
+    intro = tasks._NIAH_INTRO if task == "mk" else \
+        "Answer the question based on the given documents.\n"
     pieces, facts, total = [intro], [], count(intro)  # facts: (piece index, Question)
     people: set[str] = set()
     for j, budget in enumerate(budgets):

@@ -210,14 +210,19 @@ class Profile:
                 float(np.mean(list(units.values())))
         return out
 
+    def check_context(self, n_tokens: int) -> None:
+        """The range shown: a quarter of the shortest measured prompt to
+        :data:`MAX_EXTRAPOLATION` times the longest."""
+        lo_ok, hi_ok = self.targets[0] / 4, self.targets[-1] * MAX_EXTRAPOLATION
+        if not lo_ok <= n_tokens <= hi_ok:
+            raise KvsimError(f"--context {n_tokens}: the policy profile measured prompts of "
+                             f"{self.targets[0]}..{self.targets[-1]} tokens and extrapolates to "
+                             f"{lo_ok:.0f}..{hi_ok:.0f} at most; give --kv-read-frac, or "
+                             f"--policy-profile none for the trace's own statistics")
+
     def at(self, name: str, params: dict, n_tokens: int, head_dim: int | None = None) -> Applied:
         """``name`` with ``params`` at ``n_tokens`` of context."""
-        lo_ok, hi_ok = self.n[0] / 4, self.n[-1] * MAX_EXTRAPOLATION
-        if not lo_ok <= n_tokens <= hi_ok:
-            raise KvsimError(f"--context {n_tokens}: the policy profile measured "
-                             f"{self.n[0]:.0f}..{self.n[-1]:.0f} tokens and extrapolates to "
-                             f"{lo_ok:.0f}..{hi_ok:.0f} at most; give --kv-read-frac or a "
-                             f"trace at that length (--trace)")
+        self.check_context(n_tokens)
         weights = self._weights(name, params)
         return _at(self, name, json.dumps(sorted(weights.items())), int(n_tokens),
                    head_dim or int(self.captures[0].get("head_dim") or 64))

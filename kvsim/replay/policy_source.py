@@ -67,6 +67,7 @@ def choose(cfg, spec, trace_path: Path, n_tokens: int, analyze) -> Source:
         return Source(analyze(trace_path, spec, cfg.seed))
     prof, named = profile_for(cfg.policy_profile, cfg.trace is not None)
     if prof is not None and prof.has(spec.name):
+        prof.check_context(n_tokens)  # out of range is an error, never a silent fallback
         try:
             return from_profile(prof, spec, n_tokens)
         except KvsimError as e:

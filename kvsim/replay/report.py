@@ -237,6 +237,8 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
         "output_len": cfg.output_len, "seed": cfg.seed, "engine": costs.engine.name,
         "tp": cfg.tp, "replicas": cfg.replicas,
         **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
+        **{f"{ps}_kv_read_frac": stats[ps]["kv_read_frac"] for ps in ("question", "overall")
+           if "kv_read_frac" in (stats.get(ps) or {})},
         "sim": sim, "memory": mem_report, "policy_cost": dataclasses.asdict(analysis.cost),
         "policy_stats": stats, "policy_timings": analysis.timings,
         "provenance": prov, "warnings": warnings(cfg, tr, model, costs, cost_source, res, prov,
