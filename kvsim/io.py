@@ -88,7 +88,7 @@ def read_npz(path: str | os.PathLike, what: str, fmt: str) -> tuple[dict, dict[s
 def check_destination(path: str | os.PathLike, force: bool = False) -> Path:
     """Raise a one-line :class:`KvsimError` unless ``path`` may be written."""
     path = Path(path)
-    if path.exists() and not force:
+    if (path.exists() or path.is_symlink()) and not force:  # a dangling link counts too
         raise KvsimError(f"{path} exists; pass --force to overwrite it")
     if path.is_dir():
         raise KvsimError(f"{path} is a directory")
@@ -108,17 +108,41 @@ def check_destination(path: str | os.PathLike, force: bool = False) -> Path:
 
 def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
                  force: bool = False) -> Path:
-    """Write ``path`` through ``write(file)`` into a temporary file renamed into place."""
+    """Write ``path`` through ``write(file)`` into a temporary file, fsync it, rename it into
+    place and fsync the directory; a full disk or a permission problem is one line."""
     path = check_destination(path, force)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise KvsimError(f"{path}: cannot write ({e.strerror})") from None
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
         with os.fdopen(fd, "wb") as f:
             write(f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise KvsimError(f"{path}: cannot write ({e.strerror or e})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

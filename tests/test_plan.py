@@ -146,10 +146,13 @@ def test_the_hbm_plot_shows_verkv_metadata(tmp_path):
 
 def test_a_sweep_whose_every_run_fails_still_writes_its_table_and_report(tmp_path):
     out = tmp_path / "p"
-    s = plan(SweepSpec(gpus=["h100-sxm"], models=["qwen3-4b"], contexts=[4096],
+    from kvsim.errors import KvsimError
+    with pytest.raises(KvsimError, match="every configuration failed"):
+        plan(SweepSpec(gpus=["h100-sxm"], models=["qwen3-4b"], contexts=[4096],
                        policies=["dense-resident"], trace=str(tmp_path / "missing.npz")), out,
              LocalExecutor(1), progress=False)
-    assert s["failed"] == 1 and "no such trace" in (out / "report.md").read_text()
+    assert "no such trace" in (out / "report.md").read_text()
+    assert pd.read_csv(out / "results.csv").status.eq("failed").all()
 
 
 def test_plan_names_each_failure_and_exits_non_zero_after_writing_the_rest(attn_trace, tmp_path):
@@ -162,3 +165,73 @@ def test_plan_names_each_failure_and_exits_non_zero_after_writing_the_rest(attn_
     import pandas as pd
     df = pd.read_csv(out / "results.csv")
     assert set(df.status) == {"ok", "failed"}  # the run that worked is kept
+
+
+def _plan_cmd(out, trace):
+    import sys
+    return [sys.executable, "-m", "kvsim.cli", "plan", "--gpu", "h100-sxm,a100-80gb",
+            "--model", "qwen3-4b", "--context", "4096,8192,16384", "--policy",
+            "dense-resident,dense-offload", "--batch", "1,2,4", "--output-len", "8",
+            "--trace", str(trace), "--out", str(out), "--jobs", "1", "--json"]
+
+
+def test_a_plan_killed_mid_sweep_resumes_to_the_same_table(attn_trace, tmp_path):
+    """kill -9 by PID after the first journaled group, rerun: results.csv is byte-identical to
+    an uninterrupted plan's."""
+    import os
+    import signal
+    import subprocess
+    import time
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    subprocess.run(_plan_cmd(clean, attn_trace), check=True, capture_output=True)
+    p = subprocess.Popen(_plan_cmd(killed, attn_trace), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    journal = killed / ".kvsim-plan-journal.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and p.poll() is None:
+        if journal.exists() and journal.read_text().count("\n") >= 1:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, "the plan ended before it could be killed"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert not (killed / "results.csv").exists()
+    with open(journal, "a") as f:
+        f.write('[{"key": "torn')  # a line cut by the kill
+    subprocess.run(_plan_cmd(killed, attn_trace), check=True, capture_output=True)
+    a = pd.read_csv(clean / "results.csv").drop(columns=["wall_s"], errors="ignore")
+    b = pd.read_csv(killed / "results.csv").drop(columns=["wall_s"], errors="ignore")
+    pd.testing.assert_frame_equal(a, b)
+    assert not journal.exists()
+
+
+def test_plan_never_overwrites_what_it_did_not_write(attn_trace, tmp_path):
+    out = tmp_path / "p"
+    out.mkdir()
+    (out / "report.md").write_text("my notes")
+    rc, _, err = run_cli(*["plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context", "4096",
+                 "--policy", "dense-offload", "--trace", str(attn_trace), "--out", str(out)])
+    assert rc == 2 and "did not write" in err
+    assert (out / "report.md").read_text() == "my notes"
+    (out / "report.md").unlink()
+    (out / "tpot_vs_context.png").symlink_to(tmp_path / "nowhere")  # dangling: still foreign
+    rc, _, err = run_cli(*["plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context", "4096",
+                 "--policy", "dense-offload", "--trace", str(attn_trace), "--out", str(out)])
+    assert rc == 2 and "tpot_vs_context.png" in err
+    (out / "tpot_vs_context.png").unlink()
+    rc, _, err = run_cli(*["plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context", "4096",
+                 "--policy", "dense-offload", "--trace", str(attn_trace), "--out", str(out)])
+    assert rc == 0, err
+    rc2, _, _ = run_cli(*["plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context", "4096",
+                     "--policy", "dense-offload", "--trace", str(attn_trace), "--out", str(out)])
+    assert rc2 == 0  # its own files: the manifest lists them
+
+
+def test_a_plan_where_everything_fails_exits_2_after_writing_why(attn_trace, tmp_path):
+    out = tmp_path / "p"
+    rc, _, err = run_cli(*["plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context", "4096",
+                 "--policy", "verkv", "--compression", "4096", "--sink", "4", "--local", "4",
+                 "--trace", str(attn_trace), "--out", str(out), "--json"])
+    assert rc == 2 and "every configuration failed" in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert pd.read_csv(out / "results.csv").status.eq("failed").all()

@@ -18,8 +18,12 @@ EPILOG = """example:
 local are the default 64 each shrunk to a quarter of the 16x budget, with a warning.)
 
 Writes DIR/results.csv and DIR/results.parquet (one row per configuration, every metric of
-kvsim replay and its provenance), PNG and SVG plots, and DIR/report.md. Re-running with the same
-DIR skips configurations already done (failed ones are retried). --gpu also takes profiled traces
+kvsim replay and its provenance), PNG and SVG plots, and DIR/report.md. Each finished
+configuration is journaled as it completes, so a plan stopped by Ctrl-C, SIGTERM or kill -9
+resumes where it stopped; re-running with the same DIR skips configurations already done
+(failed ones are retried). Files in DIR that kvsim plan did not write are never overwritten
+without --force. Exit status: 0, 1 when some configurations failed (what succeeded is written),
+2 when all failed or the input is bad. --gpu also takes profiled traces
 (.npz from kvsim profile) in place of catalog names.
 """
 
@@ -60,7 +64,10 @@ def add_parser(sub) -> None:
     add_engine_flags(p)
     p.add_argument("--quality", nargs="+", metavar="JSON",
                    help="kvsim eval --json results for the quality-vs-throughput plot")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable: "
+                   "each finished configuration is journaled, a rerun continues)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite files in DIR that kvsim plan did not write")
     p.add_argument("--executor", choices=["local", "ray"], default="local")
     p.add_argument("--jobs", type=int, help="parallel workers (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -91,7 +98,7 @@ def run(args) -> int:
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     summary = plan(spec, args.out, executor, args.quality, progress=not args.json,
-                   command=command)
+                   command=command, force=args.force)
     import pandas as pd
     df = pd.read_csv(f"{args.out}/results.csv")
     failed = df[df["status"] == "failed"] if "status" in df else df.iloc[:0]

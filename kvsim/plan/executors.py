@@ -65,8 +65,9 @@ def make_executor(name: str, jobs: int | None = None) -> LocalExecutor | RayExec
 
 
 def run_all(executor, fn: Callable, tasks: Iterable, progress: bool = True,
-            desc: str = "runs") -> list:
-    """All results, in task order, with a progress bar on stderr."""
+            desc: str = "runs", on_result: Callable | None = None) -> list:
+    """All results, in task order, with a progress bar on stderr; ``on_result(result)`` as
+    each task finishes (the planner's journal)."""
     tasks = list(tasks)
     results: dict[int, object] = {}
     indexed = list(enumerate(tasks))
@@ -74,6 +75,8 @@ def run_all(executor, fn: Callable, tasks: Iterable, progress: bool = True,
     with tqdm(total=len(tasks), desc=desc, disable=not progress, unit="task") as bar:
         for (i, _), res in executor.map(_Indexed(fn), indexed):
             results[i] = res
+            if on_result is not None:
+                on_result(res)
             bar.update(1)
     return [results[i] for i in range(len(tasks))]
 

@@ -7,6 +7,7 @@ import datetime
 import html
 import io
 import json
+import os
 import platform
 import re
 from pathlib import Path
@@ -75,14 +76,74 @@ def _write_table(df: pd.DataFrame, out: Path) -> None:
     atomic_write(out / "results.parquet", lambda f: f.write(buf.getvalue()), force=True)
 
 
+PLOTS = ("goodput_vs_rate", "throughput_vs_batch", "tpot_vs_context", "max_batch_fit",
+         "hbm_breakdown", "link_utilisation", "crossover", "pareto")  # plots.draw_all's names
+MANIFEST = ".kvsim-plan-manifest.json"  # the files this directory's plans wrote
+JOURNAL = ".kvsim-plan-journal.jsonl"  # rows of finished configurations, until results.csv
+
+
+def outputs() -> list[str]:
+    return ["results.csv", "results.parquet", "report.md", "report.html"] + \
+        [f"{p}.{ext}" for p in PLOTS for ext in ("png", "svg")]
+
+
+def _check_outputs(out: Path, force: bool) -> set[str]:
+    """The names plan may overwrite: those its manifest lists; any other file of the same name
+    in DIR stops the plan before it runs (unless ``force``)."""
+    written: set[str] = set()
+    mpath = out / MANIFEST
+    if mpath.exists():
+        try:
+            written = set(json.loads(mpath.read_text())["files"])
+        except (ValueError, KeyError, TypeError, OSError):
+            raise KvsimError(f"{mpath} is damaged; remove it (and check what DIR holds)") \
+                from None
+    foreign = [n for n in outputs() if ((out / n).exists() or (out / n).is_symlink())
+               and n not in written]
+    if foreign and not force:
+        raise KvsimError(f"--out {out} holds {', '.join(foreign[:3])}"
+                         f"{' and more' if len(foreign) > 3 else ''} that kvsim plan did not "
+                         f"write; choose another --out or pass --force")
+    return written
+
+
+def _record(out: Path, written: set[str]) -> None:
+    present = sorted(n for n in set(written) | set(outputs()) if (out / n).exists())
+    atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(
+        {"written_by": "kvsim plan", "files": present}, indent=1).encode()), force=True)
+
+
+def _read_journal(path: Path) -> list[dict]:
+    """Rows of an interrupted sweep (a torn last line, from a kill mid-write, is dropped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows += json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _jsonable(v):
+    if isinstance(v, np.generic):
+        return v.item()
+    raise TypeError(f"{type(v).__name__} is not JSON-able")
+
+
 def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None = None,
-         progress: bool = True, command: str = "") -> dict:
+         progress: bool = True, command: str = "", force: bool = False) -> dict:
+    """Run the sweep into ``out``: each finished group of configurations is appended to a
+    journal (flushed, fsynced) so a killed plan resumes; results.csv, the plots and the report
+    are written at the end, in the sweep's order whatever the order of running."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise KvsimError(f"--out {out} exists and is not a directory")
     if not out.parent.is_dir():
         raise KvsimError(f"--out {out}: directory {out.parent} does not exist")
     out.mkdir(exist_ok=True)
+    written = _check_outputs(out, force)
     old = pd.DataFrame()
     if (out / "results.csv").exists():
         try:
@@ -92,21 +153,52 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
         if "key" not in old or "status" not in old:
             raise KvsimError(f"{out / 'results.csv'} is not a kvsim plan table")
         old = old[old.status.isin(DONE)]
-    new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress)
+    jpath = out / JOURNAL
+    journaled = pd.DataFrame([r for r in _read_journal(jpath) if r.get("status") in DONE])
+    if len(journaled):
+        journaled = journaled[~journaled.key.isin(set(old["key"]) if len(old) else set())]
+        old = pd.concat([old, journaled], ignore_index=True) if len(old) else journaled
+    with open(jpath, "a") as journal:
+        def on_rows(rows):
+            journal.write(json.dumps(rows, default=_jsonable) + "\n")
+            journal.flush()
+            os.fsync(journal.fileno())
+
+        new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress, on_rows)
     df = pd.concat([old, new], ignore_index=True) if len(old) else new
     if df.empty:
         raise KvsimError("the sweep has no configurations")
+    df = _in_sweep_order(df, spec)
     df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
     _write_table(df, out)
-    quality_df = load_quality(quality or [], df)
-    from kvsim.plan import plots  # matplotlib loads here, when there is something to draw
-    series = plots.draw_all(df, out, quality_df)
+    jpath.unlink(missing_ok=True)
+    _record(out, written)
+    any_done = bool(df.status.isin(DONE).any())
+    series = {}
+    if any_done:
+        quality_df = load_quality(quality or [], df)
+        from kvsim.plan import plots  # matplotlib loads here, when there is something to draw
+        series = plots.draw_all(df, out, quality_df)
     _write_report(df, series, out, command, spec, quality)
+    _record(out, written)
+    if not any_done:
+        first = df.error.dropna().iloc[0] if df.error.notna().any() else "no reason recorded"
+        raise KvsimError(f"every configuration failed ({len(df)}; first: {first}); "
+                         f"{out / 'results.csv'} and report.md have each one's error")
     return {"out": str(out), "rows": len(df), "new_runs": len(new), "skipped": len(old),
             "failed": int((df.status == "failed").sum()),
             "infeasible": int((df.status == "infeasible").sum()),
             "plots": sorted(p.name for p in out.glob("*.png")),
             "crossings": series.get("crossover", {}).get("_crossings", {})}
+
+
+def _in_sweep_order(df: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
+    """Rows in the order the spec lists its configurations (rows of earlier plans in the same
+    DIR after them, as they were): a resumed plan writes the same table as an uninterrupted."""
+    from kvsim.plan.sweep import config_key, expand
+    rank = {config_key(c): i for i, c in enumerate(expand(spec))}
+    pos = df["key"].map(rank).fillna(len(rank)).to_numpy()
+    return df.iloc[np.lexsort((np.arange(len(df)), pos))].reset_index(drop=True)
 
 
 def _md_table(df: pd.DataFrame) -> str:

@@ -174,12 +174,14 @@ def groups(configs: list[dict], spec: SweepSpec) -> list[GroupTask]:
 
 
 def sweep(spec: SweepSpec, executor, done_keys: set[str] = frozenset(),
-          progress: bool = True):
-    """Run every configuration not in ``done_keys``; one row per configuration (a DataFrame)."""
+          progress: bool = True, on_rows=None):
+    """Run every configuration not in ``done_keys``; one row per configuration (a DataFrame);
+    ``on_rows(rows)`` as each group of configurations finishes."""
     import pandas as pd
 
     from kvsim.plan.executors import run_all
     todo = [c for c in expand(spec) if config_key(c) not in done_keys]
-    results = run_all(executor, run_group, groups(todo, spec), progress, desc="plan")
+    results = run_all(executor, run_group, groups(todo, spec), progress, desc="plan",
+                      on_result=on_rows)
     rows = [row for group in results for row in group]
     return pd.DataFrame(rows)
