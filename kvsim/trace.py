@@ -30,6 +30,7 @@ from kvsim.io import atomic_write, check_destination, read_npz
 FORMAT = "kvsim-trace"
 SCHEMA_VERSION = 1
 FLOAT_DTYPES = (np.float16, np.float32, np.float64)
+MAX_ABS = 1e4  # post-RoPE keys, values and queries of real models stay within ~1e3
 
 
 @dataclass
@@ -232,6 +233,8 @@ def _validate(meta: dict, arrays: dict[str, np.ndarray], where: str) -> None:
                 or not isinstance(h.get("device"), dict):
             fail("meta.hardware must hold 'device' and 'tables'")
         for t, spec in h["tables"].items():
+            if not isinstance(spec, dict) or not isinstance(spec.get("columns", []), list):
+                fail(f"hardware table {t!r}: its spec must be an object with a 'columns' list")
             cols = spec.get("columns") or []
             if not cols:
                 fail(f"hardware table {t!r} has no columns")
@@ -247,6 +250,18 @@ def _validate(meta: dict, arrays: dict[str, np.ndarray], where: str) -> None:
         for key in ("context_len", "rope", "scores"):
             if key not in a:
                 fail(f"meta.attention lacks {key!r}")
+        layers = a["layers"]
+        if not isinstance(layers, list) or not all(type(l) is int and l >= 0 for l in layers):
+            fail(f"meta.attention.layers must be a list of layer numbers, got {layers!r}")
+        if len(set(layers)) != len(layers):
+            fail(f"meta.attention.layers lists a layer twice: {layers}")
+        if type(a["context_len"]) is not int:
+            fail(f"context_len must be a whole number of tokens, got {a['context_len']!r}")
+        if not isinstance(a["rope"], dict):
+            fail(f"meta.attention.rope must be an object (theta, type, ...), got "
+                 f"{a['rope']!r}")
+        if not isinstance(a["scores"], list) or not all(isinstance(x, str) for x in a["scores"]):
+            fail(f"meta.attention.scores must be a list of scorer names, got {a['scores']!r}")
         qpos = need("attn/question_pos", 1, "int")
         dpos = need("attn/decode_pos", 1, "int")
         shape0 = None
@@ -255,6 +270,15 @@ def _validate(meta: dict, arrays: dict[str, np.ndarray], where: str) -> None:
             k, v = need(f"{p}/k", 3, "float"), need(f"{p}/v", 3, "float")
             qq, qd = need(f"{p}/q_question", 3, "float"), need(f"{p}/q_decode", 3, "float")
             n_kv, n, d = k.shape
+            if not (n_kv and n and d):
+                fail(f"{p}/k has shape {k.shape}: KV heads, tokens and head dim must be > 0")
+            if not qq.shape[0]:
+                fail(f"{p}/q_question has no query heads")
+            if not (qq.shape[1] or qd.shape[1]):
+                fail(f"{p} has no query rows (neither question nor decode)")
+            if max(float(np.abs(x).max(initial=0.0)) for x in (k, v, qq, qd)) > MAX_ABS:
+                fail(f"{p} holds values beyond {MAX_ABS:g} in magnitude: attention logits "
+                     f"would overflow")
             if v.shape != k.shape:
                 fail(f"{p}/v has shape {v.shape}, keys have {k.shape}")
             for name, q, pos in (("q_question", qq, qpos), ("q_decode", qd, dpos)):

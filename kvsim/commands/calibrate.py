@@ -40,6 +40,10 @@ def run(args) -> int:
     from kvsim.policies.varrate import calibrate
     if args.rank is not None and args.rank < 1:
         raise KvsimError(f"--rank {args.rank} must be >= 1")
+    for flag, v, least in (("--window", args.window, 0), ("--anchors-c", args.anchors_c, 1),
+                           ("--stride", args.stride, 1)):
+        if v is not None and v < least:
+            raise KvsimError(f"{flag} must be >= {least}, got {v}")
     out = Path(args.out)
     if out.exists() and not args.force:  # before the work, not after
         raise KvsimError(f"{out} exists; pass --force to overwrite it")

@@ -123,6 +123,14 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
               "head_dim": a.head_dim, **kept(policy, compressed, n_ctx, a.head_dim)}
     if policy.notes:
         stats["notes"] = sorted(policy.notes)
+    bad = sorted(f"{part}.{k}" if part else k for part, d in
+                 [("", stats)] + [(p, stats[p]) for p in ("question", "decode", "overall")
+                                  if isinstance(stats.get(p), dict)]
+                 for k, v in d.items() if isinstance(v, float) and not np.isfinite(v))
+    if bad:
+        raise KvsimError(f"policy {policy.name} on this trace gives non-finite statistics "
+                         f"({', '.join(bad[:4])}{'...' if len(bad) > 4 else ''}): the trace's "
+                         f"tensors are out of range for it")
     return stats, _timings(compressed, t_comp, t_dense, n_ctx)
 
 

@@ -244,6 +244,8 @@ def _mtime(path: Path) -> float:
 
 
 def load_trace(path: Path) -> tracefile.Trace:
+    from kvsim.io import regular_file
+    regular_file(path, "trace")  # before resolve(): a symlink loop or a FIFO is one line
     return _load(str(path.resolve()), _mtime(path))
 
 

@@ -73,11 +73,11 @@ def simulation(res, work, slo: dict | None = None) -> dict:
     multi = res.output > 1
     tpot = (res.finish - res.first_token)[multi] / (res.output[multi] - 1)
     makespan = float(res.finish.max() - res.arrival.min())
-    decode = [c for c in res.chunks if c.kind in ("decode", "mixed")]
-    decode_time = sum(c.decode_seconds for c in decode)  # a mixed step: its decodes' share
+    log = res.chunks  # sums over every chunk (kvsim.sim.engine.ChunkLog)
+    decode_time = log.decode_seconds  # a mixed step: its decodes' share
     reps = res.replicas  # busy time summed over replicas: utilisation per replica
-    gpu_busy = sum(c.gpu_busy for c in res.chunks) / reps
-    link_busy = sum(c.link_busy for c in res.chunks) / reps
+    gpu_busy = log.gpu_busy / reps
+    link_busy = log.link_busy / reps
     nan = float("nan")
     pct = lambda a, q: float(np.percentile(a, q)) * 1e3 if len(a) else nan  # noqa: E731
     per_s = lambda x: x / makespan if makespan > 0 else nan  # noqa: E731
@@ -90,14 +90,12 @@ def simulation(res, work, slo: dict | None = None) -> dict:
         "e2e_p99_s": pct(e2e, 99) / 1e3,
         "queue_wait_p99_ms": pct(res.admitted - res.arrival, 99),
         "throughput_tok_s": per_s(float(res.output.sum())),
-        "decode_tok_s": (reps * sum(c.batch * c.steps for c in decode) / decode_time
-                         if decode_time else nan),
+        "decode_tok_s": (reps * log.decode_tokens / decode_time if decode_time else nan),
         "requests_per_s": per_s(work.n),
         "requests": work.n,
         "makespan_s": makespan,
-        "decode_steps": int(sum(c.steps for c in decode)),  # all replicas
-        "mean_batch": (sum(c.batch * c.decode_seconds for c in decode) / decode_time
-                       if decode_time else 0.0),
+        "decode_steps": int(log.decode_steps),  # all replicas
+        "mean_batch": log.batch_seconds / decode_time if decode_time else 0.0,
         "mean_in_system": res.in_system_area / makespan if makespan > 0 else 0.0,  # all
         "gpu_util": gpu_busy / makespan if makespan > 0 else 0.0,
         "link_util": link_busy / makespan if makespan > 0 else 0.0,

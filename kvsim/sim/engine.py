@@ -97,13 +97,55 @@ class Chunk:
 
 
 @dataclass
+class ChunkLog:
+    """What the report needs of every chunk, summed as the run goes, and the first ``keep``
+    chunks themselves (for timelines): memory stays bounded however long the workload."""
+    keep: int = 4096
+    kept: list = field(default_factory=list)
+    count: int = 0
+    decode_seconds: float = 0.0  # decode and mixed chunks: their decodes' share of the time
+    decode_tokens: float = 0.0  # sequences x steps of those chunks
+    decode_steps: int = 0
+    batch_seconds: float = 0.0  # batch x decode seconds (the mean batch's numerator)
+    gpu_busy: float = 0.0
+    link_busy: float = 0.0
+
+    def append(self, c: Chunk) -> None:
+        self.count += 1
+        if len(self.kept) < self.keep:
+            self.kept.append(c)
+        if c.kind in ("decode", "mixed"):
+            self.decode_seconds += c.decode_seconds
+            self.decode_tokens += c.batch * c.steps
+            self.decode_steps += c.steps
+            self.batch_seconds += c.batch * c.decode_seconds
+        self.gpu_busy += c.gpu_busy
+        self.link_busy += c.link_busy
+
+    def __iter__(self):
+        return iter(self.kept)
+
+    def __len__(self) -> int:
+        return self.count
+
+    @staticmethod
+    def merged(logs: list["ChunkLog"]) -> "ChunkLog":
+        """The replicas' logs as one: sums added, the first replica's chunks kept."""
+        out = ChunkLog(keep=logs[0].keep, kept=list(logs[0].kept))
+        for name in ("count", "decode_seconds", "decode_tokens", "decode_steps",
+                     "batch_seconds", "gpu_busy", "link_busy"):
+            setattr(out, name, sum(getattr(g, name) for g in logs))
+        return out
+
+
+@dataclass
 class SimResult:
     arrival: np.ndarray
     first_token: np.ndarray
     finish: np.ndarray
     output: np.ndarray
     admitted: np.ndarray  # when each request was first admitted (its wait ends)
-    chunks: list[Chunk]
+    chunks: ChunkLog
     peak_hbm_bytes: float
     peak_host_bytes: float
     in_system_area: float  # integral of the number of requests in the system over time
@@ -121,7 +163,7 @@ class Simulator:
     max_batch: int
     scheduling: Scheduling = field(default_factory=Scheduling)
     prefill_work: PrefillWork = field(default_factory=PrefillWork)
-    chunks: list[Chunk] = field(default_factory=list)
+    chunks: ChunkLog = field(default_factory=ChunkLog)
 
     def __post_init__(self):
         self.scheduling.check()

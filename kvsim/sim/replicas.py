@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from kvsim.sim.engine import SimResult
+from kvsim.sim.engine import ChunkLog, SimResult
 from kvsim.sim.workload import Workload
 
 
@@ -45,7 +45,7 @@ def merge(parts: list[tuple[np.ndarray, SimResult]], n: int) -> SimResult:
     results = [res for _, res in parts]
     return SimResult(
         gather("arrival"), gather("first_token"), gather("finish"), output, gather("admitted"),
-        [c for res in results for c in res.chunks],
+        ChunkLog.merged([res.chunks for res in results]),
         max(r.peak_hbm_bytes for r in results), max(r.peak_host_bytes for r in results),
         sum(r.in_system_area for r in results), min(r.max_batch_fit for r in results),
         sum(r.preemptions for r in results), replicas=len(results))

@@ -148,15 +148,27 @@ def save(basis: Basis, path: str | os.PathLike, force: bool = False) -> Path:
 def load(path: str | os.PathLike) -> Basis:
     where = str(path)
     meta, arrays = read_npz(path, "VarRate basis (from kvsim calibrate)", FORMAT)
+    if meta.get("version") != VERSION:
+        raise KvsimError(f"{where}: basis version {meta.get('version')!r} is not supported "
+                         f"(this kvsim reads {VERSION})")
+    R, D, ls = meta.get("R"), meta.get("D"), meta.get("layers")
+    if type(R) is not int or type(D) is not int or not 0 < R <= D or not isinstance(ls, list) \
+            or not all(type(l) is int and l >= 0 for l in ls) or len(set(ls)) != len(ls):
+        raise KvsimError(f"{where}: meta needs whole numbers 0 < R <= D and distinct layer "
+                         f"numbers (got R={R!r}, D={D!r}, layers={ls!r})")
     layers, svs = {}, {}
-    for l in meta.get("layers", []):
+    for l in ls:
         key = f"L{l}/basis"
         if key not in arrays:
             raise KvsimError(f"{where}: missing array {key!r}")
         b = arrays[key]
-        if b.ndim != 2 or b.shape != (meta["R"], meta["D"]) or not np.isfinite(b).all():
+        if not np.issubdtype(b.dtype, np.floating):
+            raise KvsimError(f"{where}: {key} has dtype {b.dtype}, expected real floats")
+        if b.ndim != 2 or b.shape != (R, D) or not np.isfinite(b).all():
             raise KvsimError(f"{where}: {key} has shape {b.shape}, expected "
-                             f"({meta['R']}, {meta['D']}) finite values")
+                             f"({R}, {D}) finite values")
+        if not (np.abs(b).sum(axis=1) > 0).all():
+            raise KvsimError(f"{where}: {key} has all-zero basis rows (not a basis)")
         layers[int(l)] = torch.from_numpy(b.astype(np.float32))
         if f"L{l}/sv" in arrays:
             svs[int(l)] = torch.from_numpy(arrays[f"L{l}/sv"].astype(np.float32))
