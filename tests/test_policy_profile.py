@@ -272,3 +272,20 @@ def test_plan_carries_the_intervals_and_draws_the_band(profile, tmp_path):
     series = plots.tpot_vs_context(df, tmp_path)
     band = [k for k in series if k.endswith("|band")]
     assert len(band) == 1 and series[band[0]][0] == [1024, 2048]
+
+
+@pytest.mark.parametrize("edit, msg", [
+    (lambda d: d.update(format="x"), "not a kvsim policy profile"),
+    (lambda d: d.update(version=7), "version 7"),
+    (lambda d: d["rows"][0].__setitem__(8, "lots"), "does not match"),
+    (lambda d: d["rows"][0].__setitem__(0, 99), "does not match"),
+    (lambda d: d["rows"].__setitem__(0, [1, 2]), "does not match"),
+    (lambda d: d.update(rows=[]), "no rows"),
+])
+def test_malformed_profiles_are_one_line(profile, tmp_path, edit, msg):
+    d = json.loads(profile.read_text())
+    edit(d)
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(KvsimError, match=msg):
+        pp.load(p)

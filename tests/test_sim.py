@@ -169,3 +169,29 @@ def test_round_robin_replicas_are_independent_replicas(attn_trace):
     assert r2["sim"]["ttft_p99_ms"] < r1["sim"]["ttft_p99_ms"]
     with pytest.raises(KvsimError, match="--replicas"):
         replay(attn_trace, replicas=0, **kw)
+
+
+def test_least_loaded_router_balances_what_round_robin_cannot(attn_trace, tmp_path):
+    """Requests alternate long and short: round-robin sends every long one to replica 1, the
+    least-loaded router spreads them, so queues and latencies shrink. With one replica, or a
+    workload where every replica is idle at each arrival, both routers give the same result."""
+    kw = dict(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b", batch=4, output_len=64)
+    rows = ["arrival,prompt,output"] + [f"{0.2 * i:.3f},{16384 if i % 2 else 512},64"
+                                        for i in range(120)]
+    w = tmp_path / "alternating.csv"
+    w.write_text("\n".join(rows) + "\n")
+    rr = replay(attn_trace, replicas=2, workload_csv=w, **kw)
+    ll = replay(attn_trace, replicas=2, workload_csv=w, router="least-loaded", **kw)
+    assert ll["sim"]["requests"] == rr["sim"]["requests"] == 120
+    assert ll["ttft_ms"] < 0.5 * rr["ttft_ms"] and ll["e2e_s"] < rr["e2e_s"]
+    assert "least-loaded router" in ll["provenance"]["workload"]
+    sparse = dict(kw, qps=0.01, requests=6, context=2048)
+    a = replay(attn_trace, replicas=3, **sparse)
+    b = replay(attn_trace, replicas=3, router="least-loaded", **sparse)
+    assert a["tpot_ms"] == pytest.approx(b["tpot_ms"], rel=1e-9)
+    assert a["ttft_ms"] == pytest.approx(b["ttft_ms"], rel=1e-9)
+    one = replay(attn_trace, qps=4.0, requests=40, context=4096, **kw)
+    one_ll = replay(attn_trace, qps=4.0, requests=40, context=4096, router="least-loaded", **kw)
+    assert one["tpot_ms"] == one_ll["tpot_ms"]
+    with pytest.raises(KvsimError, match="--router"):
+        replay(attn_trace, router="random", **kw)

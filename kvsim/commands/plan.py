@@ -92,8 +92,8 @@ def run(args) -> int:
                      slo_requests=args.slo_requests, scheduling=scheduling_options(args),
                      engine=engine_options(args),
                      deployment={k: getattr(args, k) for k in ("kv_dtype", "weight_dtype", "tp",
-                                                               "tp_link", "replicas")
-                                 if getattr(args, k) not in (None, 1, "own")})
+                                                               "tp_link", "replicas", "router")
+                                 if getattr(args, k) not in (None, 1, "own", "round-robin")})
     spec.validate()
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])

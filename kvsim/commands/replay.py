@@ -115,9 +115,13 @@ def add_deployment_flags(parser) -> None:
                    help="tensor parallelism: N GPUs of a node serve one replica; each holds 1/N "
                         "of the weights and KV heads, all-reduces go over the catalog's peer "
                         "link; memory and HBM figures are per GPU [default: 1]")
+    p.add_argument("--router", default="round-robin", choices=["round-robin", "least-loaded"],
+                   help="how --replicas share the requests: round-robin, or least-loaded (each "
+                        "arrival to the replica with the fewest requests in its system; open "
+                        "loops) [default: round-robin]")
     p.add_argument("--replicas", type=int, default=1, metavar="R",
-                   help="data-parallel replicas (each of --tp GPUs) behind a round-robin "
-                        "router; throughput and latencies over all, utilisation and memory per "
+                   help="data-parallel replicas (each of --tp GPUs) behind the --router; "
+                        "throughput and latencies over all, utilisation and memory per "
                         "replica [default: 1]")
     p.add_argument("--tp-link", choices=["own", "shared"], default="own",
                    help="with --tp: each GPU on its own host link, or one shared by the group "
@@ -180,7 +184,7 @@ def run(args) -> int:
                        timeline=args.timeline, timeline_steps=args.timeline_steps,
                        force=args.force, **scheduling_options(args), **engine_options(args),
                        kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, tp=args.tp,
-                       tp_link=args.tp_link, replicas=args.replicas,
+                       tp_link=args.tp_link, replicas=args.replicas, router=args.router,
                        slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                               ("ttft_ms", args.slo_ttft_ms),
                                               ("e2e_s", args.slo_e2e_s)) if v is not None})

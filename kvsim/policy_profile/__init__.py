@@ -11,7 +11,7 @@ harness's statistics (:data:`STATS`). Applying it (:meth:`Profile.at`, numpy onl
 3. context: each statistic's mean per length fitted by the form a back-test chose, a central
    value at the planned length and a 90% interval (:mod:`.fit`).
 
-Extrapolation is shown up to :data:`MAX_EXTRAPOLATION` times the longest measured length (and
+Extrapolation is shown up to :data:`MAX_EXTRAPOLATION` times the longest measured prompt (and
 down to a quarter of the shortest); beyond, the profile refuses with one line.
 """
 
@@ -91,6 +91,8 @@ class Profile:
             self.settings = [_split(k) for k in data["settings"]]
             self.captures = data["captures"]
             rows = data["rows"]
+            for r in rows:
+                _check_row(r, len(self.settings), len(self.captures), where)
             tasks = sorted({c["task"] for c in self.captures})
             self.tasks = tasks
             targets = sorted({int(r[2]) for r in rows})
@@ -263,12 +265,10 @@ def _at(prof: Profile, name: str, weights_json: str, n: int, head_dim: int) -> A
                                          min(bounds[1], e.hi * (1 + err)))
             forms[f"{ps}.{stat}"] = (e.form, e.backtest_error)
     overall, decode = parts["overall"], parts["decode"] or parts["question"]
-    stats = {k: v for k, v in overall.items()}
-    for k in fit_traffic(decode):
-        stats[k] = decode[k]
+    stats = dict(overall) | {k: decode[k] for k in TRAFFIC if k in decode}
     stats |= {"context_tokens": n, "head_dim": head_dim,
               "traffic_basis": "decode steps" if parts["decode"] else "question pass",
-              "layers": sorted({la for x in prof.captures for la in x["layers"]}).__len__()}
+              "layers": len({la for x in prof.captures for la in x["layers"]})}
     for ps in PASSES:
         if parts[ps]:
             stats[ps] = {k: v for k, v in parts[ps].items() if k not in LAYER_LEVEL}
@@ -292,8 +292,13 @@ def _at(prof: Profile, name: str, weights_json: str, n: int, head_dim: int) -> A
                    warnings)
 
 
-def fit_traffic(decode: dict) -> list[str]:
-    return [k for k in TRAFFIC if k in decode]
+def _check_row(r, n_settings: int, n_captures: int, where: str) -> None:
+    ok = isinstance(r, list) and len(r) == len(COLUMNS) \
+        and all(type(x) is int for x in r[:6]) and 0 <= r[0] < n_settings \
+        and 0 <= r[1] < n_captures and isinstance(r[6], (int, float)) and r[7] in PASSES \
+        and all(v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in r[8:])
+    if not ok:
+        raise KvsimError(f"{where}: a row does not match the profile's columns: {str(r)[:120]}")
 
 
 def _short(params: dict) -> str:

@@ -22,9 +22,10 @@ from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import costs_for
 from kvsim.io import atomic_write, check_destination
 from kvsim.policies.spec import PolicySpec, parse
-from kvsim.replay import report
+from kvsim.replay import policy_source, report
 from kvsim.sim import timeline, workload
 from kvsim.sim.engine import Memory, Scheduling, Simulator, default_token_budget
+from kvsim.sim.replicas import ROUTERS
 
 SLO_KEYS = ("tpot_ms", "ttft_ms", "e2e_s")
 
@@ -70,7 +71,8 @@ class ReplayConfig:
     weight_dtype: str | None = None  # layer weights: bf16 | fp8 | int4
     tp: int = 1  # tensor parallelism: GPUs of one replica (each simulated as one GPU's shard)
     tp_link: str = "own"  # "own": a host link per GPU; "shared": one for the group
-    replicas: int = 1  # data-parallel replicas behind a round-robin router
+    replicas: int = 1  # data-parallel replicas behind a router
+    router: str = "round-robin"  # or "least-loaded" (open loops; kvsim.sim.replicas)
     # what-if overrides, each recorded in provenance as such
     kv_read_frac: float | None = None  # the policy's KV read per step, replacing the trace's
     kv_read_everywhere: bool = True  # False (plan): policies that do not fetch keep their own
@@ -117,6 +119,9 @@ class ReplayConfig:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or \
                 self.replicas < 1:
             raise KvsimError(f"--replicas must be a whole number >= 1, got {self.replicas!r}")
+        if self.router not in ROUTERS:
+            raise KvsimError(f"--router must be one of {', '.join(ROUTERS)}, got "
+                             f"{self.router!r}")
         if self.tp_link not in ("own", "shared"):
             raise KvsimError(f"--tp-link must be own or shared, got {self.tp_link!r}")
         if self.link_gbps is not None and not self.link_gbps > 0:
@@ -157,8 +162,7 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
     costs, cost_source = costs_for(cfg.gpu, tr.hardware, cfg.engine, cfg.overrides(),
                                    model.layers)
     costs.set_tp(cfg.tp, cfg.tp_link == "shared")
-    from kvsim.replay import policy_source
-    n_plan = int(round(float(work.prompt.mean())))
+    n_plan = int(round(float(work.prompt.mean())))  # the profile's context: the mean prompt
     source = policy_source.choose(cfg, spec, trace_path, n_plan, analyze)
     analysis = source.analysis
     skipped = None
@@ -180,9 +184,11 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
         if cfg.replicas == 1:
             return sim, sim.run(work)
         from kvsim.sim import replicas  # one simulator per replica (the first draws the timeline)
-        runs = [(idx, (sim if j == 0 else Simulator(model, costs, cost, memory, cfg.batch,
-                                                     scheduling, work_at_prefill)).run(w))
-                for j, (idx, w) in enumerate(replicas.split(work, cfg.replicas))]
+        sims = [sim] + [Simulator(model, costs, cost, memory, cfg.batch, scheduling,
+                                  work_at_prefill) for _ in range(cfg.replicas - 1)]
+        if cfg.router == "least-loaded" and work.concurrency is None:
+            return sim, replicas.merge(replicas.least_loaded(sims, work), work.n)
+        runs = [(idx, s.run(w)) for s, (idx, w) in zip(sims, replicas.split(work, cfg.replicas))]
         return sim, replicas.merge(runs, work.n)
 
     sim, res = simulate(analysis.cost)
@@ -195,6 +201,9 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
                  for end, r in (("lo", source.lo), ("hi", source.hi)) if r is not None}
         report.add_profile(out, source.applied, bands)
     out["warnings"] += source.warnings
+    if cfg.replicas > 1:
+        how = cfg.router if work.concurrency is None else "round-robin (a closed loop)"
+        out["provenance"]["workload"] += f"; {cfg.replicas} replicas behind a {how} router"
     if skipped:
         out["warnings"].append(skipped)
     if cfg.timeline is not None:

@@ -20,10 +20,15 @@ from kvsim.sim.steps import Chunks
 
 
 class Run:
-    def __init__(self, sim, work):
+    """``routed``: requests arrive only when a router (:mod:`kvsim.sim.replicas`) hands them
+    over on the shared ``env``; the run ends when the router is done and it has served what it
+    was given."""
+
+    def __init__(self, sim, work, env: simpy.Environment | None = None, routed: bool = False):
         self.sim, self.work, self.n = sim, work, work.n
         self.sched = sim.scheduling
-        self.env = env = simpy.Environment()
+        self.env = env = env or simpy.Environment()
+        self.routed, self.assigned, self.router_done = routed, 0, False
         self.cap_hbm, self.cap_host = sim.capacity()
         self.hbm = simpy.Container(env, capacity=max(self.cap_hbm, 1))
         self.host = simpy.Container(env, capacity=max(self.cap_host, 1))
@@ -50,7 +55,9 @@ class Run:
         self.in_system, self.area, self.t = 0, 0.0, 0.0
         self.peak_hbm = self.peak_host = 0
         self.wake = env.event()
-        if work.concurrency is None:
+        if routed:
+            pass
+        elif work.concurrency is None:
             env.process(self.open_arrivals())
         else:
             for i in range(min(work.concurrency, n)):
@@ -385,8 +392,13 @@ class Run:
                     self.arrive(self.next)
                     self.next += 1
 
+    def finished(self) -> bool:
+        if self.routed:
+            return self.router_done and self.done == self.assigned
+        return self.done >= self.n
+
     def scheduler(self):
-        while self.done < self.n:
+        while not self.finished():
             if self.swapped:
                 yield from self.resume_swapped()
             self.admit()

@@ -1,8 +1,14 @@
-"""Data-parallel replicas behind a round-robin router: request ``i`` goes to replica
-``i mod R`` (a closed loop's concurrency splits as evenly), each replica is simulated on its own
-share, and the runs merge into one result whose per-request metrics cover every request and
-whose utilisations are per replica. Round-robin needs no state from the replicas, so the split
-is exact; a least-loaded router (which does) is not modelled."""
+"""Data-parallel replicas behind a router, merged into one result whose per-request metrics cover
+every request and whose utilisations are per replica.
+
+* ``round-robin``: request ``i`` goes to replica ``i mod R`` (a closed loop's concurrency splits
+  as evenly). It needs no state from the replicas, so each is simulated alone on its share.
+* ``least-loaded``: each arrival goes to the replica with the fewest requests in its system
+  (waiting, prefilling, decoding or swapped out; the lowest index on a tie), decided at the
+  arrival from the replicas' state then, so all replicas run on one simpy clock
+  (:func:`least_loaded`). A closed loop keeps round-robin: each completion's replacement
+  arrives where the completion freed its seat, which is what the even split of the
+  concurrency already does."""
 
 from __future__ import annotations
 
@@ -29,6 +35,49 @@ def split(work: Workload, replicas: int) -> list[tuple[np.ndarray, Workload]]:
             work, arrival=work.arrival[idx], prompt=work.prompt[idx], output=work.output[idx],
             concurrency=conc, description=f"{work.description}; replica {r + 1} of "
                                           f"{replicas} (round-robin)", **extra)))
+    return out
+
+
+ROUTERS = ("round-robin", "least-loaded")
+
+
+def least_loaded(sims: list, work: Workload) -> list[tuple[np.ndarray, SimResult]]:
+    """(request indices, result) per replica of an open-loop ``work`` routed least-loaded."""
+    import simpy
+
+    from kvsim.sim.batching import Run
+    env = simpy.Environment()
+    fits = [s.check_feasible(work) for s in sims]
+    runs = [Run(s, work, env=env, routed=True) for s in sims]
+    owner = np.full(work.n, -1)
+
+    def router():
+        for i in range(work.n):
+            yield env.timeout(max(float(work.arrival[i]) - env.now, 0.0))
+            r = min(range(len(runs)), key=lambda j: (runs[j].in_system, j))
+            for run in runs:
+                run.next = i + 1  # the next arrival any replica may look ahead to
+            owner[i] = r
+            runs[r].assigned += 1
+            runs[r].arrive(i)
+        for run in runs:
+            run.router_done = True
+            if not run.wake.triggered:
+                run.wake.succeed()
+
+    env.process(router())
+    env.run(until=simpy.AllOf(env, [env.process(run.scheduler()) for run in runs]))
+    out = []
+    for r, (run, sim) in enumerate(zip(runs, sims)):
+        run.mark(0)
+        idx = np.flatnonzero(owner == r)
+        if not len(idx):
+            continue
+        m = sim.memory
+        out.append((idx, SimResult(
+            run.arrival[idx], run.first_token[idx], run.finish[idx], work.output[idx],
+            run.admitted[idx], sim.chunks, m.weights_bytes + m.workspace_bytes + run.peak_hbm,
+            float(run.peak_host), run.area, fits[r], run.preemptions)))
     return out
 
 
