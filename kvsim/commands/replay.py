@@ -197,8 +197,9 @@ def run(args) -> int:
         print_json(r)
         return 0
     print(f"{r['policy']} on {r['gpu']}, {r['model']}, context {r['context']}, batch {r['batch']}")
-    cols = ["tpot_ms", "tpot_p99_ms", "throughput_tok_s", "ttft_ms", "ttft_p99_ms", "e2e_s",
-            "mean_batch", "hbm_gib", "host_gib", "link_util", "kv_read_frac"]
+    cols = ["tpot_ms", "tpot_p99_ms", "throughput_tok_s", "decode_tok_s", "ttft_ms",
+            "ttft_p99_ms", "e2e_s", "mean_batch", "hbm_gib", "host_gib", "link_util",
+            "kv_read_frac"]
     table([{c: r[c] if c in r else r["sim"][c] for c in cols}])
     if "kv_read_frac_lo" in r:
         print(f"90% interval (policy profile): KV read {r['kv_read_frac_lo']:.4g}.."
