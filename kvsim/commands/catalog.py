@@ -7,7 +7,8 @@ import dataclasses
 from kvsim.commands._out import print_json, table
 from kvsim.hw import catalog
 
-HELP = "list catalog GPUs, model shapes and built-in engine profiles with their sources"
+HELP = ("list catalog GPUs, model shapes, built-in engine profiles and the shipped policy "
+        "profile with their sources")
 
 
 def add_parser(sub) -> None:
@@ -23,8 +24,14 @@ def run(args) -> int:
                "kv_kib_per_token": m.kv_bytes_per_token / 1024} for m in catalog.MODELS.values()]
     from kvsim.hw import engine as E
     engines = [E.ROOFLINE] + [E.load(name) for name in E.BUILTIN]
+    from kvsim import policy_profile as pp
+    prof = pp.load(pp.DEFAULT)
+    profiles = [{"file": str(pp.DEFAULT.relative_to(pp.DEFAULT.parents[1])),
+                 "summary": prof.summary(),
+                 "policies": {n: prof.describe_grid(n) for n in sorted({n for n, _ in
+                                                                        prof.settings})}}]
     if args.json:
-        print_json({"gpus": gpus, "models": models,
+        print_json({"gpus": gpus, "models": models, "policy_profiles": profiles,
                     "engines": [{**e.to_json(), "origin": e.origin} for e in engines]})
         return 0
     table([{k: g[k] for k in ("name", "hbm_gib", "hbm_gbps", "bf16_tflops", "link", "h2d_gbps",
@@ -43,4 +50,8 @@ def run(args) -> int:
         print(f"  {m.name}: {m.source}")
     for e in engines:
         print(f"  engine {e.name} ({e.origin}): {e.description}")
+    for p in profiles:
+        print(f"  policy profile {p['file']} (the default of replay and plan): {p['summary']}")
+        for name, grid in p["policies"].items():
+            print(f"    {name}: {grid}")
     return 0

@@ -18,6 +18,7 @@ import pandas as pd
 from kvsim import __version__
 from kvsim.errors import KvsimError
 from kvsim.io import atomic_write
+from kvsim.plan.outputs import JOURNAL, check_outputs, journal_rows, jsonable, record
 from kvsim.plan.sweep import SweepSpec, label, sweep
 
 DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
@@ -76,62 +77,6 @@ def _write_table(df: pd.DataFrame, out: Path) -> None:
     atomic_write(out / "results.parquet", lambda f: f.write(buf.getvalue()), force=True)
 
 
-PLOTS = ("goodput_vs_rate", "throughput_vs_batch", "tpot_vs_context", "max_batch_fit",
-         "hbm_breakdown", "link_utilisation", "crossover", "pareto")  # plots.draw_all's names
-MANIFEST = ".kvsim-plan-manifest.json"  # the files this directory's plans wrote
-JOURNAL = ".kvsim-plan-journal.jsonl"  # rows of finished configurations, until results.csv
-
-
-def outputs() -> list[str]:
-    return ["results.csv", "results.parquet", "report.md", "report.html"] + \
-        [f"{p}.{ext}" for p in PLOTS for ext in ("png", "svg")]
-
-
-def _check_outputs(out: Path, force: bool) -> set[str]:
-    """The names plan may overwrite: those its manifest lists; any other file of the same name
-    in DIR stops the plan before it runs (unless ``force``)."""
-    written: set[str] = set()
-    mpath = out / MANIFEST
-    if mpath.exists():
-        try:
-            written = set(json.loads(mpath.read_text())["files"])
-        except (ValueError, KeyError, TypeError, OSError):
-            raise KvsimError(f"{mpath} is damaged; remove it (and check what DIR holds)") \
-                from None
-    foreign = [n for n in outputs() if ((out / n).exists() or (out / n).is_symlink())
-               and n not in written]
-    if foreign and not force:
-        raise KvsimError(f"--out {out} holds {', '.join(foreign[:3])}"
-                         f"{' and more' if len(foreign) > 3 else ''} that kvsim plan did not "
-                         f"write; choose another --out or pass --force")
-    return written
-
-
-def _record(out: Path, written: set[str]) -> None:
-    present = sorted(n for n in set(written) | set(outputs()) if (out / n).exists())
-    atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(
-        {"written_by": "kvsim plan", "files": present}, indent=1).encode()), force=True)
-
-
-def _read_journal(path: Path) -> list[dict]:
-    """Rows of an interrupted sweep (a torn last line, from a kill mid-write, is dropped)."""
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows += json.loads(line)
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def _jsonable(v):
-    if isinstance(v, np.generic):
-        return v.item()
-    raise TypeError(f"{type(v).__name__} is not JSON-able")
-
-
 def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None = None,
          progress: bool = True, command: str = "", force: bool = False) -> dict:
     """Run the sweep into ``out``: each finished group of configurations is appended to a
@@ -143,7 +88,7 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
     if not out.parent.is_dir():
         raise KvsimError(f"--out {out}: directory {out.parent} does not exist")
     out.mkdir(exist_ok=True)
-    written = _check_outputs(out, force)
+    written = check_outputs(out, force)
     old = pd.DataFrame()
     if (out / "results.csv").exists():
         try:
@@ -154,13 +99,13 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
             raise KvsimError(f"{out / 'results.csv'} is not a kvsim plan table")
         old = old[old.status.isin(DONE)]
     jpath = out / JOURNAL
-    journaled = pd.DataFrame([r for r in _read_journal(jpath) if r.get("status") in DONE])
+    journaled = pd.DataFrame([r for r in journal_rows(jpath) if r.get("status") in DONE])
     if len(journaled):
         journaled = journaled[~journaled.key.isin(set(old["key"]) if len(old) else set())]
         old = pd.concat([old, journaled], ignore_index=True) if len(old) else journaled
     with open(jpath, "a") as journal:
         def on_rows(rows):
-            journal.write(json.dumps(rows, default=_jsonable) + "\n")
+            journal.write(json.dumps(rows, default=jsonable) + "\n")
             journal.flush()
             os.fsync(journal.fileno())
 
@@ -172,7 +117,7 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
     df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
     _write_table(df, out)
     jpath.unlink(missing_ok=True)
-    _record(out, written)
+    record(out, written)
     any_done = bool(df.status.isin(DONE).any())
     series = {}
     if any_done:
@@ -180,7 +125,7 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
         from kvsim.plan import plots  # matplotlib loads here, when there is something to draw
         series = plots.draw_all(df, out, quality_df)
     _write_report(df, series, out, command, spec, quality)
-    _record(out, written)
+    record(out, written)
     if not any_done:
         first = df.error.dropna().iloc[0] if df.error.notna().any() else "no reason recorded"
         raise KvsimError(f"every configuration failed ({len(df)}; first: {first}); "

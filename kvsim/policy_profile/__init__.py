@@ -129,9 +129,11 @@ class Profile:
             if n == name:
                 for k, v in p.items():
                     vals.setdefault(k, set()).add(v)
-        varied = {k: sorted(v, key=str) for k, v in vals.items() if len(v) > 1}
+        order = lambda v: (0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v))  # noqa: E731
+        varied = {k: sorted(v, key=order) for k, v in vals.items() if len(v) > 1}
         fixed = {k: next(iter(v)) for k, v in vals.items() if len(v) == 1}
-        return (", ".join(f"{k} {'/'.join(map(str, v))}" for k, v in varied.items()) +
+        return (", ".join(f"{k} {'/'.join(f'{x:g}' if isinstance(x, float) else str(x) for x in v)}"
+                          for k, v in varied.items()) +
                 "; " + ", ".join(f"{k}={v}" for k, v in fixed.items() if v is not None))
 
     def _weights(self, name: str, params: dict) -> dict[int, float]:
