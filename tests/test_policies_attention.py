@@ -200,3 +200,54 @@ def test_synthetic_trace_signature_and_meta():
     assert a.layers[0].scores["kvzip"].shape == (2, a.n_tokens)
     again = synthetic_attention_trace()
     assert (again.attention.layers[1].k == a.layers[1].k).all()
+
+
+@pytest.mark.parametrize("seed, eps", [(0, 0.5), (4, 0.3)])
+def test_verkv_attention_applies_the_shrinkage_factor(seed, eps):
+    """VerKV's output and denominator equal an independent float64 sum over the trace's own
+    logits: exact weights on H and fetched tokens, lambda_i w_i / r_i on the other sampled
+    tokens, with lambda from the decision. The cases are chosen with some sampled token shrunk
+    (lambda_i = r_i < 1), so an attention path that uses w_i / r_i there fails."""
+    import torch
+
+    from kvsim.attention.dense import logits
+    from kvsim.measure.harness import observation
+    from kvsim.model.synthetic import synthetic_attention_trace
+    from kvsim.policies import make
+    from kvsim.policies.verkv.kvfetch import decide
+    a = synthetic_attention_trace(n_layers=1, context=512, question=8, decode=2, seed=seed,
+                                  kvzip=False).attention
+    la = a.layers[0]
+    pol = make("verkv", {"sink": 2, "local": 2, "eps": eps, "compression": 8.0,
+                         "sketch": "perfect"})
+    pol.bind(a.rope, a.head_dim)
+    f = lambda x: torch.as_tensor(x).to(torch.float64)  # noqa: E731
+    n = a.context_len
+    k, v, qq, qd = f(la.k), f(la.v), f(la.q_question), f(la.q_decode)
+    qpos, dpos = torch.as_tensor(a.question_pos), torch.as_tensor(a.decode_pos)
+    c = pol.compress(k[:, :n], v[:, :n], {},
+                     *observation(pol.observation, qq, qpos, qd, dpos, n),
+                     torch.Generator().manual_seed(1), layer=0)
+    q, pos = qd[:, :1], dpos[:1]
+    out, st = pol.attend(c.state, q, pos, k, v)
+    extra_pos = torch.arange(n, k.shape[1])
+    dec = decide(q, pos, c.state, pol.config(), extra_logits=logits(q, k[:, n:], pos, extra_pos))
+    g = q.shape[0] // k.shape[0]
+    smp = c.state.sample
+    exact = (smp.in_h[:, None, :] | dec.exact_kv).repeat_interleave(g, 0)
+    sampled = smp.sampled.repeat_interleave(g, 0)[:, None, :] & ~exact
+    lam = dec.lam(c.state.factors)
+    assert (lam[sampled] < 1 - 1e-9).any()  # the case shrinks a sampled token
+    r = smp.r.to(torch.float64).repeat_interleave(g, 0)[:, None, :]
+    s = logits(q, k, pos)  # (n_q, 1, n_all), -inf where masked
+    factor = torch.ones_like(s)
+    factor[..., :n] = torch.where(exact, 1.0, torch.where(sampled, lam / r, 0.0))
+    w = factor * torch.exp(s)
+    kq = k.repeat_interleave(g, 0)
+    vq = v.repeat_interleave(g, 0)
+    assert kq.shape[0] == q.shape[0]
+    d_hat = w.sum(-1)
+    o_hat = torch.einsum("hmn,hnd->hmd", w, vq) / d_hat[..., None]
+    torch.testing.assert_close(st["log_denominator"].to(torch.float64), torch.log(d_hat),
+                               rtol=0, atol=1e-9)
+    torch.testing.assert_close(out.to(torch.float64), o_hat, rtol=1e-9, atol=1e-9)

@@ -468,3 +468,26 @@ def test_kv_read_counts_each_byte_once():
     assert bool(fetched.any())
     torch.testing.assert_close(stats["kv_read_frac"][::4, 0], expect.to(F64))
     assert bool((stats["kv_read_frac"] <= 1).all())
+
+
+@pytest.mark.parametrize("kind", CASES)
+@pytest.mark.parametrize("shrink", ["unbiased", "binary", "bounded"])
+def test_certificate_equals_lemma_1_written_out(kind, shrink):
+    """eps_hat against Lemma 1 written out in plain Python floats (the spec's formula, term by
+    term): a certificate 20% too small (or large) fails here, where Monte-Carlo coverage,
+    which a loose Bernstein bound passes with room, could not tell."""
+    w, r, h_mass = rows_case(kind)
+    in_l = torch.ones_like(w, dtype=torch.bool)
+    lam = {"unbiased": torch.ones_like(w),
+           "binary": C.binary_shrinkage(w, r, in_l, head=None),
+           "bounded": C.bounded_shrinkage(w, r, in_l)}[shrink]
+    d = h_mass + float(w.sum())
+    l = math.log(2 / DELTA)
+    ws, rs, ls = w.tolist(), r.tolist(), lam.tolist()
+    beta = sum(wi * (1 - li) for wi, li in zip(ws, ls))
+    var = sum(li * li * wi * wi * (1 - ri) / ri for wi, ri, li in zip(ws, rs, ls))
+    b = max(li * wi / ri * max(ri, 1 - ri) for wi, ri, li in zip(ws, rs, ls))
+    want = (beta + b * l / 3 + math.sqrt((b * l / 3) ** 2 + 2 * var * l)) / d
+    got = float(C.eps_hat(w, r, lam, in_l, d, DELTA))
+    assert got == pytest.approx(want, rel=1e-12)
+    assert not 0.8 * want == pytest.approx(got, rel=1e-3)  # the power this test has
