@@ -146,3 +146,36 @@ def test_registry_is_what_the_package_holds():
             "flat"} <= set(REGISTRY)
     for name, cls in REGISTRY.items():
         assert cls.name == name and cls.summary  # --help explains every policy
+
+
+def test_poissoncomp_expects_the_whole_budget_and_verkv_pays_its_sketch_from_it():
+    """PoissonComp's expected kept count (sum of r, sink and local included) is the whole
+    n/compression; VerKV's is that less its sketch's share (spec point 6, as the PoissonComp
+    docstring explains)."""
+    import torch
+
+    from kvsim.attention.sampling import poisson_compress
+    from kvsim.attention.scoring import to_tau
+    from kvsim.model.synthetic import synthetic_attention_trace
+    from kvsim.policies import make
+    from kvsim.policies.verkv.sketch import sketch_bits_per_token
+    a = synthetic_attention_trace(n_layers=1, context=2048, kvzip=False).attention
+    la, n = a.layers[0], a.context_len
+    k = torch.as_tensor(la.k[:, :n]).double()
+    v = torch.as_tensor(la.v[:, :n]).double()
+    q, qpos = torch.as_tensor(la.q_question).double(), torch.as_tensor(a.question_pos)
+    opts = {"sink": 4, "local": 4, "compression": 16.0}
+    pc = make("poissoncomp", opts)
+    pc.bind(a.rope, a.head_dim)
+    scores = torch.rand(k.shape[0], n, generator=torch.Generator().manual_seed(0),
+                        dtype=torch.float64)
+    budget = pc.sample_budget(n)  # resolves sink and local first
+    smp = poisson_compress(to_tau(scores), *pc.sink_local, budget,
+                           torch.Generator().manual_seed(0))
+    torch.testing.assert_close(smp.r.sum(-1), torch.full((k.shape[0],), n / 16,
+                                                          dtype=torch.float64))
+    vk = make("verkv", opts)
+    vk.bind(a.rope, a.head_dim)
+    c = vk.compress(k, v, {}, q, qpos, torch.Generator().manual_seed(0), layer=0)
+    sketch_tokens = n * sketch_bits_per_token(a.head_dim) / 8 / (2 * a.head_dim * 2)
+    assert bool((c.state.sample.r.sum(-1) < n / 16 - 0.5 * sketch_tokens).all())

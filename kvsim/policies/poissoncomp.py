@@ -2,8 +2,11 @@
 
 Per layer and KV head: sink + local tokens always kept, ``r_i = min(1, c tau_i)`` for the others
 with ``c`` solved so that the expected kept count equals the whole budget
-``n_ctx / compression`` (no sketch is held, so none is paid: spec point 6), an independent
-Bernoulli sample. Attention uses the unbiased estimator (lambda = 1): weight ``w_i`` on H and
+``n_ctx / compression``, an independent Bernoulli sample. Spec point 6 asks for "the budget minus
+the sketch"; this PoissonComp never fetches, so it holds no key sketch and there is nothing to
+subtract: at the same compression it holds what VerKV holds for its sample plus VerKV's sketch,
+which is the comparison at equal GPU bytes (``tests/test_policy_contract.py`` checks the
+expected count). Attention uses the unbiased estimator (lambda = 1): weight ``w_i`` on H and
 ``w_i / r_i`` on sampled tokens; unsampled tokens are gone (host_frac 0). The sampled tokens'
 fp16 inclusion probabilities are metadata.
 """
