@@ -84,3 +84,18 @@ def test_flags_of_other_policies_are_ignored_with_a_warning(attn_trace):
     r = json.loads(out)
     assert "--eps, --sketch ignored: not options of dense-offload" in r["warnings"][0]
     assert "ignored" in err and r["policy_options"] == {}
+
+
+def test_verkv_json_has_the_sketch_and_per_layer_violation_keys(attn_trace):
+    """Issue 14's interface keys on a trace: violation_rate with its worst layer (the
+    per-layer rates behind it), question_kv_read_frac and the sketch's bytes per token."""
+    code, out, err = run_cli("replay", attn_trace, "--policy", "verkv", "--sink", "1",
+                             "--local", "1", "--compression", "4", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    by_layer = r["policy_stats"]["violation_rate_by_layer"]
+    assert set(by_layer) == {"0", "3"}
+    assert r["violation_rate_max_layer"] == max(by_layer.values()) >= r["violation_rate"]
+    assert 0 <= r["question_kv_read_frac"] <= 1
+    from kvsim.policies.verkv.sketch import sketch_bytes
+    assert r["sketch_bytes_per_token"] == pytest.approx(sketch_bytes(56, 16) / 56)

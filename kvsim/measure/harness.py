@@ -80,6 +80,8 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
     timed = {ids[i] for i in np.linspace(0, len(ids) - 1, min(TIMING_LAYERS, len(ids)))
              .round().astype(int)} if policy.times_compress and timed else set()
     calls, compressed, t_comp, t_dense = Calls(), [], [], []
+    eps = getattr(policy.params, "eps", None)
+    by_layer: dict[int, list] = {}  # layer -> denominator errors of its decisions
     from tqdm import tqdm
     bar = tqdm(a.layers, desc=f"{policy.name} on the trace", unit="layer", leave=False,
                disable=None if progress else True)  # on a terminal, when asked
@@ -117,8 +119,14 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
             if "log_denominator" in st:
                 den = (st["log_denominator"].to(torch.float64) - ref_logd).exp() - 1
                 rec["denominator_rel_err"] = den.abs()
+                by_layer.setdefault(int(la.layer), []).append(den.abs().reshape(-1))
             calls.add(phase, rec, n_ctx)
-    stats = calls.summary(getattr(policy.params, "eps", None))
+    stats = calls.summary(eps)
+    if eps is not None and by_layer:  # the same decisions, per layer (spec: per decision)
+        rates = {l: float((torch.cat(e) > eps).to(torch.float64).mean())
+                 for l, e in by_layer.items()}
+        stats["violation_rate_by_layer"] = {str(l): v for l, v in sorted(rates.items())}
+        stats["violation_rate_max_layer"] = max(rates.values())
     stats |= {"context_tokens": n_ctx, "layers": len(a.layers), "decisions": calls.decisions,
               "head_dim": a.head_dim, **kept(policy, compressed, n_ctx, a.head_dim)}
     if policy.notes:

@@ -121,7 +121,14 @@ class VerKV(Policy):
         held = float(smp.resident.sum(-1).to(torch.float64).mean())
         meta = sk_bytes + n_ctx * R_BYTES
         return Compressed(make_layer(smp, sketch, k, p.variant), held, held * token_bytes + meta,
-                          meta, {"expected_tokens": float(smp.expected_kept().mean())})
+                          meta, {"expected_tokens": float(smp.expected_kept().mean()),
+                                 "sketch_bytes_per_token": sk_bytes / n_ctx})
+
+    def summarize(self, infos: list[dict]) -> dict:
+        """The sketch's GPU bytes per context token and KV head (the perfect sketch reserves the
+        2-bit sketch's share, so both report it); the fp16 inclusion probability is apart."""
+        return {"sketch_bytes_per_token": sum(i["sketch_bytes_per_token"] for i in infos)
+                / len(infos), "r_bytes_per_token": float(R_BYTES)}
 
     def attend(self, state, q, q_pos, k, v):
         layer = state
