@@ -251,3 +251,10 @@ def test_verkv_attention_applies_the_shrinkage_factor(seed, eps):
     torch.testing.assert_close(st["log_denominator"].to(torch.float64), torch.log(d_hat),
                                rtol=0, atol=1e-9)
     torch.testing.assert_close(out.to(torch.float64), o_hat, rtol=1e-9, atol=1e-9)
+    # the per-decision convention: only the decision's own fetches are exact
+    own = smp.in_h.repeat_interleave(g, 0)[:, None, :] | dec.own_exact
+    own_sampled = smp.sampled.repeat_interleave(g, 0)[:, None, :] & ~own
+    f_own = torch.ones_like(s)
+    f_own[..., :n] = torch.where(own, 1.0, torch.where(own_sampled, lam / r, 0.0))
+    torch.testing.assert_close(st["log_denominator_own"].to(torch.float64),
+                               torch.log((f_own * torch.exp(s)).sum(-1)), rtol=0, atol=1e-9)

@@ -120,6 +120,9 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
                 den = (st["log_denominator"].to(torch.float64) - ref_logd).exp() - 1
                 rec["denominator_rel_err"] = den.abs()
                 by_layer.setdefault(int(la.layer), []).append(den.abs().reshape(-1))
+            if "log_denominator_own" in st:  # the decision's own fetch set (the spec's count)
+                own = (st["log_denominator_own"].to(torch.float64) - ref_logd).exp() - 1
+                rec["denominator_rel_err_own"] = own.abs()
             calls.add(phase, rec, n_ctx)
     stats = calls.summary(eps)
     if eps is not None and by_layer:  # the same decisions, per layer (spec: per decision)

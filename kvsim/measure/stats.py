@@ -7,6 +7,9 @@ does not return means "not applicable"; a policy that returns no traffic names f
 
 ``log_denominator``  log of the policy's estimate of the softmax denominator (same scale as
                      dense); the harness turns it into ``denominator_rel_err``
+``log_denominator_own`` the same with only the decision's own fetches made exact (VerKV: the
+                     spec's per-decision convention; the union over a KV head's query heads is
+                     what is fetched): ``violation_rate_own``
 ``fetch``            the decision asked for tokens from host memory (bool; VerKV: k* > 0)
 ``fetched_tokens``   context tokens it asked for that were not resident (its own share, before
                      the GQA union)
@@ -39,7 +42,7 @@ TRAFFIC = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_
            "kv_read_frac")
 PHASES = ("question", "decode")
 _NAMED = {"fetch", "fetched_tokens", "kvhead_fetch", "kv_read_frac", "denominator_rel_err",
-          "output_rel_err"}
+          "output_rel_err", "denominator_rel_err_own"}
 
 
 class Calls:
@@ -107,6 +110,9 @@ def _summary(recs: list[dict], eps: float | None) -> dict:
         out["denominator_rel_err_max"] = float(den.max())
         if eps is not None:
             out["violation_rate"] = float((den > eps).to(torch.float64).mean())
+    own = _cat(recs, "denominator_rel_err_own")
+    if own is not None and eps is not None:  # each decision with its own fetch set alone
+        out["violation_rate_own"] = float((own > eps).to(torch.float64).mean())
     err = _cat(recs, "output_rel_err")
     if err is not None:
         out["output_rel_err_mean"] = float(err.mean())

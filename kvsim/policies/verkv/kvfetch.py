@@ -187,13 +187,19 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
                     shift.reshape(lead), shrink)
 
 
-def reweighted_log_factor(layer: VerKVLayer, dec: Decision, n_q: int) -> torch.Tensor:
+def reweighted_log_factor(layer: VerKVLayer, dec: Decision, n_q: int,
+                          own: bool = False) -> torch.Tensor:
     """(n_q, m, n) additive log-weights on the exact context logits: 0 on H and on the tokens
-    made exact, ``log(lambda_i / r_i)`` on sampled tokens still in L', -inf elsewhere."""
+    made exact, ``log(lambda_i / r_i)`` on sampled tokens still in L', -inf elsewhere. The
+    tokens made exact are the KV head's union over its query heads (what is fetched), or with
+    ``own`` the decision's own set (the spec's per-decision convention, for reporting)."""
     n_kv = layer.k_host.shape[0]
     g = n_q // n_kv
     smp = layer.sample
-    exact = (smp.in_h[:, None, :] | dec.exact_kv).repeat_interleave(g, dim=0)
+    if own:
+        exact = smp.in_h.repeat_interleave(g, dim=0)[:, None, :] | dec.own_exact
+    else:
+        exact = (smp.in_h[:, None, :] | dec.exact_kv).repeat_interleave(g, dim=0)
     sampled = smp.sampled.repeat_interleave(g, dim=0)[:, None, :] & ~exact
     r = smp.r.to(dec.denom_est.dtype).repeat_interleave(g, dim=0)[:, None, :]
     lam = dec.lam(layer.factors)

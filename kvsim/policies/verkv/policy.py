@@ -139,7 +139,7 @@ class VerKV(Policy):
         sampled = layer.sample.sampled
         fetched_pass = torch.zeros(n_kv, n_ctx, dtype=torch.bool, device=q.device)
         short_pass = torch.zeros_like(fetched_pass)
-        outs, logds, rows = [], [], []
+        outs, logds, logds_own, rows = [], [], [], []
         extra_pos = torch.arange(n_ctx, k.shape[1], device=q.device)
         for sl in row_chunks(n_q, m, k.shape[1]):
             qc, pc = q[:, sl], q_pos[sl]
@@ -147,9 +147,14 @@ class VerKV(Policy):
             dec = decide(qc, pc, layer, cfg, extra_logits=extra)
             log_w = reweighted_log_factor(layer, dec, n_q)
             o, ld = weighted_attention(qc, pc, k, v, log_w)
-            true_logd = torch.logsumexp(logits(qc, k, pc), dim=-1)
+            full = logits(qc, k, pc)
+            true_logd = torch.logsumexp(full, dim=-1)
+            own_w = reweighted_log_factor(layer, dec, n_q, own=True)
+            ld_own = torch.logsumexp(torch.cat([full[..., :n_ctx] + own_w, full[..., n_ctx:]],
+                                               -1), dim=-1)
             outs.append(o)
             logds.append(ld)
+            logds_own.append(ld_own)
             new_kv = dec.exact_kv & ~sampled[:, None, :]  # (n_kv, mc, n) fetched after the union
             fetched_pass |= new_kv.any(1)
             short_pass |= (dec.shortlisted & ~sampled[:, None, :]).any(1)
@@ -173,6 +178,7 @@ class VerKV(Policy):
         read = ((fetched_pass | short_pass).sum(-1) + fetched_pass.sum(-1)) / (2.0 * n_ctx)
         stats["kv_read_frac"] = read.to(q.dtype).repeat_interleave(g)[:, None].expand(n_q, m)
         stats["log_denominator"] = torch.cat(logds, 1)
+        stats["log_denominator_own"] = torch.cat(logds_own, 1)
         return torch.cat(outs, 1), stats
 
     def prefill_work(self, model):
