@@ -64,16 +64,22 @@ def binomial_slack(p: float, n: int) -> float:
 CASES = ["heavy", "spiky", "small_r", "large_r"]
 
 
-# ------------------------------------------------------------------------ certificate
-
-@pytest.mark.parametrize("kind", CASES)
-@pytest.mark.parametrize("shrink", ["unbiased", "binary", "bounded"])
-def test_bernstein_coverage_monte_carlo(kind, shrink):
+def shrunk_case(kind: str, shrink: str):
+    """(w, r, H mass, L mask, lambda) of a case under one shrinkage rule."""
     w, r, h_mass = rows_case(kind)
     in_l = torch.ones_like(w, dtype=torch.bool)
     lam = {"unbiased": torch.ones_like(w),
            "binary": C.binary_shrinkage(w, r, in_l, head=None),
            "bounded": C.bounded_shrinkage(w, r, in_l)}[shrink]
+    return w, r, h_mass, in_l, lam
+
+
+# ------------------------------------------------------------------------ certificate
+
+@pytest.mark.parametrize("kind", CASES)
+@pytest.mark.parametrize("shrink", ["unbiased", "binary", "bounded"])
+def test_bernstein_coverage_monte_carlo(kind, shrink):
+    w, r, h_mass, in_l, lam = shrunk_case(kind, shrink)
     d_true = h_mass + float(w.sum())
     e = float(C.eps_hat(w, r, lam, in_l, d_true, DELTA))
     samples = 4000
@@ -476,11 +482,7 @@ def test_certificate_equals_lemma_1_written_out(kind, shrink):
     """eps_hat against Lemma 1 written out in plain Python floats (the spec's formula, term by
     term): a certificate 20% too small (or large) fails here, where Monte-Carlo coverage,
     which a loose Bernstein bound passes with room, could not tell."""
-    w, r, h_mass = rows_case(kind)
-    in_l = torch.ones_like(w, dtype=torch.bool)
-    lam = {"unbiased": torch.ones_like(w),
-           "binary": C.binary_shrinkage(w, r, in_l, head=None),
-           "bounded": C.bounded_shrinkage(w, r, in_l)}[shrink]
+    w, r, h_mass, in_l, lam = shrunk_case(kind, shrink)
     d = h_mass + float(w.sum())
     l = math.log(2 / DELTA)
     ws, rs, ls = w.tolist(), r.tolist(), lam.tolist()
