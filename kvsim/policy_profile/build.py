@@ -136,6 +136,10 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
                 record(ci, j, i, _run_unit((ci, j, i), sis))
     bar.close()
     profile = {"format": FORMAT, "version": VERSION, "seed": seed, "captures": files,
+               "how": "kvsim policy-profile: each captured layer alone through kvsim.measure."
+                      "harness (the seeds kvsim replay uses), policies in float32 against a "
+                      "float64 dense reference; one row per (setting, capture set, length, "
+                      "question, layer, pass)",
                "settings": settings, "columns": COLUMNS,
                "rows": [r for jb in jobs for r in done[_job(*jb)]]}
     save(profile, out, force)
