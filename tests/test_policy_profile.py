@@ -157,7 +157,8 @@ def test_interpolation_between_grid_settings_lies_between_them(profile):
 
 @pytest.mark.parametrize("over, n, msg", [
     ({"compression": 32.0}, 256, "outside the profile's grid"),
-    ({"compression": 16.0, "sketch": "perfect"}, 256, "no verkv setting like"),
+    ({"compression": 16.0, "sketch": "perfect"}, 256, "no verkv setting with sketch=perfect"),
+    ({"compression": 16.0, "sink": 8}, 256, r"sink=8 \(it holds 4\)"),
     ({"compression": 16.0}, 100_000, "extrapolates to"),
     ({"compression": 16.0}, 60, "extrapolates to"),
 ])

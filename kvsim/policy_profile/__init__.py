@@ -164,7 +164,14 @@ class Profile:
                 for i, w in self._weights(name, {**params, key: g}).items():
                     out[i] = out.get(i, 0.0) + w * wt
             return out
-        raise KvsimError(f"{self.where} has no {name} setting like {_short(params)}; it holds "
+        held = {k: {p.get(k) for _, p in same} for k in params}
+        off = [f"{k}={params[k]} (it holds {'/'.join(str(v) for v in sorted(held[k], key=str))})"
+               for k in params if params[k] not in held[k]]
+        where = Path(self.where).name
+        if off:
+            raise KvsimError(f"{where} has no {name} setting with {', '.join(off)}: give the "
+                             f"profile's values, or measure yours with kvsim policy-profile")
+        raise KvsimError(f"{where} has no {name} setting combining {_short(params)}; it holds "
                          f"{self.describe_grid(name)}")
 
     # ------------------------------------------------------------------ values
