@@ -26,7 +26,15 @@ from kvsim.attention.scoring import snapkv_scores
 from kvsim.captureset import kv_heads_for
 from kvsim.errors import KvsimError
 from kvsim.model import tasks
-from kvsim.model.runner import SNAPKV_WINDOW, cache_kv, generate, prefill_recording, truncate
+from kvsim.model.hooks import Controller
+from kvsim.model.runner import (
+    SNAPKV_WINDOW,
+    Prefilled,
+    cache_kv,
+    generate,
+    prefill_recording,
+    truncate,
+)
 
 NESTED_TASKS = ("mk", "qa")
 FACTS_PER_STRETCH = 4  # needles or asked documents placed in each length's new stretch
@@ -176,9 +184,8 @@ def capture_nested(lm, prompt: NestedPrompt, lengths: list[int], layers: list[in
         for qi, q in enumerate(prompt.questions[j]):
             bar.set_postfix_str(f"{lengths[j]} tokens, question {qi + 1}")
             _, q_ids = codec.nested_layout(prompt.pieces[:1], q.question, q.answer_prefix)
-            from kvsim.model.runner import Prefilled
             pre = Prefilled(cache, ctx_ids[:n], {}, torch.arange(0))
-            ctl_rec = _recorder(layers)
+            ctl_rec = Controller(mode="stock", record_layers=set(layers))
             gen = generate(model, codec, pre, q_ids, decode_steps + 1, stop=False, crop=False,
                            controller=ctl_rec)
             m_q = len(q_ids)
@@ -210,11 +217,6 @@ def capture_nested(lm, prompt: NestedPrompt, lengths: list[int], layers: list[in
         layers=layers, heads=heads, weights={l: float(weights.get(l, 1.0)) for l in layers},
         ctx_k={l: _f16(kv[l][0]) for l in layers}, ctx_v={l: _f16(kv[l][1]) for l in layers},
         lengths=out_lengths, rope=dict(info["rope"]), provenance=prov)
-
-
-def _recorder(layers):
-    from kvsim.model.hooks import Controller
-    return Controller(mode="stock", record_layers=set(layers))
 
 
 def _f16(x: torch.Tensor) -> np.ndarray:

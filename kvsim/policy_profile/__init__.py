@@ -287,7 +287,7 @@ def _at(prof: Profile, name: str, weights_json: str, n: int, head_dim: int) -> A
     prov = (f"policy profile {Path(prof.where).name}: {prof.summary()}; measured at "
             f"{mlo}..{mhi} tokens, {where} to {n}"
             + (f" (KV read: form {kv[0]}, chosen by back-test)" if kv else "")
-            + f"; 90% interval: bootstrap over tasks and questions, widened by close forms"
+            + "; 90% interval: bootstrap over tasks and questions, widened by close forms"
             + (f" and by the layer sample's measured error against every layer (KV read "
                f"+-{100 * prof.sample_error('decode.kv_read_frac'):.0f}%)"
                if prof.sample_error("decode.kv_read_frac") else ""))
