@@ -103,6 +103,18 @@ def _show(prof, settings, context: int, as_json: bool) -> int:
             for w in a.warnings:
                 print(f"warning: {w}")
             table(rows)
+            print("\nmeasured means per length (what the fits use; every question, layers "
+                  "weighted):")
+            import numpy as np
+            w = prof._weights(spec.name, params)
+            means = []
+            for ps in ("question", "decode", "overall"):
+                units = prof._units(w, ps, "kv_read_frac")
+                if units:
+                    means.append({"KV read": ps, **{
+                        f"{n:,.0f}": float(np.mean(np.concatenate([t[j] for t in units])))
+                        for j, n in enumerate(prof.n)}})
+            table(means)
             layers = sorted(a.per_layer)
             lens = sorted(next(iter(a.per_layer.values()))["decode"])
             print("\nKV read per forward pass, per layer (measured; decode / overall):")
