@@ -83,6 +83,8 @@ def run(args) -> int:
 
 
 def _show(prof, settings, context: int, as_json: bool) -> int:
+    import numpy as np
+
     from kvsim.commands._out import print_json, table
     out = []
     for spec, params in settings:
@@ -105,7 +107,6 @@ def _show(prof, settings, context: int, as_json: bool) -> int:
             table(rows)
             print("\nmeasured means per length (what the fits use; every question, layers "
                   "weighted):")
-            import numpy as np
             w = prof._weights(spec.name, params)
             means = []
             for ps in ("question", "decode", "overall"):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvsim import captureset
 from kvsim.errors import KvsimError
-from kvsim.io import check_destination
+from kvsim.io import check_destination, regular_file
 from kvsim.policy_profile import COLUMNS, FORMAT, PASSES, STATS, VERSION, save, setting_key
 from kvsim.trace import Attention, Trace
 
@@ -67,10 +67,7 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
     check_destination(out, force)
     sets, files = [], []
     for p in captures:
-        path = Path(p)
-        if not path.is_file():
-            raise KvsimError(f"{p}: not a regular file (give capture sets from kvsim capture "
-                             f"--lengths)")
+        path = regular_file(p, "capture set")
         c = captureset.load(path)
         sets.append(c)
         files.append({"file": path.name, "sha256_16": _digest(path), "task": c.task,
