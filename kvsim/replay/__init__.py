@@ -25,6 +25,7 @@ from kvsim.policies.spec import PolicySpec, parse
 from kvsim.replay import policy_source, report
 from kvsim.sim import timeline, workload
 from kvsim.sim.engine import Memory, Scheduling, Simulator, default_token_budget
+from kvsim.sim.metrics import Requests, window_of
 from kvsim.sim.replicas import ROUTERS
 
 SLO_KEYS = ("tpot_ms", "ttft_ms", "e2e_s")
@@ -179,17 +180,20 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
                     model.weight_bytes, _gib(cfg.workspace_gib, DEFAULT_WORKSPACE_GIB))
     scheduling = cfg.scheduling(default_token_budget(costs.gpu_name, costs.hbm_bytes))
 
+    window = window_of(work.arrival, report.WARMUP, work.concurrency is not None)
+
     def simulate(cost):
         sim = Simulator(model, costs, cost, memory, cfg.batch, scheduling, work_at_prefill)
+        requests = Requests(dict(cfg.slo), window)
         if cfg.replicas == 1:
-            return sim, sim.run(work)
+            return sim, sim.run(work, requests)
         from kvsim.sim import replicas  # one simulator per replica (the first draws the timeline)
         sims = [sim] + [Simulator(model, costs, cost, memory, cfg.batch, scheduling,
                                   work_at_prefill) for _ in range(cfg.replicas - 1)]
         if cfg.router == "least-loaded" and work.concurrency is None:
-            return sim, replicas.merge(replicas.least_loaded(sims, work), work.n)
-        runs = [(idx, s.run(w)) for s, (idx, w) in zip(sims, replicas.split(work, cfg.replicas))]
-        return sim, replicas.merge(runs, work.n)
+            return sim, replicas.merge(replicas.least_loaded(sims, work, requests))
+        return sim, replicas.merge([s.run(w, requests.fresh()) for s, w in
+                                    zip(sims, replicas.split(work, cfg.replicas))])
 
     sim, res = simulate(analysis.cost)
     if analysis.cost.decide_bytes_per_token > 0:
@@ -197,7 +201,7 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
     out = report.build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, memory,
                        work, res, scheduling, work_at_prefill)
     if source.applied is not None:
-        bands = {end: report.simulation(simulate(r.cost)[1], work, cfg.slo)
+        bands = {end: report.simulation(simulate(r.cost)[1], work)
                  for end, r in (("lo", source.lo), ("hi", source.hi)) if r is not None}
         report.add_profile(out, source.applied, bands)
     out["warnings"] += source.warnings

@@ -29,68 +29,47 @@ TABLE2 = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_f
           "violation_rate_own", "sketch_bytes_per_token")
 
 
-def per_request(res) -> dict[str, np.ndarray]:
-    """TTFT (ms), TPOT (ms; NaN for one-token requests) and end-to-end latency (s) per request."""
-    multi = res.output > 1
-    tpot = np.full(len(res.output), np.nan)
-    tpot[multi] = (res.finish - res.first_token)[multi] / (res.output[multi] - 1) * 1e3
-    return {"ttft_ms": (res.first_token - res.arrival) * 1e3, "tpot_ms": tpot,
-            "e2e_s": res.finish - res.arrival}
-
-
-def goodput(res, slo: dict, makespan: float) -> dict:
-    """Requests per second that meet every SLO given (DistServe's goodput), and their share."""
-    req = per_request(res)
-    ok = np.ones(len(res.output), bool)
-    for key, limit in slo.items():
-        v = req[key]
-        ok &= np.isnan(v) | (v <= limit)  # a one-token request has no TPOT to miss
-    return {"goodput_rps": float(ok.sum()) / makespan if makespan > 0 else float("nan"),
-            "slo_attainment": float(ok.mean())}
-
-
 WARMUP = 0.2  # the first fifth of the arrivals warms the system up
 
 
 def keeping_up(res, work) -> dict:
     """Of an open-loop run, over the measured window (the arrival of the first fifth of the
-    requests to the last arrival): the arrivals, the share of them the system served (its
-    completions in the window over its arrivals) and how much the number in system grew."""
-    if work.concurrency is not None or work.n < 10:
+    requests to the last arrival, :func:`kvsim.sim.metrics.window_of`): the arrivals, the share
+    of them the system served (its completions in the window over its arrivals) and how much
+    the number in system grew."""
+    req = res.requests
+    if req.window is None:
         return {"arrivals_window": None, "served_frac_window": None, "queue_growth_window": None}
-    t0, t1 = np.sort(res.arrival)[int(WARMUP * work.n)], res.arrival.max()
-    in_system = lambda t: int((res.arrival <= t).sum() - (res.finish <= t).sum())  # noqa: E731
-    arrived = int(((res.arrival > t0) & (res.arrival <= t1)).sum())
-    served = int(((res.finish > t0) & (res.finish <= t1)).sum())
+    t0, t1 = req.window
+    a0, a1 = int((work.arrival <= t0).sum()), int((work.arrival <= t1).sum())
+    arrived, served = a1 - a0, req.done_by_t1 - req.done_by_t0
     return {"arrivals_window": arrived,
             "served_frac_window": served / arrived if arrived else None,
-            "queue_growth_window": in_system(t1) - in_system(t0)}
+            "queue_growth_window": (a1 - req.done_by_t1) - (a0 - req.done_by_t0)}
 
 
-def simulation(res, work, slo: dict | None = None) -> dict:
-    """Latency, throughput and utilisation of a simulated run."""
-    ttft = res.first_token - res.arrival
-    e2e = res.finish - res.arrival
-    multi = res.output > 1
-    tpot = (res.finish - res.first_token)[multi] / (res.output[multi] - 1)
-    makespan = float(res.finish.max() - res.arrival.min())
+def simulation(res, work) -> dict:
+    """Latency, throughput and utilisation of a simulated run (goodput if it had an SLO)."""
+    req = res.requests
+    makespan = req.last_finish - req.first_arrival if req.count else 0.0
     log = res.chunks  # sums over every chunk (kvsim.sim.engine.ChunkLog)
     decode_time = log.decode_seconds  # a mixed step: its decodes' share
     reps = res.replicas  # busy time summed over replicas: utilisation per replica
     gpu_busy = log.gpu_busy / reps
     link_busy = log.link_busy / reps
     nan = float("nan")
-    pct = lambda a, q: float(np.percentile(a, q)) * 1e3 if len(a) else nan  # noqa: E731
-    per_s = lambda x: x / makespan if makespan > 0 else nan  # noqa: E731
-    return {
-        "tpot_ms": float(tpot.mean()) * 1e3 if len(tpot) else nan,
-        "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
-        "ttft_ms": float(ttft.mean()) * 1e3, "ttft_p50_ms": pct(ttft, 50),
-        "ttft_p99_ms": pct(ttft, 99),
-        "e2e_s": float(e2e.mean()), "e2e_p50_s": pct(e2e, 50) / 1e3,
-        "e2e_p99_s": pct(e2e, 99) / 1e3,
-        "queue_wait_p99_ms": pct(res.admitted - res.arrival, 99),
-        "throughput_tok_s": per_s(float(res.output.sum())),
+    ms = lambda x: x * 1e3
+    per_s = lambda x: x / makespan if makespan > 0 else nan
+    out = {
+        "tpot_ms": ms(req.tpot.mean()),
+        "tpot_p50_ms": ms(req.tpot.percentile(50)), "tpot_p99_ms": ms(req.tpot.percentile(99)),
+        "ttft_ms": ms(req.ttft.mean()), "ttft_p50_ms": ms(req.ttft.percentile(50)),
+        "ttft_p99_ms": ms(req.ttft.percentile(99)),
+        "e2e_s": req.e2e.mean(), "e2e_p50_s": req.e2e.percentile(50),
+        "e2e_p99_s": req.e2e.percentile(99),
+        "queue_wait_p99_ms": ms(req.wait.percentile(99)),
+        "percentiles": req.ttft.method(),
+        "throughput_tok_s": per_s(float(req.output_tokens)),
         "decode_tok_s": (reps * log.decode_tokens / decode_time if decode_time else nan),
         "requests_per_s": per_s(work.n),
         "requests": work.n,
@@ -102,8 +81,11 @@ def simulation(res, work, slo: dict | None = None) -> dict:
         "link_util": link_busy / makespan if makespan > 0 else 0.0,
         "preemptions": res.preemptions,
         **keeping_up(res, work),
-        **(goodput(res, slo, makespan) if slo else {}),
     }
+    if req.slo:  # DistServe's goodput: requests per second that meet every SLO, and their share
+        out["goodput_rps"] = req.meet_slo / makespan if makespan > 0 else nan
+        out["slo_attainment"] = req.meet_slo / req.count if req.count else nan
+    return out
 
 
 def memory(res, cost, model, mem, batch: int) -> dict:
@@ -219,7 +201,7 @@ def scheduler_words(cfg, s) -> str:
 
 def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
           res, scheduling, work_at_prefill) -> dict:
-    sim = simulation(res, work, cfg.slo)
+    sim = simulation(res, work)
     sim |= {"scheduler": scheduling.scheduler,
             "max_batched_tokens": scheduling.max_batched_tokens
             if scheduling.scheduler == "chunked" else None,

@@ -8,14 +8,15 @@ Requests wait, prefill (in chunks or whole), decode, are swapped out, and finish
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import deque
 
 import numpy as np
 import simpy
 
+from kvsim.sim.chunking import plan_chunks
 from kvsim.sim.engine import MAX_CHUNK, Chunk
+from kvsim.sim.metrics import Requests
 from kvsim.sim.steps import Chunks
 
 
@@ -24,25 +25,21 @@ class Run:
     over on the shared ``env``; the run ends when the router is done and it has served what it
     was given."""
 
-    def __init__(self, sim, work, env: simpy.Environment | None = None, routed: bool = False):
+    SLOTS = ("arrival", "first_token", "admitted", "ctx", "prompt", "target", "prefilled",
+             "left", "output", "held_hbm", "held_host", "order", "swap_host")
+
+    def __init__(self, sim, work, env: simpy.Environment | None = None, routed: bool = False,
+                 requests: Requests | None = None):
         self.sim, self.work, self.n = sim, work, work.n
         self.sched = sim.scheduling
         self.env = env = env or simpy.Environment()
         self.routed, self.assigned, self.router_done = routed, 0, False
         self.cap_hbm, self.cap_host = sim.capacity()
-        self.hbm = simpy.Container(env, capacity=max(self.cap_hbm, 1))
-        self.host = simpy.Container(env, capacity=max(self.cap_host, 1))
-        n = self.n
-        self.arrival = work.arrival.astype(float).copy()
-        self.first_token, self.finish, self.admitted = (np.full(n, np.nan) for _ in range(3))
-        self.prompt = work.prompt.astype(np.int64)
-        self.target = self.prompt.copy()  # tokens to prefill
-        self.prefilled = np.zeros(n, np.int64)
-        self.ctx = np.zeros(n)  # tokens in the cache while decoding
-        self.left = work.output.astype(np.int64).copy()  # tokens still to emit
-        self.held_hbm = np.zeros(n, np.int64)
-        self.held_host = np.zeros(n, np.int64)
-        self.order = np.zeros(n, np.int64)  # admission order (the preemption victim is the last)
+        self.used_hbm = self.used_host = 0  # whole bytes held (callers check room first)
+        # per request in the system, by slot (a finished request's slot is reused): memory
+        # follows the requests in the system, not the workload's length
+        self.slots, self.free = 0, []
+        self.requests = requests if requests is not None else Requests()
         self.waiting: deque[int] = deque()
         self.prefilling: list[int] = []
         self.running = np.zeros(0, np.int64)
@@ -51,7 +48,6 @@ class Run:
         # after a preemption nothing is admitted or resumed until a request completes: memory
         # frees only then, and re-admitting at once would preempt again (thrash)
         self.pressure = False
-        self.swap_host = np.zeros(n, np.int64)  # host bytes a swapped-out state occupies
         self.in_system, self.area, self.t = 0, 0.0, 0.0
         self.peak_hbm = self.peak_host = 0
         self.wake = env.event()
@@ -60,49 +56,78 @@ class Run:
         elif work.concurrency is None:
             env.process(self.open_arrivals())
         else:
-            for i in range(min(work.concurrency, n)):
+            for i in range(min(work.concurrency, self.n)):
                 self.arrive(i)
-            self.next = min(work.concurrency, n)
+            self.next = min(work.concurrency, self.n)
 
     # ------------------------------------------------------------------ arrivals, memory
     def mark(self, delta: int) -> None:  # integrate the number in system, then change it
         self.area += self.in_system * (self.env.now - self.t)
         self.t, self.in_system = self.env.now, self.in_system + delta
 
+    def _grow(self) -> None:
+        """Twice the slots (at least 256): ``arrival`` .. ``admitted`` and ``ctx`` are float
+        seconds / tokens, the rest whole numbers; ``order`` is the admission order (the
+        preemption victim is the last), ``swap_host`` the host bytes of a swapped-out state."""
+        old = self.slots
+        new = self.slots = max(2 * old, 256)
+        for name in self.SLOTS:
+            a = getattr(self, name, None)
+            b = np.zeros(new, float if name in ("arrival", "first_token", "admitted", "ctx")
+                         else np.int64)
+            if a is not None:
+                b[:old] = a
+            setattr(self, name, b)
+        self.free.extend(range(new - 1, old - 1, -1))
+
     def arrive(self, i: int) -> None:
-        self.arrival[i] = self.env.now
-        self.waiting.append(i)
+        """Request ``i`` of the workload arrives: it takes a free slot and waits."""
+        if not self.free:
+            self._grow()
+        s = self.free.pop()
+        self.arrival[s] = self.env.now
+        self.first_token[s] = self.admitted[s] = np.nan
+        self.prompt[s] = self.target[s] = self.work.prompt[i]
+        self.output[s] = self.left[s] = self.work.output[i]
+        self.ctx[s] = 0.0
+        self.prefilled[s] = self.held_hbm[s] = self.held_host[s] = self.order[s] = 0
+        self.swap_host[s] = 0
+        self.waiting.append(s)
         self.mark(+1)
         if not self.wake.triggered:
             self.wake.succeed()
 
     def open_arrivals(self):
+        arrival = self.work.arrival
         for i in range(self.n):
-            yield self.env.timeout(max(self.arrival[i] - self.env.now, 0.0))
+            yield self.env.timeout(max(float(arrival[i]) - self.env.now, 0.0))
             self.next = i + 1
             self.arrive(i)
 
     def hold(self, ids, hbm, host=0) -> None:
-        """Put ``hbm`` and ``host`` more bytes for request(s) ``ids`` (the caller checked room),
-        in one put per memory."""
-        for box, b in ((self.hbm, int(np.sum(hbm))), (self.host, int(np.sum(host)))):
-            if b:
-                box.put(b)
+        """Put ``hbm`` and ``host`` more bytes for request(s) ``ids`` (a slot and whole numbers,
+        or arrays of them); the caller checked room."""
         self.held_hbm[ids] += hbm
         self.held_host[ids] += host
-        self.peak_hbm = max(self.peak_hbm, self.hbm.level)
-        self.peak_host = max(self.peak_host, self.host.level)
+        if isinstance(hbm, np.ndarray):
+            hbm, host = int(hbm.sum()), int(np.sum(host))
+        self.used_hbm += hbm
+        self.used_host += host
+        assert self.used_hbm <= self.cap_hbm and self.used_host <= self.cap_host
+        self.peak_hbm = max(self.peak_hbm, self.used_hbm)
+        self.peak_host = max(self.peak_host, self.used_host)
 
     def release(self, ids, hbm: bool = True, host: bool = True) -> None:
-        for box, held, on in ((self.hbm, self.held_hbm, hbm), (self.host, self.held_host, host)):
-            b = int(held[ids].sum()) if on else 0
-            if b:
-                box.get(b)
-            if on:
-                held[ids] = 0
+        """Give back what request(s) ``ids`` hold in HBM and/or host memory."""
+        if hbm:
+            self.used_hbm -= int(self.held_hbm[ids].sum())
+            self.held_hbm[ids] = 0
+        if host:
+            self.used_host -= int(self.held_host[ids].sum())
+            self.held_host[ids] = 0
 
     def free_hbm(self) -> int:
-        return self.cap_hbm - self.hbm.level
+        return self.cap_hbm - self.used_hbm
 
     # ------------------------------------------------------------------------ admission
     def seats(self) -> int:
@@ -110,36 +135,30 @@ class Run:
 
     def admit(self) -> None:
         """Waiting requests start prefilling, in order, while seats and memory allow (the
-        longest prefix of the queue that fits, in one put per memory)."""
+        longest prefix of the queue that fits)."""
         seats = self.seats()
         if not self.waiting or seats <= 0 or self.pressure:
             return
         grow, per_hbm, per_host = (self.sched.admission == "grow", self.sim.hbm_per_token,
                                    self.sim.host_per_token)
-        free_hbm, free_host = self.free_hbm(), self.cap_host - self.host.level
-        take, hbm, host = [], [], []
-        for i in itertools.islice(self.waiting, seats):  # scalars: usually one or a few
-            whole = int(self.prompt[i]) + int(self.work.output[i])
+        free_hbm, free_host = self.free_hbm(), self.cap_host - self.used_host
+        now = self.env.now
+        while self.waiting and seats > 0:  # scalars: usually one or a few
+            i = self.waiting[0]
+            whole = int(self.prompt[i]) + int(self.output[i])
             h = math.ceil(per_hbm * float(self.target[i] if grow else whole))
             o = 0 if self.held_host[i] else math.ceil(per_host * float(whole))
-            if sum(hbm) + h > free_hbm or sum(host) + o > free_host:
+            if h > free_hbm or o > free_host:
                 break
-            take.append(i)
-            hbm.append(h)
-            host.append(o)
-        m = len(take)
-        if not m:
-            return
-        ids, hbm, host = np.array(take, np.int64), np.array(hbm, np.int64), np.array(host, np.int64)
-        for _ in range(m):
             self.waiting.popleft()
-        self.hold(ids, hbm, host)
-        new = np.isnan(self.admitted[ids])
-        self.admitted[ids[new]] = self.env.now
-        self.order[ids] = self.admissions + 1 + np.arange(m)
-        self.admissions += m
-        self.prefilled[ids] = 0
-        self.prefilling += ids.tolist()
+            self.hold(i, h, o)
+            free_hbm, free_host, seats = free_hbm - h, free_host - o, seats - 1
+            if math.isnan(self.admitted[i]):
+                self.admitted[i] = now
+            self.admissions += 1
+            self.order[i] = self.admissions
+            self.prefilled[i] = 0
+            self.prefilling.append(i)
 
     def resume_swapped(self):
         """Swapped-out requests come back first, over the link, when their HBM state fits."""
@@ -149,7 +168,7 @@ class Run:
             if need > self.free_hbm():
                 return
             self.swapped.popleft()
-            self.host.get(int(self.swap_host[i]))
+            self.used_host -= int(self.swap_host[i])
             self.swap_host[i] = 0
             self.hold(i, need)
             yield from self.transfer(need, "h2d")
@@ -176,13 +195,12 @@ class Run:
         else:
             self.running = self.running[self.running != victim]
             swap = self.sched.preemption == "swap" and \
-                self.host.level + nbytes <= self.cap_host  # else recompute: no host room
+                self.used_host + nbytes <= self.cap_host  # else recompute: no host room
         if swap:  # the HBM state goes to host memory; the request resumes where it was
             self.release([victim], host=False)
-            if nbytes:
-                self.host.put(nbytes)
+            self.used_host += nbytes
             self.swap_host[victim] = nbytes
-            self.peak_host = max(self.peak_host, self.host.level)
+            self.peak_host = max(self.peak_host, self.used_host)
             yield from self.transfer(nbytes, "d2h")
             self.swapped.append(victim)
         else:  # recompute: its cache is dropped
@@ -215,25 +233,30 @@ class Run:
         """One step in which every admitted prompt prefills the rest of itself (``size``
         tokens each), with a decode token for each of ``dec`` (prefill-first: none); each
         prompt then emits its first (or next) token. Scalars: the common step."""
-        prefix = self.prefilled[pf]
-        lengths = self.target[pf].astype(float)
-        D = len(dec)
+        m, D = self.sim.model, len(dec)
+        if len(pf) == 1:
+            flops = m.attention_flops(float(size[0]), float(self.prefilled[pf[0]]))
+        else:
+            flops = float(m.attention_flops(size.astype(float),
+                                            self.prefilled[pf].astype(float)).sum())
         step, gpu, link, alone = self.sim.steps.step(
-            D, float(self.ctx[dec].sum()), float(size.sum()),
-            float(self.sim.model.attention_flops(size.astype(float), prefix.astype(float)).sum()),
-            len(pf), lengths)
+            D, float(self.ctx[dec].sum()) if D else 0.0, float(size.sum()), flops, len(pf),
+            self.target[pf].astype(float))
         self.sim.chunks.append(Chunk(self.env.now, step, 1 if D else 0, D, gpu, link,
                                      "mixed" if D else "prefill", None, int(size.sum()), alone))
         yield self.env.timeout(step)
-        self.ctx[dec] += 1
-        self.left[dec] -= 1
-        self.prefilled[pf] = self.target[pf]
+        if D:
+            self.ctx[dec] += 1
+            self.left[dec] -= 1
         self.prefilling = []
-        first = np.isnan(self.first_token[pf])
-        self.first_token[pf[first]] = self.env.now
-        self.ctx[pf[first]] = self.prompt[pf[first]]
-        self.ctx[pf] += 1
-        self.left[pf] -= 1
+        now = self.env.now
+        for i in pf.tolist():  # scalars: usually one prompt
+            self.prefilled[i] = self.target[i]
+            if math.isnan(self.first_token[i]):
+                self.first_token[i] = now
+                self.ctx[i] = self.prompt[i]
+            self.ctx[i] += 1
+            self.left[i] -= 1
         self.running = np.concatenate([self.running, pf])
 
     def prefill_phase(self):
@@ -256,7 +279,7 @@ class Run:
         while grow and self.grow_fit(dec, 1) < 1:
             yield from self.preempt()
             dec = self.running
-        plan = self.plan_phase(dec, single=grow)
+        plan = plan_chunks(self, dec, single=grow)
         rows = plan["rows"]
         S = len(rows["D"])
         if S == 1:  # the common case, in scalars
@@ -272,7 +295,7 @@ class Run:
         ends = np.cumsum(step)
         k = S
         if self.work.concurrency is None and self.next < self.n and not self.waiting:
-            k = min(k, int(np.searchsorted(ends, self.arrival[self.next] - self.env.now)) + 1)
+            k = min(k, int(np.searchsorted(ends, self.work.arrival[self.next] - self.env.now)) + 1)
         t0 = self.env.now
         for j in range(k):
             Dj = rows["D"][j]
@@ -301,58 +324,6 @@ class Run:
             self.left[ids] -= more
             self.running = np.concatenate([self.running, ids])
 
-    def plan_phase(self, dec: np.ndarray, single: bool) -> dict:
-        """The schedule of the next steps, in scalars: per step the decodes (how many, their KV
-        tokens), the chunks given out, the prompts that finish; stops where it must."""
-        sim, m = self.sim, self.sim.model
-        budget0 = self.sched.max_batched_tokens
-        pf = np.array(self.prefilling, np.int64)
-        work = sim.prefill_work
-        queue = [list(q) for q in zip(pf.tolist(), (self.target[pf] - self.prefilled[pf]).tolist(),
-                                      self.prefilled[pf].tolist())]
-        D, tokens = len(dec), float(self.ctx[dec].sum())
-        min_left = int(self.left[dec].min()) if D else None
-        rows = {k: [] for k in ("D", "tokens", "ctok", "cflops", "count", "ndone", "wf", "wb")}
-        assign, done = [], []
-        any_work = bool(work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token)
-        while queue and len(assign) < MAX_CHUNK:
-            left = budget0 - D
-            a, fin, ctok, cflops = [], [], 0, 0.0
-            for q in queue:
-                if left <= 0:
-                    break
-                size = int(min(q[1], left))
-                a.append((q[0], size))
-                cflops += m.attention_flops(float(size), float(q[2]))
-                ctok += size
-                left -= size
-                q[1] -= size
-                q[2] += size
-                if q[1] == 0:
-                    fin.append(q[0])
-            lengths = [float(self.target[i]) for i in fin]
-            for key, v in (("D", D), ("tokens", tokens), ("ctok", ctok), ("cflops", cflops),
-                           ("count", len(a)), ("ndone", len(fin)),
-                           ("wf", sum(work.flops(x) for x in lengths) if any_work else 0.0),
-                           ("wb", sum(work.bytes(x) for x in lengths) if any_work else 0.0)):
-                rows[key].append(v)
-            assign.append(a)
-            done.append(fin)
-            queue = [q for q in queue if q[1] > 0]
-            tokens += D  # each decode appended a token
-            if min_left is not None:
-                min_left -= 1
-            if fin:  # they join the decodes with their first (or next) token
-                c = [float(self.prompt[i] if math.isnan(self.first_token[i]) else self.ctx[i])
-                     + 1.0 for i in fin]
-                tokens += sum(c)
-                D += len(fin)
-                lft = min(int(self.left[i]) for i in fin) - 1
-                min_left = lft if min_left is None else min(min_left, lft)
-            if single or (min_left is not None and min_left <= 0):
-                break
-        return {"rows": rows, "assign": assign, "done": done}
-
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
         ids = self.running
@@ -361,15 +332,16 @@ class Run:
         if k < 1:
             yield from self.preempt()
             return
-        steps, gpu_s, link_s = self.sim.steps.decode(self.ctx[ids], k)
-        ends = np.cumsum(steps)
+        until = np.inf
         if self.work.concurrency is None and self.next < self.n and not self.waiting:
             # stop at the step boundary after the next arrival (it may be admitted)
-            k = min(k, int(np.searchsorted(ends, self.arrival[self.next] - self.env.now)) + 1)
-        self.sim.chunks.append(Chunk(self.env.now, float(ends[k - 1]), k, len(ids),
-                                     float(gpu_s[:k].sum()), float(link_s[:k].sum()), "decode",
-                                     self.ctx[ids].copy()))
-        yield self.env.timeout(float(ends[k - 1]))
+            until = float(self.work.arrival[self.next]) - self.env.now
+        ctx = self.ctx[ids]
+        k, seconds, gpu_s, link_s = self.sim.steps.decode_run(ctx, k, until)
+        log = self.sim.chunks
+        log.append(Chunk(self.env.now, seconds, k, len(ids), gpu_s, link_s, "decode",
+                         ctx if log.keeping else None))
+        yield self.env.timeout(seconds)
         self.grow(ids, k)
         self.ctx[ids] += k
         self.left[ids] -= k
@@ -381,9 +353,17 @@ class Run:
             return
         ids = self.running[fin]
         self.pressure = False
-        self.finish[ids] = self.env.now
+        if len(ids) == 1:
+            i = int(ids[0])
+            self.requests.record_one(float(self.arrival[i]), float(self.admitted[i]),
+                                     float(self.first_token[i]), self.env.now,
+                                     int(self.output[i]))
+        else:
+            self.requests.record(self.arrival[ids], self.admitted[ids], self.first_token[ids],
+                                 self.env.now, self.output[ids])
         self.release(ids)
         self.running = self.running[~fin]
+        self.free.extend(ids.tolist())
         self.done += len(ids)
         self.mark(-len(ids))
         if self.work.concurrency is not None:  # closed loop: replace each at once

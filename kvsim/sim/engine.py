@@ -9,14 +9,20 @@ prefill together, whole, while every decode waits. What a step costs is :mod:`kv
 
 Granularity: while prompts are being prefilled, one simpy event per step; between two changes of
 a batch that only decodes (an arrival that can be admitted, a completion), the times of its next
-k steps are computed at once, vectorised over steps and sequences.
+k steps are computed at once: in closed form where a step's time is affine in its tokens (roofline
+costs), else vectorised over steps and sequences (:meth:`kvsim.sim.steps.StepCosts.decode_run`).
 
-Memory: HBM and host memory are ``simpy.Container`` s of whole bytes. ``reserve`` admission (the
-default) puts a request's bytes for its whole length (prompt + output) and gets them back when it
-completes, so nothing is ever preempted. ``grow`` admission (vLLM's) puts the prompt's bytes and
-one token's more at every decode step; when a step does not fit, the most recently admitted
-running request is preempted: ``recompute`` drops its KV and prefills prompt and generated tokens
+Memory: HBM and host memory are counts of whole bytes held (a request is admitted only where its
+bytes fit, so nothing ever waits on memory: no simpy container is needed). ``reserve`` admission
+(the default) holds a request's bytes for its whole length (prompt + output) and gives them back
+when it completes, so nothing is ever preempted. ``grow`` admission (vLLM's) holds the prompt's
+bytes and one token's more at every decode step; when a step does not fit, the most recently
+admitted running request is preempted: ``recompute`` drops its KV and prefills prompt and generated tokens
 again later, ``swap`` copies its HBM state to host memory over the link and back when it resumes.
+
+Per request the run keeps state only while the request is in the system (slots reused), and the
+finished requests' metrics stream into :mod:`kvsim.sim.metrics`, so memory does not grow with the
+workload's length.
 
 Why the GPU and the link are not simpy resources: one scheduler process drives one GPU stream,
 and within a step the link's work is placed by the pipeline's closed form, so no two processes
@@ -33,6 +39,7 @@ from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import Infeasible, KvsimError
 from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import CostModel
+from kvsim.sim.metrics import Requests
 from kvsim.sim.steps import StepCosts
 from kvsim.sim.workload import Workload
 
@@ -122,6 +129,11 @@ class ChunkLog:
         self.gpu_busy += c.gpu_busy
         self.link_busy += c.link_busy
 
+    @property
+    def keeping(self) -> bool:
+        """Whether the next chunk is kept whole (else only summed)."""
+        return len(self.kept) < self.keep
+
     def __iter__(self):
         return iter(self.kept)
 
@@ -140,11 +152,7 @@ class ChunkLog:
 
 @dataclass
 class SimResult:
-    arrival: np.ndarray
-    first_token: np.ndarray
-    finish: np.ndarray
-    output: np.ndarray
-    admitted: np.ndarray  # when each request was first admitted (its wait ends)
+    requests: Requests  # the finished requests' metrics (kvsim.sim.metrics)
     chunks: ChunkLog
     peak_hbm_bytes: float
     peak_host_bytes: float
@@ -211,13 +219,14 @@ class Simulator:
         return int(min(fit_hbm, fit_host, 1e9))
 
     # ------------------------------------------------------------------------- run
-    def run(self, workload: Workload) -> SimResult:
+    def run(self, workload: Workload, requests: Requests | None = None) -> SimResult:
+        """Simulate ``workload``; ``requests``: where the finished requests' metrics go (its SLO
+        and measured window), a plain one if not given."""
         from kvsim.sim.batching import Run
         max_fit = self.check_feasible(workload)
-        r = Run(self, workload)
+        r = Run(self, workload, requests=requests)
         r.env.run(until=r.env.process(r.scheduler()))
         r.mark(0)
-        return SimResult(r.arrival, r.first_token, r.finish, workload.output, r.admitted,
-                         self.chunks,
+        return SimResult(r.requests, self.chunks,
                          self.memory.weights_bytes + self.memory.workspace_bytes + r.peak_hbm,
                          float(r.peak_host), r.area, max_fit, r.preemptions)

@@ -1,4 +1,4 @@
-"""Data-parallel replicas behind a router, merged into one result whose per-request metrics cover
+"""Data-parallel replicas behind a router, merged into one result whose request metrics cover
 every request and whose utilisations are per replica.
 
 * ``round-robin``: request ``i`` goes to replica ``i mod R`` (a closed loop's concurrency splits
@@ -17,11 +17,12 @@ import dataclasses
 import numpy as np
 
 from kvsim.sim.engine import ChunkLog, SimResult
+from kvsim.sim.metrics import Requests
 from kvsim.sim.workload import Workload
 
 
-def split(work: Workload, replicas: int) -> list[tuple[np.ndarray, Workload]]:
-    """(request indices, workload) per replica."""
+def split(work: Workload, replicas: int) -> list[Workload]:
+    """The workload of each replica (round-robin)."""
     out = []
     for r in range(replicas):
         idx = np.arange(r, work.n, replicas)
@@ -31,25 +32,25 @@ def split(work: Workload, replicas: int) -> list[tuple[np.ndarray, Workload]]:
             continue
         hashes = getattr(work, "prefix_hashes", None)
         extra = {"prefix_hashes": [hashes[i] for i in idx]} if hashes is not None else {}
-        out.append((idx, dataclasses.replace(
+        out.append(dataclasses.replace(
             work, arrival=work.arrival[idx], prompt=work.prompt[idx], output=work.output[idx],
             concurrency=conc, description=f"{work.description}; replica {r + 1} of "
-                                          f"{replicas} (round-robin)", **extra)))
+                                          f"{replicas} (round-robin)", **extra))
     return out
 
 
 ROUTERS = ("round-robin", "least-loaded")
 
 
-def least_loaded(sims: list, work: Workload) -> list[tuple[np.ndarray, SimResult]]:
-    """(request indices, result) per replica of an open-loop ``work`` routed least-loaded."""
+def least_loaded(sims: list, work: Workload, requests: Requests) -> list[SimResult]:
+    """The result of each replica of an open-loop ``work`` routed least-loaded; ``requests``:
+    the metrics' SLO and window (each replica gets its own)."""
     import simpy
 
     from kvsim.sim.batching import Run
     env = simpy.Environment()
     fits = [s.check_feasible(work) for s in sims]
-    runs = [Run(s, work, env=env, routed=True) for s in sims]
-    owner = np.full(work.n, -1)
+    runs = [Run(s, work, env=env, routed=True, requests=requests.fresh()) for s in sims]
 
     def router():
         for i in range(work.n):
@@ -57,7 +58,6 @@ def least_loaded(sims: list, work: Workload) -> list[tuple[np.ndarray, SimResult
             r = min(range(len(runs)), key=lambda j: (runs[j].in_system, j))
             for run in runs:
                 run.next = i + 1  # the next arrival any replica may look ahead to
-            owner[i] = r
             runs[r].assigned += 1
             runs[r].arrive(i)
         for run in runs:
@@ -70,31 +70,20 @@ def least_loaded(sims: list, work: Workload) -> list[tuple[np.ndarray, SimResult
     out = []
     for r, (run, sim) in enumerate(zip(runs, sims)):
         run.mark(0)
-        idx = np.flatnonzero(owner == r)
-        if not len(idx):
+        if not run.assigned:
             continue
         m = sim.memory
-        out.append((idx, SimResult(
-            run.arrival[idx], run.first_token[idx], run.finish[idx], work.output[idx],
-            run.admitted[idx], sim.chunks, m.weights_bytes + m.workspace_bytes + run.peak_hbm,
-            float(run.peak_host), run.area, fits[r], run.preemptions)))
+        out.append(SimResult(
+            run.requests, sim.chunks, m.weights_bytes + m.workspace_bytes + run.peak_hbm,
+            float(run.peak_host), run.area, fits[r], run.preemptions))
     return out
 
 
-def merge(parts: list[tuple[np.ndarray, SimResult]], n: int) -> SimResult:
-    """One result over all ``n`` requests from the replicas' (indices, result)."""
-    def gather(field):
-        out = np.full(n, np.nan)
-        for idx, res in parts:
-            out[idx] = getattr(res, field)
-        return out
-    output = np.zeros(n, dtype=parts[0][1].output.dtype)
-    for idx, res in parts:
-        output[idx] = res.output
-    results = [res for _, res in parts]
+def merge(results: list[SimResult]) -> SimResult:
+    """One result from the replicas' results."""
     return SimResult(
-        gather("arrival"), gather("first_token"), gather("finish"), output, gather("admitted"),
-        ChunkLog.merged([res.chunks for res in results]),
+        Requests.merged([r.requests for r in results]),
+        ChunkLog.merged([r.chunks for r in results]),
         max(r.peak_hbm_bytes for r in results), max(r.peak_host_bytes for r in results),
         sum(r.in_system_area for r in results), min(r.max_batch_fit for r in results),
         sum(r.preemptions for r in results), replicas=len(results))

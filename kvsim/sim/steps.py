@@ -32,6 +32,14 @@ from kvsim.hw.costs import CostModel
 from kvsim.sim.pipeline import step_time
 
 
+def _step_time(compute: float, decide: float, link: float, layers: int, overlap: bool) -> float:
+    """:func:`kvsim.sim.pipeline.step_time` of one step, in Python floats."""
+    if overlap:
+        compute += decide
+        return link + compute + (layers - 1) * max(compute, link)
+    return layers * (compute + decide + link)
+
+
 @dataclass
 class Chunks:
     """Per step of a run of steps: the prefill work riding along, each (S,)."""
@@ -52,6 +60,8 @@ class StepCosts:
 
     def __post_init__(self):
         self._per_batch: dict[int, tuple[float, float]] = {}
+        self._lines: dict[int, tuple] = {}
+        self.layer_bytes = float(self.model.layer_weight_bytes())
         m, c, p = self.model, self.costs, self.policy
         self.overlap = c.overlap_for(p.overlap)
         self.overhead = c.step_overhead
@@ -133,7 +143,13 @@ class StepCosts:
         m, c, p = self.model, self.costs, self.policy
         L, work, ovh = m.layers, self.prefill_work, self.overhead
         gemm_d = attn = link = decide = alone = 0.0
-        if D:
+        line = self._line(D) if D and tokens > 0 else None
+        if line is not None:  # roofline costs: the remembered affine parts, in scalars
+            (c0, c1), (d0, d1), (x0, x1) = line
+            gemm_d, head_d = self.per_batch(D)
+            attn, decide, link = c1 * tokens, d0 + d1 * tokens, x0 + x1 * tokens
+            alone = _step_time(c0 + attn, decide, link, L, self.overlap) + head_d + ovh
+        elif D:
             gemm_d, head_d = self.per_batch(D)
             kv_layer = m.kv_bytes_per_token / L * tokens
             attn = float(c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens))
@@ -144,11 +160,12 @@ class StepCosts:
                 decide = float(self.decide.seconds(D, tokens, p.host_read_frac))
             alone = float(step_time(gemm_d + attn + float(c.allreduce_time(D, m)), decide, link, L,
                                     self.overlap)) + head_d + ovh
-        weights = float(m.layer_weight_bytes(D + chunk_tokens)) / c.hbm_bw
-        gemm = max(gemm_d, weights, 2.0 * m.active_layer_params * (D + chunk_tokens) / c.flops)
-        reduce = float(c.allreduce_time(D + chunk_tokens, m))  # tensor parallel: all-reduces
+        n = D + chunk_tokens
+        weights = (float(m.layer_weight_bytes(n)) if m.experts else self.layer_bytes) / c.hbm_bw
+        gemm = max(gemm_d, weights, 2.0 * m.active_layer_params * n / c.flops)
+        reduce = float(c.allreduce_time(n, m)) if c.tp > 1 else 0.0  # tensor parallel
         compute = attn + gemm + attn_flops / L / c.flops + reduce
-        layers = float(step_time(compute, decide, link, L, self.overlap))
+        layers = _step_time(compute, decide, link, L, self.overlap)
         emit = D + len(done)
         extra = (self.per_batch(emit)[1] if emit else 0.0) + (float(np.maximum(
             work.flops(done) / c.flops, work.bytes(done) / c.hbm_bw).sum())
@@ -168,3 +185,66 @@ class StepCosts:
         head = self.per_batch(B)[1]
         return (step_time(compute, decide, link, L, self.overlap) + head + self.overhead,
                 L * (compute + decide) + head, L * link)
+
+    def _line(self, B: int) -> tuple | None:
+        """Per layer (compute, decide, link) of a decode step of ``B`` sequences as affine
+        functions of their KV tokens ``T > 0``, each ``(at 0, per token)``; None where a
+        measured curve makes a cost non-linear. Remembered per batch size."""
+        got = self._lines.get(B, 0)
+        if got == 0:
+            c = self.costs
+            got = None
+            if c.attn_curve is None and c.links[self.policy.path].curve is None:
+                ta, tb = 1e3, 1e6
+                parts = self.layer_costs(B, np.array([ta, tb]))
+                got = tuple((float(p[0]) - (float(p[1]) - float(p[0])) / (tb - ta) * ta,
+                             (float(p[1]) - float(p[0])) / (tb - ta)) for p in parts)
+            self._lines[B] = got
+        return got
+
+    def decode_run(self, ctx: np.ndarray, k: int, until: float = np.inf):
+        """The next decode steps of a fixed batch with contexts ``ctx`` (each step adds a token
+        per sequence): at most ``k``, ending with the first step that ends at or after ``until``
+        seconds. Returns (steps, seconds, GPU-busy, link-busy), the last three summed over the
+        steps. In closed form when a step's time is affine in its tokens over the run (no
+        measured curves, one side of the overlap's max throughout), else from :meth:`decode`;
+        ``tests/test_engine.py`` holds the two equal."""
+        B, T0 = len(ctx), float(ctx.sum())
+        line = self._line(B) if T0 > 0 else None
+        if line is not None:
+            (c0, c1), (d0, d1), (x0, x1) = line
+            L, head = self.model.layers, self.per_batch(B)[1]
+            if self.overlap:
+                g0, g1 = c0 + d0, c1 + d1  # the GPU's share of a layer
+                T1 = T0 + B * (k - 1)
+                lo, hi = g0 + g1 * T0 - x0 - x1 * T0, g0 + g1 * T1 - x0 - x1 * T1
+                if lo * hi < 0:
+                    line = None  # the max changes sides within the run
+                else:
+                    m0, m1 = (g0, g1) if lo + hi >= 0 else (x0, x1)
+                    s0, s1 = x0 + g0 + (L - 1) * m0, x1 + g1 + (L - 1) * m1
+            else:
+                s0, s1 = L * (c0 + d0 + x0), L * (c1 + d1 + x1)
+        if line is None:
+            steps, gpu, link = self.decode(ctx, k)
+            ends = np.cumsum(steps)
+            if until < np.inf:
+                k = min(k, int(np.searchsorted(ends, until)) + 1)
+            return k, float(ends[k - 1]), float(gpu[:k].sum()), float(link[:k].sum())
+        ovh = self.overhead
+        u, v = s0 + s1 * T0 + head + ovh, s1 * B  # step j takes u + v j
+        if until < np.inf:  # the first j whose end (j + 1) u + v j (j + 1) / 2 >= until
+            end = lambda j: (j + 1) * u + v * j * (j + 1) / 2
+            if v > 0:
+                b = u + v / 2
+                j = max(int(np.ceil((-b + np.sqrt(b * b + 2 * v * (until - u))) / v)), 0)
+            else:
+                j = max(int(np.ceil(until / u - 1)), 0)
+            while j > 0 and end(j - 1) >= until:
+                j -= 1
+            while end(j) < until and j < k:
+                j += 1
+            k = min(k, j + 1)
+        tri = B * k * (k - 1) / 2  # tokens added over the run's steps
+        gpu = L * ((c0 + d0) * k + (c1 + d1) * (T0 * k + tri)) + head * k
+        return k, k * u + v * k * (k - 1) / 2, gpu, L * (x0 * k + x1 * (T0 * k + tri))

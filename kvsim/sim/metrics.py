@@ -1,0 +1,212 @@
+"""Per-request metrics accumulated as a run goes, in memory that does not grow with the workload.
+
+A finished request hands over its TTFT, TPOT, end-to-end latency and queue wait and is forgotten.
+Each metric keeps its exact values up to :data:`EXACT` requests, so shorter runs report numpy's
+own percentiles; beyond that the values fold into a log-bucket sketch (DDSketch, Masson et al.,
+VLDB 2019): bucket ``i`` holds ``(g^(i-1), g^i]`` with ``g = (1 + a) / (1 - a)`` and answers
+``2 g^i / (g + 1)``, within ``a`` (:data:`REL_ERR`) relative of any value in it. A percentile
+interpolates the two order statistics around its rank as numpy does, each within ``a``, so it is
+within ``a`` of numpy's figure. Values below :data:`TINY` seconds count as 0 (absolute error
+below ``TINY``). Means and counts are exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+EXACT = 1 << 17  # values kept exactly per metric (1 MiB each) before the sketch takes over
+REL_ERR = 0.005
+TINY, HUGE = 1e-9, 1e12  # seconds: below counts as 0; above, the top bucket (31,700 years)
+_G = (1 + REL_ERR) / (1 - REL_ERR)
+_LOG_G = math.log(_G)
+_LO = math.floor(math.log(TINY) / _LOG_G)
+_NB = math.ceil(math.log(HUGE) / _LOG_G) - _LO + 1
+
+
+class Quantiles:
+    """Count, mean and percentiles of a stream of non-negative values (seconds)."""
+
+    def __init__(self):
+        self.buf = np.empty(EXACT)
+        self.k = 0  # values in ``buf``
+        self.buckets: np.ndarray | None = None  # the sketch, once more than EXACT values came
+        self.zeros = 0
+        self.n = 0
+        self.total = 0.0
+
+    @property
+    def exact(self) -> bool:
+        return self.buckets is None
+
+    def add(self, values: np.ndarray) -> None:
+        m = len(values)
+        if not m:
+            return
+        self.n += m
+        self.total += float(values.sum())
+        if self.k + m > EXACT:
+            self._fold()
+        if m > EXACT:
+            self._fold_values(values)
+            return
+        self.buf[self.k:self.k + m] = values
+        self.k += m
+
+    def add_one(self, x: float) -> None:
+        self.n += 1
+        self.total += x
+        if self.k == EXACT:
+            self._fold()
+        self.buf[self.k] = x
+        self.k += 1
+
+    def _fold_values(self, v: np.ndarray) -> None:
+        if self.buckets is None:
+            self.buckets = np.zeros(_NB, np.int64)
+        small = v < TINY
+        self.zeros += int(small.sum())
+        i = np.ceil(np.log(np.minimum(v[~small], HUGE)) / _LOG_G).astype(np.int64) - _LO
+        self.buckets += np.bincount(np.clip(i, 0, _NB - 1), minlength=_NB)
+
+    def _fold(self) -> None:
+        self._fold_values(self.buf[:self.k])
+        self.k = 0
+
+    def merge(self, other: Quantiles) -> None:
+        if other.buckets is not None:
+            if self.buckets is None:
+                self.buckets = np.zeros(_NB, np.int64)
+            self.buckets += other.buckets
+            self.zeros += other.zeros
+        n, total = self.n + other.n, self.total + other.total
+        self.add(other.buf[:other.k])
+        self.n, self.total = n, total
+
+    def mean(self) -> float:
+        return self.total / self.n if self.n else float("nan")
+
+    def percentile(self, q: float) -> float:
+        if not self.n:
+            return float("nan")
+        if self.buckets is None:
+            return float(np.percentile(self.buf[:self.k], q))
+        if self.k:
+            self._fold()
+        h = q / 100 * (self.n - 1)
+        lo, hi = math.floor(h), math.ceil(h)
+        return (1 - (h - lo)) * self._rank(lo) + (h - lo) * self._rank(hi)
+
+    def _rank(self, r: int) -> float:
+        """The sketch's answer for the ``r``-th smallest value (0-based)."""
+        if r < self.zeros:
+            return 0.0
+        i = int(np.searchsorted(np.cumsum(self.buckets), r - self.zeros, side="right"))
+        return 2 * _G ** (i + _LO) / (_G + 1)
+
+    def method(self) -> str:
+        return "exact" if self.buckets is None else \
+            f"log-bucket sketch, within {REL_ERR:.1%} of the exact percentile"
+
+
+SLO_KEYS = {"ttft_ms": ("ttft", 1e3), "tpot_ms": ("tpot", 1e3), "e2e_s": ("e2e", 1.0)}
+
+
+@dataclass
+class Requests:
+    """What the report needs of every finished request of a run (or of replicas merged).
+
+    ``slo``: limits (``ttft_ms``, ``tpot_ms``, ``e2e_s``) a request must meet to count for
+    goodput; ``window``: (t0, t1) of the open loop's measured window, in which completions are
+    counted (:func:`kvsim.replay.report.keeping_up`)."""
+    slo: dict = field(default_factory=dict)
+    window: tuple[float, float] | None = None
+    ttft: Quantiles = field(default_factory=Quantiles)
+    tpot: Quantiles = field(default_factory=Quantiles)  # requests of more than one token
+    e2e: Quantiles = field(default_factory=Quantiles)
+    wait: Quantiles = field(default_factory=Quantiles)  # arrival to first admission
+    count: int = 0
+    output_tokens: int = 0
+    first_arrival: float = math.inf
+    last_finish: float = -math.inf
+    meet_slo: int = 0
+    done_by_t0: int = 0  # completions at or before the window's start
+    done_by_t1: int = 0
+
+    def fresh(self) -> Requests:
+        return Requests(dict(self.slo), self.window)
+
+    def record(self, arrival: np.ndarray, admitted: np.ndarray, first: np.ndarray, now: float,
+               output: np.ndarray) -> None:
+        """Requests that finished at ``now``: their arrival, first admission and first token
+        times and output lengths."""
+        m = len(arrival)
+        ttft, e2e = first - arrival, now - arrival
+        multi = output > 1
+        tpot = (now - first[multi]) / (output[multi] - 1)
+        self.ttft.add(ttft)
+        self.e2e.add(e2e)
+        self.wait.add(admitted - arrival)
+        self.tpot.add(tpot)
+        self.count += m
+        self.output_tokens += int(output.sum())
+        self.first_arrival = min(self.first_arrival, float(arrival.min()))
+        self.last_finish = max(self.last_finish, now)
+        if self.slo:
+            got = {"ttft": ttft, "e2e": e2e, "tpot": np.where(multi, (now - first) / np.maximum(
+                output - 1, 1), np.nan)}
+            ok = np.ones(m, bool)
+            for key, limit in self.slo.items():
+                name, scale = SLO_KEYS[key]
+                v = got[name] * scale
+                ok &= np.isnan(v) | (v <= limit)  # a one-token request has no TPOT to miss
+            self.meet_slo += int(ok.sum())
+        if self.window is not None:
+            self.done_by_t0 += m * (now <= self.window[0])
+            self.done_by_t1 += m * (now <= self.window[1])
+
+    def record_one(self, arrival: float, admitted: float, first: float, now: float,
+                   output: int) -> None:
+        """:meth:`record` of one request, in scalars (the common completion)."""
+        ttft, e2e = first - arrival, now - arrival
+        tpot = (now - first) / (output - 1) if output > 1 else math.nan
+        self.ttft.add_one(ttft)
+        self.e2e.add_one(e2e)
+        self.wait.add_one(admitted - arrival)
+        if output > 1:
+            self.tpot.add_one(tpot)
+        self.count += 1
+        self.output_tokens += output
+        self.first_arrival = min(self.first_arrival, arrival)
+        self.last_finish = max(self.last_finish, now)
+        if self.slo:
+            got = {"ttft": ttft, "e2e": e2e, "tpot": tpot}
+            self.meet_slo += all(math.isnan(v := got[SLO_KEYS[key][0]] * SLO_KEYS[key][1])
+                                 or v <= limit for key, limit in self.slo.items())
+        if self.window is not None:
+            self.done_by_t0 += now <= self.window[0]
+            self.done_by_t1 += now <= self.window[1]
+
+    @staticmethod
+    def merged(parts: list[Requests]) -> Requests:
+        out = parts[0].fresh()
+        for p in parts:
+            for name in ("ttft", "tpot", "e2e", "wait"):
+                getattr(out, name).merge(getattr(p, name))
+            for name in ("count", "output_tokens", "meet_slo", "done_by_t0", "done_by_t1"):
+                setattr(out, name, getattr(out, name) + getattr(p, name))
+            out.first_arrival = min(out.first_arrival, p.first_arrival)
+            out.last_finish = max(out.last_finish, p.last_finish)
+        return out
+
+
+def window_of(arrival: np.ndarray, warmup: float, closed: bool) -> tuple[float, float] | None:
+    """The measured window of an open loop: from the arrival of the first ``warmup`` share of
+    the requests to the last arrival (None for a closed loop or fewer than 10 requests)."""
+    n = len(arrival)
+    if closed or n < 10:
+        return None
+    k = int(warmup * n)
+    return float(np.partition(arrival, k)[k]), float(arrival.max())

@@ -1,0 +1,171 @@
+"""Long workloads in bounded memory: streaming request metrics (exact, then a sketch within its
+stated error), per-request state only while a request is in the system, and the closed-form
+decode runs that keep the simulator fast, each against an independent computation."""
+
+import numpy as np
+import pytest
+
+from kvsim.contract import DecodeCost
+from kvsim.hw import catalog
+from kvsim.hw.costs import costs_for
+from kvsim.sim import metrics
+from kvsim.sim.engine import Memory, Simulator
+from kvsim.sim.metrics import Quantiles, Requests
+from kvsim.sim.steps import StepCosts
+from kvsim.sim.workload import poisson
+
+QS = (0, 1, 10, 50, 90, 99, 99.9, 100)
+
+
+def sample(n, seed):
+    """Latency-like values: lognormal over six decades, with exact zeros among them."""
+    rng = np.random.default_rng(seed)
+    v = np.exp(rng.normal(-3.0, 2.0, n))
+    v[rng.random(n) < 0.03] = 0.0
+    return v
+
+
+def feed(q, v, seed):
+    """Into ``q`` in pieces of random sizes and one at a time, as a run completes requests."""
+    rng, i = np.random.default_rng(seed), 0
+    while i < len(v):
+        m = int(rng.integers(1, 40))
+        if m == 1:
+            q.add_one(float(v[i]))
+        else:
+            q.add(v[i:i + m])
+        i += m
+
+
+def test_percentiles_are_numpys_while_exact_then_within_the_stated_error():
+    small = sample(metrics.EXACT, 0)  # exactly as many as are kept
+    q = Quantiles()
+    feed(q, small, 1)
+    assert q.exact and q.method() == "exact"
+    for p in QS:
+        assert q.percentile(p) == np.percentile(small, p)
+    big = sample(3 * metrics.EXACT + 17, 2)
+    q = Quantiles()
+    feed(q, big, 3)
+    assert not q.exact and "0.5%" in q.method()
+    assert q.n == len(big) and q.mean() == pytest.approx(big.mean(), rel=1e-12)
+    for p in QS:
+        exact = np.percentile(big, p)
+        assert abs(q.percentile(p) - exact) <= metrics.REL_ERR * exact + 1e-300, p
+    # the bound is tight enough to mean something: buckets answer with their midpoint, not edge
+    errs = [abs(q.percentile(p) - np.percentile(big, p)) / np.percentile(big, p)
+            for p in np.linspace(5, 95, 91)]
+    assert 0.3 * metrics.REL_ERR < max(errs) <= metrics.REL_ERR
+
+
+def test_merged_sketches_are_the_sketch_of_all_values():
+    a, b = sample(2 * metrics.EXACT, 4), sample(1000, 5)
+    qa, qb, qall = Quantiles(), Quantiles(), Quantiles()
+    qa.add(a)
+    qb.add(b)
+    qall.add(np.concatenate([a, b]))
+    qa.merge(qb)
+    assert qa.n == qall.n and qa.total == pytest.approx(qall.total, rel=1e-12)
+    for p in QS:
+        assert qa.percentile(p) == qall.percentile(p)
+    small = Quantiles()  # two exact halves stay exact
+    small.add(b[:500])
+    other = Quantiles()
+    other.add(b[500:])
+    small.merge(other)
+    assert small.exact and small.percentile(99) == np.percentile(b, 99)
+
+
+def test_request_metrics_match_per_request_arrays():
+    rng = np.random.default_rng(6)
+    n = 5000
+    arrival = np.sort(rng.uniform(0, 100, n))
+    admitted = arrival + rng.exponential(0.5, n)
+    first = admitted + rng.exponential(0.2, n)
+    output = rng.integers(1, 50, n)
+    finish = first + (output - 1) * 0.02 + rng.exponential(0.01, n)
+    slo = {"ttft_ms": 800.0, "tpot_ms": 25.0}
+    req = Requests(slo, (arrival[n // 5], arrival[-1]))
+    order = np.argsort(finish)  # completions in time order, alone or in groups
+    i = 0
+    while i < n:
+        m = int(rng.integers(1, 4))
+        ids = order[i:i + m]
+        for j in ids:  # a group finishes at the same instant
+            finish[j] = finish[ids[-1]]
+        if m == 1:
+            j = ids[0]
+            req.record_one(arrival[j], admitted[j], first[j], finish[j], int(output[j]))
+        else:
+            req.record(arrival[ids], admitted[ids], first[ids], finish[ids[-1]], output[ids])
+        i += m
+    ttft, multi = first - arrival, output > 1
+    tpot = (finish - first)[multi] / (output[multi] - 1)
+    assert req.count == n and req.output_tokens == output.sum()
+    assert req.ttft.percentile(99) == pytest.approx(np.percentile(ttft, 99), rel=1e-12)
+    assert req.tpot.mean() == pytest.approx(tpot.mean(), rel=1e-12)
+    assert req.wait.percentile(50) == pytest.approx(np.percentile(admitted - arrival, 50))
+    tpot_all = np.where(multi, (finish - first) / np.maximum(output - 1, 1), np.nan)
+    ok = (ttft * 1e3 <= 800) & (np.isnan(tpot_all) | (tpot_all * 1e3 <= 25))
+    assert req.meet_slo == ok.sum() and 0 < ok.sum() < n
+    t0, t1 = req.window
+    assert req.done_by_t0 == (finish <= t0).sum() and req.done_by_t1 == (finish <= t1).sum()
+
+
+def sim_for(policy: DecodeCost, engine="roofline", batch=16):
+    m = catalog.model("qwen3-4b")
+    costs, _ = costs_for("h100-sxm", None, engine)
+    return Simulator(m, costs, policy, Memory(costs.hbm_bytes, 512 * 2**30, m.weight_bytes,
+                                              2 * 2**30), batch)
+
+
+DENSE = DecodeCost(1.0, 1.0, 0.0, 0.0, False)
+OFFLOAD = DecodeCost(0.0, 0.0, 1.0, 1.0, True, copies_per_layer=2, staging_layers=2)
+DECIDING = DecodeCost(0.2, 0.1, 0.08, 1.0, False, copies_per_layer=2, path="gather",
+                      decide_bytes_per_token=2.0, meta_frac=0.05, decide_kernel="verkv")
+
+
+@pytest.mark.parametrize("policy, engine", [
+    (DENSE, "roofline"), (DENSE, "vllm-paper"), (OFFLOAD, "roofline"),
+    (OFFLOAD, "vllm-paper"), (DECIDING, "vllm-paper"), (DECIDING, "roofline")])
+def test_closed_form_decode_runs_equal_the_stepwise_sums(policy, engine):
+    """``decode_run`` in closed form against the same steps costed one by one (numpy)."""
+    steps = sim_for(policy, engine).steps
+    stepwise = StepCosts(steps.model, steps.costs, steps.policy, steps.prefill_work)
+    stepwise._line = lambda B: None  # force the vectorised path
+    rng, closed_forms = np.random.default_rng(7), 0
+    for _ in range(60):
+        B = int(rng.integers(1, 65))
+        ctx = rng.integers(1, 200_000, B).astype(float)
+        k = int(rng.integers(1, 2049))
+        one = float(stepwise.decode(ctx, 1)[0][0])
+        until = float(rng.choice([np.inf, rng.uniform(0, 1.5 * k * one), 0.0, 2.5 * one]))
+        got, want = steps.decode_run(ctx, k, until), stepwise.decode_run(ctx, k, until)
+        assert got[0] == want[0], (B, k, until)
+        assert got[1:] == pytest.approx(want[1:], rel=1e-9)
+        closed_forms += steps._line(B) is not None
+    assert closed_forms == 60  # roofline costs: every run was in closed form
+
+
+def test_overlap_that_changes_sides_falls_back_to_the_steps():
+    """Offloaded KV at a context where the link and compute cross within the run."""
+    steps = sim_for(OFFLOAD, "roofline").steps
+    stepwise = StepCosts(steps.model, steps.costs, steps.policy, steps.prefill_work)
+    stepwise._line = lambda B: None
+    (c0, c1), (d0, d1), (x0, x1) = steps._line(1)
+    cross = (x0 - c0 - d0) / (c1 + d1 - x1)  # tokens where the link's time equals compute's
+    assert cross > 0
+    ctx = np.array([cross - 100.0])
+    assert steps.decode_run(ctx, 400) == pytest.approx(stepwise.decode_run(ctx, 400), rel=1e-12)
+
+
+def test_per_request_state_follows_the_requests_in_the_system():
+    """A long, light workload: the run's slots stay at its concurrency, not its length."""
+    from kvsim.sim.batching import Run
+    sim = sim_for(DENSE)
+    work = poisson(2.0, 30_000, 2048, 128, 0)
+    run = Run(sim, work)
+    run.env.run(until=run.env.process(run.scheduler()))
+    assert run.requests.count == 30_000 and run.done == 30_000
+    assert run.slots <= 256  # a few requests in the system at a time
+    assert len(sim.chunks.kept) == sim.chunks.keep < sim.chunks.count
