@@ -78,7 +78,7 @@ def main():
     qpos_q = torch.as_tensor(a.question_pos, device=device)
     gen = torch.Generator().manual_seed(0)
     pol.bind(a.rope, a.head_dim)
-    state = pol.compress(k, v, {}, qq, qpos_q, gen, layer=la.layer)
+    state = pol.compress(k, v, {}, qq, qpos_q, gen, layer=la.layer, obs_k=f32(la.k)[:, n_ctx:])
     layer = state.layer
     # eps_hat after the GQA union is a reported statistic, not part of deciding: not timed
     cfg = DecideConfig(eps=args.eps, delta=0.1, report_after=False)

@@ -258,3 +258,42 @@ def test_verkv_attention_applies_the_shrinkage_factor(seed, eps):
     f_own[..., :n] = torch.where(own, 1.0, torch.where(own_sampled, lam / r, 0.0))
     torch.testing.assert_close(st["log_denominator_own"].to(torch.float64),
                                torch.log((f_own * torch.exp(s)).sum(-1)), rtol=0, atol=1e-9)
+
+
+def test_snapkv_softmax_runs_over_every_key_the_window_sees(monkeypatch):
+    """SnapKV's scores against a loop in float64: each window row's softmax over the context and
+    the question tokens up to it (as SnapKV does), its mass on the context summed, pooled; the
+    harness hands the question's keys to the policy so that its scores are these."""
+    from kvsim.attention.scoring import snapkv_scores
+    g = torch.Generator().manual_seed(3)
+    n_kv, n_q, n, a, d = 2, 4, 50, 7, 8
+    k = torch.randn(n_kv, n + a, d, generator=g, dtype=torch.float64)
+    k[:, n:] *= 3.0  # question tokens that take much of the attention
+    q = torch.randn(n_q, a, d, generator=g, dtype=torch.float64)
+    pos = torch.arange(n, n + a)  # the window: the question rows
+    mass = torch.zeros(n_kv, n, dtype=torch.float64)
+    for h in range(n_q):
+        kv = h // (n_q // n_kv)
+        for r in range(a):
+            seen = k[kv, : int(pos[r]) + 1]
+            p = torch.softmax(seen @ q[h, r] / math.sqrt(d), 0)
+            mass[kv] += p[:n] / a / (n_q // n_kv)
+    pooled = torch.stack([torch.stack([mass[h, max(0, i - 2):i + 3].mean() for i in range(n)])
+                          for h in range(n_kv)])
+    got = snapkv_scores(k[:, :n], q, pos, k_after=k[:, n:])
+    torch.testing.assert_close(got, pooled)
+    assert not torch.allclose(snapkv_scores(k[:, :n], q, pos), pooled)  # context-only differs
+    # the harness passes the question's keys on: a policy sees these scores
+    tr = synthetic_attention_trace(n_layers=1, n_q=4, n_kv=2, d=16, context=300, question=6,
+                                   decode=2, seed=1, kvzip=False)
+    seen = {}
+    pol = make("topk", {"sink": 4, "local": 4})
+    real = type(pol).compress
+
+    def spy(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
+        seen["obs_k"] = obs_k
+        return real(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=obs_k)
+    monkeypatch.setattr(type(pol), "compress", spy)
+    run(pol, tr)
+    la = tr.attention.layers[0]
+    assert seen["obs_k"] is not None and seen["obs_k"].shape[1] == la.k.shape[1] - 300

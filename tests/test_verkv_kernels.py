@@ -493,3 +493,57 @@ def test_certificate_equals_lemma_1_written_out(kind, shrink):
     got = float(C.eps_hat(w, r, lam, in_l, d, DELTA))
     assert got == pytest.approx(want, rel=1e-12)
     assert not 0.8 * want == pytest.approx(got, rel=1e-3)  # the power this test has
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_shortlist_is_one_set_per_kv_head_and_forward_pass(causal):
+    """A question pass of 3 rows (causal: the rows see different prefixes) shortlists, per KV head,
+    the 128 non-resident tokens with the largest sketch log-weight over every query head and row
+    of the pass (brute force in float64 below), reads those keys once, and each row scores the
+    ones it sees exactly."""
+    from kvsim.policies.verkv.sketch import sketch_logits
+    layer, q, pos = layer_case(1)
+    n_kv, n, d = layer.k_host.shape
+    n_q, m, _ = q.shape
+    g = n_q // n_kv
+    if causal:
+        pos = torch.tensor([700, 1100, n - 1])
+    dec = decide(q, pos, layer, DecideConfig(eps=0.05, delta=DELTA, shortlist=128))
+    vis = torch.arange(n)[None, :] <= pos[:, None]  # (m, n)
+    s = sketch_logits(layer.sketch, q)  # (n_q, m, n): sketch logits, exact where known
+    known = layer.known_idx
+    for h in range(n_kv):
+        rows = slice(h * g, (h + 1) * g)
+        exact_known = torch.einsum("gmd,rd->gmr", q[rows], layer.k_host[h, known[h]]) / math.sqrt(d)
+        s[rows, :, known[h]] = exact_known
+    s = s.masked_fill(~vis[None], float("-inf"))
+    score = (s - s.amax(-1, keepdim=True)).view(n_kv, g * m, n).amax(1)  # (n_kv, n)
+    cand = layer.sample.in_l & vis.any(0)[None]
+    for h in range(n_kv):
+        sc = score[h].masked_fill(~cand[h], float("-inf"))
+        want = set(torch.topk(sc, 128).indices.tolist())
+        got = dec.shortlisted[h]  # (m, n)
+        union = set(got.any(0).nonzero().flatten().tolist())
+        assert union == want
+        for r in range(m):  # each row: the pass's shortlist, where it sees
+            assert set(got[r].nonzero().flatten().tolist()) == {i for i in want if vis[r, i]}
+
+
+def test_a_pass_split_into_row_chunks_decides_as_one(monkeypatch):
+    """Long contexts split a pass's rows into chunks (memory); the shortlist stays the pass's:
+    outputs and every statistic equal the unsplit pass, and at most 128 keys are read."""
+    import kvsim.policies.verkv.policy as P
+    from kvsim.policies import make
+    layer, q, _ = layer_case(1)
+    n_kv, n, d = layer.k_host.shape
+    extra = torch.randn(n_kv, 6, d, generator=torch.Generator().manual_seed(2), dtype=F64)
+    k_all = torch.cat([layer.k_host, extra], 1)
+    pos = torch.tensor([n, n + 2, n + 5])  # question rows, seeing the context and each other
+    pol = make("verkv", {"sink": 4, "local": 4, "eps": 0.02})
+    whole, stats = pol.attend(layer, q, pos, k_all, k_all)
+    monkeypatch.setattr(P, "row_chunks", lambda n_q, m, n: [slice(i, i + 1) for i in range(m)])
+    split, stats_split = pol.attend(layer, q, pos, k_all, k_all)
+    torch.testing.assert_close(split, whole)
+    for key in stats:
+        torch.testing.assert_close(stats_split[key], stats[key], msg=key)
+    assert float(stats["shortlist_size"].max()) <= 128

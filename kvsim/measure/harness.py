@@ -95,14 +95,16 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
                 scores["oracle"] = attention_mass(k[:, :n_ctx], rows, pos)
         args = (k[:, :n_ctx], v[:, :n_ctx], scores,
                 *observation(policy.observation, qq, qpos, qd, dpos, n_ctx))
+        # a window of question rows sees the question's own keys too (SnapKV's softmax)
+        after = {"obs_k": k[:, n_ctx:]} if policy.observation == "question" else {}
         gen = lambda: torch.Generator().manual_seed(layer_seed(seed, int(la.layer)))  # noqa: E731
-        c = policy.compress(*args, gen(), layer=int(la.layer))
+        c = policy.compress(*args, gen(), layer=int(la.layer), **after)
         compressed.append(c)
         if la.layer in timed:  # compress and dense prefill attention, interleaved
             tc, td = [], []
             for _ in range(TIMING_REPEATS):
                 t0 = time.perf_counter()
-                again = policy.compress(*args, gen(), layer=int(la.layer))
+                again = policy.compress(*args, gen(), layer=int(la.layer), **after)
                 tc.append(time.perf_counter() - t0 - again.info.get("seconds_excluded", 0.0))
                 td.append(_prefill_attention_seconds(args[0], a.n_q_heads))
             t_comp.append(min(tc))

@@ -79,12 +79,14 @@ class Policy(ABC):
 
     def compress(self, k: torch.Tensor, v: torch.Tensor, scores: dict[str, torch.Tensor],
                  obs_q: torch.Tensor, obs_pos: torch.Tensor, generator: torch.Generator,
-                 layer: int) -> Compressed:
+                 layer: int, obs_k: torch.Tensor | None = None) -> Compressed:
         """After the context prefill of layer ``layer``, decide what stays resident.
 
         ``k``, ``v``: (n_kv, n_ctx, d) post-RoPE keys and values of the context; ``scores``:
         per-token scorer outputs (n_kv, n_ctx) the trace or model provides (e.g. "kvzip");
-        ``obs_q``, ``obs_pos``: (n_q, w, d) observation-window queries and their positions.
+        ``obs_q``, ``obs_pos``: (n_q, w, d) observation-window queries and their positions;
+        ``obs_k``: (n_kv, a, d) the keys after the context (positions n_ctx ..) where the window
+        lies after it (question rows), which SnapKV's softmax includes; None otherwise.
         Default: everything stays (dense).
         """
         n_kv, n_ctx, d = k.shape

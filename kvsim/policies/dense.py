@@ -33,7 +33,7 @@ class DenseOffload(Policy):
         out, _ = dense_attention(q, k, v, q_pos)
         return out, {"kv_read_frac": torch.ones(q.shape[:2], dtype=torch.float64)}
 
-    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
         return Compressed(None, 0.0, 0.0)  # nothing stays in HBM between steps
 
     def decode_cost(self, stats):

@@ -46,11 +46,11 @@ class ScoredPolicy(Policy):
         """(log-weights (n_kv, n_ctx), resident mask (n_kv, n_ctx), metadata bytes per KV head,
         per-layer info) from the scorer's (n_kv, n_ctx) scores."""
 
-    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
         p = self.params
         n_kv, n_ctx, d = k.shape
         budget = self.sample_budget(n_ctx)
-        s = context_scores(p.scorer, scores, k, obs_q, obs_pos)
+        s = context_scores(p.scorer, scores, k, obs_q, obs_pos, obs_k)
         log_w, resident, meta, info = self.select(s, budget, generator)
         held = float(resident.sum(-1).to(torch.float64).mean())
         return Compressed(log_w, held, held * 2 * d * KV_ELEM_BYTES + meta, meta, info)

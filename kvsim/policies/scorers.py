@@ -16,9 +16,9 @@ from kvsim.policies.options import SCORERS
 OBS_WINDOW = 64  # observation rows SnapKV pools over (the last question rows)
 
 
-def _snapkv(scores, k, obs_q, obs_pos):
+def _snapkv(scores, k, obs_q, obs_pos, obs_k):
     if obs_q.shape[1]:  # from the question window; a captured "snapkv" score otherwise
-        return snapkv_scores(k, obs_q[:, -OBS_WINDOW:], obs_pos[-OBS_WINDOW:])
+        return snapkv_scores(k, obs_q[:, -OBS_WINDOW:], obs_pos[-OBS_WINDOW:], k_after=obs_k)
     if "snapkv" in scores:
         return scores["snapkv"].to(k.dtype)
     raise KvsimError("scorer snapkv needs question rows in the trace (the observation "
@@ -26,7 +26,7 @@ def _snapkv(scores, k, obs_q, obs_pos):
 
 
 def _given(name: str):
-    def score(scores, k, obs_q, obs_pos):
+    def score(scores, k, obs_q, obs_pos, obs_k):
         if name not in scores:
             have = ", ".join(sorted(scores)) or "none"
             raise KvsimError(f"the trace has no {name!r} scores (it has: {have}); "
@@ -55,6 +55,8 @@ def scoring_work(name: str, m) -> tuple[float, float, float, str]:
 
 
 def context_scores(name: str, scores: dict[str, torch.Tensor], k: torch.Tensor,
-                   obs_q: torch.Tensor, obs_pos: torch.Tensor) -> torch.Tensor:
-    """The (n_kv, n_ctx) scores of scorer ``name`` for a layer's context ``k``."""
-    return SCORER[name](scores, k, obs_q, obs_pos)
+                   obs_q: torch.Tensor, obs_pos: torch.Tensor,
+                   obs_k: torch.Tensor | None = None) -> torch.Tensor:
+    """The (n_kv, n_ctx) scores of scorer ``name`` for a layer's context ``k``; ``obs_k``: the
+    keys after the context that the observation window sees (its question tokens)."""
+    return SCORER[name](scores, k, obs_q, obs_pos, obs_k)

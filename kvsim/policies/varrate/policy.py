@@ -158,7 +158,7 @@ class VarRate(Policy):
                          "positions < context_len) or the 'snapkv' scores of kvsim capture; "
                          "this trace holds neither")
 
-    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
         if self._rope is None:
             raise KvsimError(f"{self.name}: bind(rope, head_dim) must come before compress")
         if self._basis is not None:

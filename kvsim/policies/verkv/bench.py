@@ -170,7 +170,8 @@ class DecideBench:
         scores = {k: f32(v[:, :n]) for k, v in la.scores.items()}  # kvzip, when it scores so
         self.layer = pol.compress(f32(la.k[:, :n]), f32(la.v[:, :n]), scores, f32(la.q_question),
                                   torch.as_tensor(a.question_pos, device=device),
-                                  torch.Generator().manual_seed(seed), layer=0).state
+                                  torch.Generator().manual_seed(seed), layer=0,
+                                  obs_k=f32(la.k[:, n:])).state
         self.q = f32(la.q_decode)
         self.q_pos = torch.tensor([n], device=device)
         self.n, self.m = n, m

@@ -92,55 +92,98 @@ class Decision:
         return lam.reshape(self.own_exact.shape)
 
 
-def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | None,
-                     candidates: torch.Tensor, shortlist_size: int):
-    """Grouped logits (n_kv, g*m, n) the certificate plans with (-inf where not visible), their
-    row maximum (n_kv, g*m), and the shortlist (n_kv, m, n).
+def _planned_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | None):
+    """Grouped logits (n_kv, g*m, n) of the query rows before any host read: exact everywhere
+    with the perfect sketch, else sketch logits with exact ones at ``known_idx``; -inf where a
+    row does not see the token."""
+    n_q, m, d = q.shape
+    n_kv = layer.k_host.shape[0]
+    g = n_q // n_kv
+    qg = q.reshape(n_kv, g * m, d)
+    if layer.sketch is None:
+        s = torch.matmul(qg, layer.k_host.transpose(1, 2)) / math.sqrt(d)
+    else:
+        s = sketch_logits(layer.sketch, q).view(n_kv, g * m, -1)
+        idx = layer.known_idx  # (n_kv, R)
+        keys = layer.k_host.gather(1, idx[:, :, None].expand(-1, -1, d))
+        exact_known = torch.matmul(qg, keys.transpose(1, 2)) / math.sqrt(d)  # (n_kv, g*m, R)
+        s.scatter_(-1, idx[:, None, :].expand(-1, g * m, -1), exact_known)
+    if visible is not None:
+        s.masked_fill_(~visible.repeat(g, 1)[None], float("-inf"))
+    return s
 
-    Perfect sketch: exact logits everywhere, no shortlist. 2-bit sketch: sketch logits, exact
-    ones at ``known_idx`` and at the shortlist: per KV head and row, the ``shortlist_size``
-    candidates with the largest sketch log-weight relative to their head's largest estimated
-    logit (``s_i - max_j s_j``, a log-probability up to the head's normaliser), max over the
-    group's query heads (spec point 4).
-    """
+
+def _visible(q_pos: torch.Tensor, n: int) -> torch.Tensor | None:
+    """(m, n) which context tokens each row sees; None when every row sees all of them."""
+    if bool((q_pos >= n - 1).all()):
+        return None
+    return torch.arange(n, device=q_pos.device)[None, :] <= q_pos[:, None]
+
+
+def candidates_of(layer: VerKVLayer, variant: str) -> torch.Tensor:
+    """(n_kv, n) the tokens the shortlist and the certificate's L are drawn from."""
+    smp = layer.sample
+    return smp.in_l if variant == "independent" else smp.in_l & ~smp.sampled
+
+
+def pass_shortlist(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideConfig,
+                   chunks: list[slice] | None = None):
+    """The shortlist of one forward pass with query rows ``q`` (n_q, m, d) at ``q_pos``: per KV
+    head, the ``cfg.shortlist`` candidates with the largest sketch log-weight relative to their
+    row's largest planned logit (``s_i - max_j s_j``, a log-probability up to the row's
+    normaliser), max over the group's query heads and the pass's rows (the spec's "over that
+    head's query rows"; spec point 4). Scored over ``chunks`` of rows (memory); returns indices
+    (n_kv, k) and which are real candidates (fewer where there are fewer), or None without a
+    sketch or a shortlist."""
+    if layer.sketch is None or cfg.shortlist <= 0:
+        return None
+    n_kv, n, _ = layer.k_host.shape
+    best = torch.full((n_kv, n), float("-inf"), dtype=q.dtype, device=q.device)
+    seen = torch.zeros(n, dtype=torch.bool, device=q.device)
+    for sl in chunks or [slice(0, q.shape[1])]:
+        visible = _visible(q_pos[sl], n)
+        s = _planned_logits(q[:, sl], layer, visible)
+        best = torch.maximum(best, (s - s.amax(-1, keepdim=True)).amax(1))
+        seen |= True if visible is None else visible.any(0)
+    idx, valid, _ = shortlist(best[:, None], (candidates_of(layer, cfg.variant) & seen)[:, None],
+                              cfg.shortlist)
+    return idx[:, 0], valid[:, 0]
+
+
+def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | None,
+                     short: tuple | None):
+    """Grouped logits (n_kv, g*m, n) the certificate plans with (-inf where not visible), their
+    row maximum (n_kv, g*m), and the rows' shortlist mask (n_kv, m, n): the planned logits of
+    :func:`_planned_logits`, exact at the pass's shortlist ``short`` (:func:`pass_shortlist`)
+    where a row sees it. Its keys are read once per pass."""
     n_q, m, d = q.shape
     n_kv, n, _ = layer.k_host.shape
     g = n_q // n_kv
-    qg = q.reshape(n_kv, g * m, d)
-    none = torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
-    if layer.sketch is None:
-        s = torch.matmul(qg, layer.k_host.transpose(1, 2)) / math.sqrt(d)
-        if visible is not None:
-            s.masked_fill_(~visible.repeat(g, 1)[None], float("-inf"))
-        return s, s.amax(-1), none
-    s = sketch_logits(layer.sketch, q).view(n_kv, g * m, n)
-    idx = layer.known_idx  # (n_kv, R)
-    keys = layer.k_host.gather(1, idx[:, :, None].expand(-1, -1, d))
-    exact_known = torch.matmul(qg, keys.transpose(1, 2)) / math.sqrt(d)  # (n_kv, g*m, R)
-    s.scatter_(-1, idx[:, None, :].expand(-1, g * m, -1), exact_known)
-    if visible is not None:
-        s.masked_fill_(~visible.repeat(g, 1)[None], float("-inf"))
+    s = _planned_logits(q, layer, visible)
     shift = s.amax(-1)
-    if shortlist_size <= 0:
-        return s, shift, none
-    score = (s - shift[..., None]).view(n_kv, g, m, n).amax(dim=1)  # (n_kv, m, n)
-    cand = candidates if visible is None else candidates & visible[None]
-    sidx, valid, short = shortlist(score, cand, shortlist_size)
-    kk = sidx.shape[-1]
-    skeys = layer.k_host.gather(1, sidx.reshape(n_kv, m * kk, 1).expand(-1, -1, d))
-    skeys = skeys.view(n_kv, m, kk, d)
-    exact_short = torch.einsum("kgmd,kmjd->kgmj", q.view(n_kv, g, m, d), skeys) / math.sqrt(d)
-    sv = s.view(n_kv, g, m, n)
-    gidx = sidx[:, None].expand(-1, g, -1, -1)
-    vv = valid[:, None].expand(-1, g, -1, -1)
-    sv.scatter_(-1, gidx, torch.where(vv, exact_short, sv.gather(-1, gidx)))
-    short_max = exact_short.masked_fill(~vv, float("-inf")).amax(-1).reshape(n_kv, g * m)
-    return s, torch.maximum(shift, short_max), short
+    if short is None:
+        return s, shift, torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
+    sidx, valid = short  # (n_kv, kk)
+    skeys = layer.k_host.gather(1, sidx[:, :, None].expand(-1, -1, d))  # (n_kv, kk, d)
+    exact_short = torch.matmul(q.reshape(n_kv, g * m, d), skeys.transpose(1, 2)) / math.sqrt(d)
+    gidx = sidx[:, None].expand(-1, g * m, -1)
+    vv = valid[:, None].expand(-1, g * m, -1)
+    if visible is not None:  # each row uses the shortlisted tokens it sees
+        vv = vv & visible[:, sidx].permute(1, 0, 2).repeat(1, g, 1)  # (n_kv, g*m, kk)
+    s.scatter_(-1, gidx, torch.where(vv, exact_short, s.gather(-1, gidx)))
+    short_max = exact_short.masked_fill(~vv, float("-inf")).amax(-1)
+    rows = torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
+    rows.scatter_(-1, sidx[:, None].expand(-1, m, -1), valid[:, None].expand(-1, m, -1))
+    if visible is not None:
+        rows &= visible[None]
+    return s, torch.maximum(shift, short_max), rows
 
 
 def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideConfig,
-           extra_logits: torch.Tensor | None = None) -> Decision:
-    """One forward pass of VerKV's decide step for query rows ``q`` (n_q, m, d) at ``q_pos``.
+           extra_logits: torch.Tensor | None = None, short: tuple | None = None) -> Decision:
+    """VerKV's decide step for query rows ``q`` (n_q, m, d) at ``q_pos``: a forward pass, or
+    some rows of one whose shortlist ``short`` (:func:`pass_shortlist`) was chosen over all of
+    its rows (by default over the rows given).
 
     ``extra_logits`` (n_q, m, n_extra): exact logits of the tokens after the context (-inf where
     masked); they count in D and never in L.
@@ -148,12 +191,10 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
     n_q, m, d = q.shape
     n_kv, n, _ = layer.k_host.shape
     g = n_q // n_kv
-    smp, f = layer.sample, layer.factors
-    visible = None
-    if not bool((q_pos >= n - 1).all()):
-        visible = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]  # (m, n)
-    candidates = smp.in_l if cfg.variant == "independent" else smp.in_l & ~smp.sampled
-    s, shift, short = estimated_logits(q, layer, visible, candidates[:, None, :], cfg.shortlist)
+    f = layer.factors
+    if short is None:
+        short = pass_shortlist(q, q_pos, layer, cfg)
+    s, shift, short = estimated_logits(q, layer, _visible(q_pos, n), short)
     extra = None
     if extra_logits is not None and extra_logits.shape[-1]:
         extra = extra_logits.reshape(n_kv, g * m, -1)

@@ -49,6 +49,7 @@ from kvsim.policies.verkv.kvfetch import (
     DecideConfig,
     decide,
     make_layer,
+    pass_shortlist,
     reweighted_log_factor,
 )
 from kvsim.policies.verkv.sketch import (
@@ -108,13 +109,13 @@ class VerKV(Policy):
                             shortlist=int(p.shortlist) if p.sketch == "2bit" else 0,
                             variant=p.variant)
 
-    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer):
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
         p = self.params
         n_kv, n_ctx, d = k.shape
         sk_bytes = sketch_bytes(n_ctx, d)
         token_bytes = 2 * d * KV_ELEM_BYTES
         sample_budget = self.budget(n_ctx, sketch_tokens=sk_bytes / token_bytes)
-        tau = to_tau(context_scores(p.scorer, scores, k, obs_q, obs_pos))
+        tau = to_tau(context_scores(p.scorer, scores, k, obs_q, obs_pos, obs_k))
         smp = poisson_compress(tau, *self.sink_local, sample_budget, generator)
         sketch = build_sketch(k, rope_pairs(d, self.rope.get("type"))) \
             if p.sketch == "2bit" else None
@@ -141,10 +142,12 @@ class VerKV(Policy):
         short_pass = torch.zeros_like(fetched_pass)
         outs, logds, logds_own, rows = [], [], [], []
         extra_pos = torch.arange(n_ctx, k.shape[1], device=q.device)
-        for sl in row_chunks(n_q, m, k.shape[1]):
+        chunks = row_chunks(n_q, m, k.shape[1])
+        short = pass_shortlist(q, q_pos, layer, cfg, chunks)  # one per KV head and pass
+        for sl in chunks:
             qc, pc = q[:, sl], q_pos[sl]
             extra = logits(qc, k[:, n_ctx:], pc, extra_pos)
-            dec = decide(qc, pc, layer, cfg, extra_logits=extra)
+            dec = decide(qc, pc, layer, cfg, extra_logits=extra, short=short)
             log_w = reweighted_log_factor(layer, dec, n_q)
             o, ld = weighted_attention(qc, pc, k, v, log_w)
             full = logits(qc, k, pc)
