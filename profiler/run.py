@@ -189,7 +189,7 @@ def _median_rounds(runs: list[dict]) -> dict:
 def _sweeps(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, missing: list[str],
             show: bool, seed: int, rounds: int = 1, decide=None) -> tuple[dict, dict]:
     bar = tqdm(total=plan.points() * rounds, desc=f"profile {be.kind}", unit="pt",
-               disable=not show, leave=False)
+               disable=None if show else True, leave=False)
     runs, gmiss, extras, timing = [], [], [], {}
     keep = {} if rounds > 1 else None  # decide kernels, built once for all rounds
     try:

@@ -99,3 +99,19 @@ def test_verkv_json_has_the_sketch_and_per_layer_violation_keys(attn_trace):
     assert 0 <= r["question_kv_read_frac"] <= 1
     from kvsim.policies.verkv.sketch import sketch_bytes
     assert r["sketch_bytes_per_token"] == pytest.approx(sketch_bytes(56, 16) / 56)
+
+
+@pytest.mark.parametrize("policy", ["verkv", "topk", "poissoncomp"])
+def test_no_sizes_given_takes_the_profiles_sizes(policy):
+    """`kvsim replay --policy P` with no sink or local runs on the shipped profile with the
+    sizes it was measured with, says so, and equals the run that gives them."""
+    code, out, err = run_cli("replay", "--policy", policy, "--json")
+    assert code == 0, err
+    bare = json.loads(out)
+    code, out, err = run_cli("replay", "--policy", policy, "--sink", 4, "--local", 4, "--json")
+    sized = json.loads(out)
+    for key in ("tpot_ms", "kv_read_frac", "throughput_tok_s", "violation_rate"):
+        assert bare.get(key) == sized.get(key), key
+    assert bare["policy_options"]["sink"] == 4 and bare["policy_options"]["local"] == 4
+    assert any("sizes the policy profile was measured with" in w for w in bare["warnings"])
+    assert "policy profile" in bare["provenance"]["policy"]

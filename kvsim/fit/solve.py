@@ -188,8 +188,8 @@ def _leave_one_out(rows, pred, base, chosen, forced, fixed, start, gpu, model, v
     """Each fit point predicted by a fit of the others (its TPOT error); n/a where the others
     no longer identify every parameter the point needs, or are too few."""
     from tqdm import tqdm
-    for i, p in enumerate(tqdm(rows, desc="leave-one-out", unit="fit", disable=not progress,
-                               leave=False)):
+    for i, p in enumerate(tqdm(rows, desc="leave-one-out", unit="fit", leave=False,
+                               disable=None if progress else True)):  # on a terminal
         rest = rows[:i] + rows[i + 1:]
         row = next(t for t in table if t["row"] == p.row)
         free = chosen if forced else [k for k in identified(rest, pred) if k not in fixed]

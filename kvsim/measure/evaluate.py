@@ -61,7 +61,7 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
     t_prefill = t_dense = 0.0
     tokens: list[int] = []
     bar = tqdm(total=len(prompts) * (1 + len(policies)), desc="eval", unit="run",
-               disable=not progress, file=sys.stderr, dynamic_ncols=True)
+               disable=None if progress else True, file=sys.stderr, dynamic_ncols=True)
     max_pos = lm.info.get("max_position_embeddings")
     for i, p in enumerate(prompts):
         done = 0

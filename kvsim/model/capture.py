@@ -50,7 +50,7 @@ def capture(lm, prompt: Prompt, layers: list[int], decode_steps: int = 8,
     if decode_steps < 0:
         raise KvsimError("--decode-steps must be >= 0")
     model, codec = lm.model, lm.codec
-    bar = tqdm(total=4, desc="capture", disable=not progress, unit="stage")
+    bar = tqdm(total=4, desc="capture", disable=None if progress else True, unit="stage")
     t0 = time.perf_counter()
     ctx_ids, q_ids = codec.layout(prompt.context, prompt.question, prompt.answer_prefix)
     n_ctx = len(ctx_ids)

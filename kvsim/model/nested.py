@@ -166,7 +166,8 @@ def capture_nested(lm, prompt: NestedPrompt, lengths: list[int], layers: list[in
     heads = {l: kv_heads_for(l, heads_per_layer, n_kv) for l in layers}
     qrows = {l: [h * g + i for h in heads[l] for i in range(g)] for l in layers}
     steps = sum(len(qs) for qs in prompt.questions)
-    bar = tqdm(total=1 + steps, desc="nested capture", unit="pass", disable=not progress)
+    bar = tqdm(total=1 + steps, desc="nested capture", unit="pass",
+               disable=None if progress else True)  # on a terminal
     bar.set_postfix_str(f"prefill of {len(ctx_ids)} tokens")
     cache, ctx_q = prefill_recording(model, ctx_ids, set(layers))
     bar.update(1)

@@ -72,7 +72,8 @@ def run_all(executor, fn: Callable, tasks: Iterable, progress: bool = True,
     results: dict[int, object] = {}
     indexed = list(enumerate(tasks))
     from tqdm import tqdm
-    with tqdm(total=len(tasks), desc=desc, disable=not progress, unit="task") as bar:
+    with tqdm(total=len(tasks), desc=desc, disable=None if progress else True,  # a terminal
+              unit="task") as bar:
         for (i, _), res in executor.map(_Indexed(fn), indexed):
             results[i] = res
             if on_result is not None:

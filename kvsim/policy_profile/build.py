@@ -97,7 +97,7 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
     jobs = [(si, ci, j, i) for ci, c in enumerate(sets) for j, ln in enumerate(c.lengths)
             for i in range(len(ln.asked)) for si in range(len(policies))]  # one view at a time
     bar = tqdm(total=len(jobs), initial=sum(_job(*jb) in done for jb in jobs),
-               desc="policy profile", unit="job", disable=not progress)
+               desc="policy profile", unit="job", disable=None if progress else True)
     # work units: one view (capture set, length, question) with the settings it still lacks
     units: dict[tuple, list[int]] = {}
     for si, ci, j, i in jobs:

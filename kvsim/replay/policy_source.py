@@ -41,10 +41,26 @@ def profile_for(choice: str | None, trace_named: bool) -> tuple[pp.Profile | Non
     return pp.load(choice), True
 
 
+def unset_from_profile(prof: pp.Profile, name: str, params: dict) -> dict:
+    """Options left unset (None: sink and local) that every setting of ``name`` in the profile
+    holds at one value: that value (the sizes the profile was measured with)."""
+    same = [p for n, p in prof.settings if n == name]
+    out = {}
+    for key, v in params.items():
+        held = {p.get(key) for p in same}
+        if v is None and len(held) == 1 and None not in held:
+            out[key] = next(iter(held))
+    return out
+
+
 def from_profile(prof: pp.Profile, spec, n_tokens: int) -> Source:
     from kvsim.policies import make
     policy = make(spec.name, spec.options)
     params = dataclasses.asdict(policy.params)
+    filled = unset_from_profile(prof, spec.name, params)
+    if filled:
+        policy = make(spec.name, {**spec.options, **filled})
+        params = dataclasses.asdict(policy.params)
     a = prof.at(spec.name, params, n_tokens)
 
     def result(kv_read: float | None) -> PolicyResult:
@@ -54,7 +70,10 @@ def from_profile(prof: pp.Profile, spec, n_tokens: int) -> Source:
 
     key = "decode.kv_read_frac" if "decode" in a.stats else "question.kv_read_frac"
     lo, hi = a.intervals.get(key, (None, None))
-    src = Source(result(None), a, warnings=list(a.warnings))
+    said = [f"{spec.name}: {', '.join(f'{k} {v}' for k, v in filled.items())}: the sizes the "
+            f"policy profile was measured with (not given; give --{'/--'.join(filled)} to "
+            f"choose)"] if filled else []
+    src = Source(result(None), a, warnings=said + list(a.warnings))
     if lo is not None and hi > lo:
         src.lo, src.hi = result(lo), result(hi)
     return src

@@ -226,7 +226,7 @@ def _time_loops(be, m, configs, cases, rounds, warmup, steps, seed, progress) ->
     configurations, so a burst of load from other processes does not land on one only."""
     times: dict = {c: [] for c in configs}
     bar = tqdm(total=len(configs) * rounds, desc=f"validate {be.kind}", unit="cfg",
-               disable=not progress, leave=False)
+               disable=None if progress else True, leave=False)
     try:
         with torch.inference_mode():
             st = loops.build_stack(be, m, seed)
