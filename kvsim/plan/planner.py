@@ -22,10 +22,9 @@ from kvsim.plan.outputs import JOURNAL, check_outputs, journal_rows, jsonable, r
 from kvsim.plan.sweep import SweepSpec, label, sweep
 
 DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
-SUMMARY = ["gpu", "model", "context", "label", "batch", "qps", "tpot_ms", "decode_tok_s",
-           "ttft_ms", "hbm_gib", "max_batch_fit", "link_util", "kv_read_frac", "goodput_rps",
-           "slo_max_qps",
-           "status"]
+SUMMARY = ["gpu", "model", "context", "label", "batch", "qps", "tpot_ms", "tpot_p99_ms",
+           "decode_tok_s", "ttft_ms", "ttft_p99_ms", "hbm_gib", "max_batch_fit", "link_util",
+           "kv_read_frac", "goodput_rps", "slo_max_qps", "status"]
 
 
 def load_quality(paths: list[str], df: pd.DataFrame) -> pd.DataFrame | None:
