@@ -68,7 +68,7 @@ def simulation(res, work) -> dict:
         "e2e_s": req.e2e.mean(), "e2e_p50_s": req.e2e.percentile(50),
         "e2e_p99_s": req.e2e.percentile(99),
         "queue_wait_p99_ms": ms(req.wait.percentile(99)),
-        "percentiles": req.ttft.method(),
+        "percentiles": req.method(),
         "throughput_tok_s": per_s(float(req.output_tokens)),
         "decode_tok_s": (reps * log.decode_tokens / decode_time if decode_time else nan),
         "requests_per_s": per_s(work.n),

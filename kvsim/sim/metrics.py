@@ -135,6 +135,11 @@ class Requests:
     done_by_t0: int = 0  # completions at or before the window's start
     done_by_t1: int = 0
 
+    def method(self) -> str:
+        """How the percentiles were computed: exactly, or by the sketch for any metric."""
+        sketched = [q for q in (self.ttft, self.tpot, self.e2e, self.wait) if not q.exact]
+        return sketched[0].method() if sketched else "exact"
+
     def fresh(self) -> Requests:
         return Requests(dict(self.slo), self.window)
 
