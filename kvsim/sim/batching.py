@@ -48,6 +48,7 @@ class Run:
         # after a preemption nothing is admitted or resumed until a request completes: memory
         # frees only then, and re-admitting at once would preempt again (thrash)
         self.pressure = False
+        self.may_finish = True  # whether the last turn may have finished a request
         self.in_system, self.area, self.t = 0, 0.0, 0.0
         self.peak_hbm = self.peak_host = 0
         self.wake = env.event()
@@ -327,8 +328,9 @@ class Run:
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
         ids = self.running
-        k = int(min(self.left[ids].min(), MAX_CHUNK))
-        k = self.grow_fit(ids, k)
+        left = self.left[ids]
+        soonest = int(left.min())
+        k = self.grow_fit(ids, min(soonest, MAX_CHUNK))
         if k < 1:
             yield from self.preempt()
             return
@@ -343,11 +345,15 @@ class Run:
                          ctx if log.keeping else None))
         yield self.env.timeout(seconds)
         self.grow(ids, k)
-        self.ctx[ids] += k
-        self.left[ids] -= k
+        self.ctx[ids] = ctx + k
+        self.left[ids] = left - k
+        self.may_finish = k >= soonest  # else no sequence of the batch has finished
 
     def complete(self) -> None:
         """Release finished requests (also those whose only token came from prefill)."""
+        if not self.may_finish:  # a decode run that stopped before any completion
+            self.may_finish = True
+            return
         fin = self.left[self.running] <= 0
         if not fin.any():
             return
