@@ -143,24 +143,39 @@ def pass_shortlist(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg:
     for sl in chunks or [slice(0, q.shape[1])]:
         visible = _visible(q_pos[sl], n)
         s = _planned_logits(q[:, sl], layer, visible)
-        best = torch.maximum(best, (s - s.amax(-1, keepdim=True)).amax(1))
+        best = torch.maximum(best, _pass_score(s, s.amax(-1)))
         seen |= True if visible is None else visible.any(0)
-    idx, valid, _ = shortlist(best[:, None], (candidates_of(layer, cfg.variant) & seen)[:, None],
-                              cfg.shortlist)
+    return _pick(best, seen, layer, cfg)
+
+
+def _pass_score(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """(n_kv, n) the shortlist score of planned logits ``s`` with row maxima ``shift``: the
+    log-weight relative to the row's largest, max over the rows."""
+    return (s - shift[..., None]).amax(1)
+
+
+def _pick(score: torch.Tensor, seen, layer: VerKVLayer, cfg: DecideConfig):
+    """(indices (n_kv, k), real candidates) of the ``cfg.shortlist`` best candidates seen."""
+    idx, valid, _ = shortlist(score[:, None],
+                              (candidates_of(layer, cfg.variant) & seen)[:, None], cfg.shortlist)
     return idx[:, 0], valid[:, 0]
 
 
 def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | None,
-                     short: tuple | None):
+                     short: tuple | None, cfg: DecideConfig):
     """Grouped logits (n_kv, g*m, n) the certificate plans with (-inf where not visible), their
     row maximum (n_kv, g*m), and the rows' shortlist mask (n_kv, m, n): the planned logits of
-    :func:`_planned_logits`, exact at the pass's shortlist ``short`` (:func:`pass_shortlist`)
-    where a row sees it. Its keys are read once per pass."""
+    :func:`_planned_logits`, exact at the pass's shortlist ``short`` (:func:`pass_shortlist`;
+    None: these rows are the whole pass, scored here from the same logits) where a row sees
+    it. Its keys are read once per pass."""
     n_q, m, d = q.shape
     n_kv, n, _ = layer.k_host.shape
     g = n_q // n_kv
     s = _planned_logits(q, layer, visible)
     shift = s.amax(-1)
+    if short is None and layer.sketch is not None and cfg.shortlist > 0:
+        short = _pick(_pass_score(s, shift), True if visible is None else visible.any(0),
+                      layer, cfg)
     if short is None:
         return s, shift, torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
     sidx, valid = short  # (n_kv, kk)
@@ -192,9 +207,7 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
     n_kv, n, _ = layer.k_host.shape
     g = n_q // n_kv
     f = layer.factors
-    if short is None:
-        short = pass_shortlist(q, q_pos, layer, cfg)
-    s, shift, short = estimated_logits(q, layer, _visible(q_pos, n), short)
+    s, shift, short = estimated_logits(q, layer, _visible(q_pos, n), short, cfg)
     extra = None
     if extra_logits is not None and extra_logits.shape[-1]:
         extra = extra_logits.reshape(n_kv, g * m, -1)
