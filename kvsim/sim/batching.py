@@ -359,14 +359,8 @@ class Run:
             return
         ids = self.running[fin]
         self.pressure = False
-        if len(ids) == 1:
-            i = int(ids[0])
-            self.requests.record_one(float(self.arrival[i]), float(self.admitted[i]),
-                                     float(self.first_token[i]), self.env.now,
-                                     int(self.output[i]))
-        else:
-            self.requests.record(self.arrival[ids], self.admitted[ids], self.first_token[ids],
-                                 self.env.now, self.output[ids])
+        self.requests.record(self.arrival[ids], self.admitted[ids], self.first_token[ids],
+                             self.env.now, self.output[ids])
         self.release(ids)
         self.running = self.running[~fin]
         self.free.extend(ids.tolist())

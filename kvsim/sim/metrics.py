@@ -146,35 +146,14 @@ class Requests:
     def record(self, arrival: np.ndarray, admitted: np.ndarray, first: np.ndarray, now: float,
                output: np.ndarray) -> None:
         """Requests that finished at ``now``: their arrival, first admission and first token
-        times and output lengths."""
-        m = len(arrival)
-        ttft, e2e = first - arrival, now - arrival
-        multi = output > 1
-        tpot = (now - first[multi]) / (output[multi] - 1)
-        self.ttft.add(ttft)
-        self.e2e.add(e2e)
-        self.wait.add(admitted - arrival)
-        self.tpot.add(tpot)
-        self.count += m
-        self.output_tokens += int(output.sum())
-        self.first_arrival = min(self.first_arrival, float(arrival.min()))
-        self.last_finish = max(self.last_finish, now)
-        if self.slo:
-            got = {"ttft": ttft, "e2e": e2e, "tpot": np.where(multi, (now - first) / np.maximum(
-                output - 1, 1), np.nan)}
-            ok = np.ones(m, bool)
-            for key, limit in self.slo.items():
-                name, scale = SLO_KEYS[key]
-                v = got[name] * scale
-                ok &= np.isnan(v) | (v <= limit)  # a one-token request has no TPOT to miss
-            self.meet_slo += int(ok.sum())
-        if self.window is not None:
-            self.done_by_t0 += m * (now <= self.window[0])
-            self.done_by_t1 += m * (now <= self.window[1])
+        times and output lengths (:meth:`record_one` of each)."""
+        for a, w, f, o in zip(arrival.tolist(), admitted.tolist(), first.tolist(),
+                              output.tolist()):
+            self.record_one(a, w, f, now, int(o))
 
     def record_one(self, arrival: float, admitted: float, first: float, now: float,
                    output: int) -> None:
-        """:meth:`record` of one request, in scalars (the common completion)."""
+        """One request that finished at ``now``."""
         ttft, e2e = first - arrival, now - arrival
         tpot = (now - first) / (output - 1) if output > 1 else math.nan
         self.ttft.add_one(ttft)
