@@ -140,7 +140,8 @@ def test_closed_form_decode_runs_equal_the_stepwise_sums(policy, engine):
         k = int(rng.integers(1, 2049))
         one = float(stepwise.decode(ctx, 1)[0][0])
         until = float(rng.choice([np.inf, rng.uniform(0, 1.5 * k * one), 0.0, 2.5 * one]))
-        got, want = steps.decode_run(ctx, k, until), stepwise.decode_run(ctx, k, until)
+        T0 = float(ctx.sum())
+        got, want = steps.decode_run(B, T0, k, until), stepwise.decode_run(B, T0, k, until)
         assert got[0] == want[0], (B, k, until)
         assert got[1:] == pytest.approx(want[1:], rel=1e-9)
         closed_forms += steps._line(B) is not None
@@ -156,7 +157,9 @@ def test_overlap_that_changes_sides_falls_back_to_the_steps():
     cross = (x0 - c0 - d0) / (c1 + d1 - x1)  # tokens where the link's time equals compute's
     assert cross > 0
     ctx = np.array([cross - 100.0])
-    assert steps.decode_run(ctx, 400) == pytest.approx(stepwise.decode_run(ctx, 400), rel=1e-12)
+    T0 = float(ctx.sum())
+    assert steps.decode_run(1, T0, 400) == pytest.approx(stepwise.decode_run(1, T0, 400),
+                                                         rel=1e-12)
 
 
 def test_per_request_state_follows_the_requests_in_the_system():
@@ -169,3 +172,36 @@ def test_per_request_state_follows_the_requests_in_the_system():
     assert run.requests.count == 30_000 and run.done == 30_000
     assert run.slots <= 256  # a few requests in the system at a time
     assert len(sim.chunks.kept) == sim.chunks.keep < sim.chunks.count
+
+
+def test_requests_arriving_at_one_instant_are_seen_together():
+    """Arrivals read from the workload when the scheduler looks: a burst of 4 at t = 0 and 4
+    at t = 5 prefills as two steps of 4 prompts each, not one prompt and then the rest."""
+    from kvsim.sim.batching import Run
+    from kvsim.sim.workload import Workload
+    sim = sim_for(DENSE)
+    work = Workload(np.array([0.0] * 4 + [5.0] * 4), np.full(8, 1024), np.full(8, 8), None, "")
+    run = Run(sim, work)
+    run.env.run(until=run.env.process(run.scheduler()))
+    prefills = [c for c in sim.chunks if c.kind in ("prefill", "mixed") and c.prefill_tokens]
+    assert [c.prefill_tokens for c in prefills] == [4 * 1024, 4 * 1024]
+    assert run.requests.count == 8
+
+
+@pytest.mark.parametrize("concurrency", [None, 6])
+def test_requests_in_system_integrate_to_their_summed_latencies(concurrency):
+    """Little's law, exactly: the integral of the number in system over the run is the sum of
+    every request's arrival-to-finish time (arrivals are read late; their presence is not
+    lost)."""
+    from kvsim.sim.batching import Run
+    from kvsim.sim.workload import Workload
+    sim = sim_for(DENSE)
+    rng = np.random.default_rng(11)
+    n = 400
+    work = Workload(np.sort(rng.uniform(0, 40, n)), rng.integers(100, 4000, n),
+                    rng.integers(1, 200, n), concurrency, "")
+    run = Run(sim, work)
+    run.env.run(until=run.env.process(run.scheduler()))
+    run.mark(0)
+    assert run.done == n and run.in_system == 0
+    assert run.area == pytest.approx(run.requests.e2e.total, rel=1e-9)

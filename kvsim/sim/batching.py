@@ -4,10 +4,22 @@ Per request: its arrival, how many of its tokens are to be prefilled (the prompt
 generated tokens again after a recompute preemption) and how many are, the tokens in its cache
 (``ctx``), the tokens it still has to emit (``left``) and the HBM and host bytes it holds.
 Requests wait, prefill (in chunks or whole), decode, are swapped out, and finish.
+
+Every step advances either every running sequence by one token or none (prefill-first), so the
+running batch keeps a decode ``clock`` (steps taken) and its sequences hold ``ctx`` and
+``left`` relative to it: a run of k decode steps is ``clock += k``, the batch's KV tokens are a
+running sum, and the next completion is the top of a heap of finishing clocks. A scheduler turn
+touches no per-sequence array unless memory grows per token (grow admission).
+
+In an open loop the scheduler reads arrivals from the workload when it looks (at admission and
+when it bounds a run of steps), so an arrival costs no event of its own; every request that has
+arrived by then is seen, those that arrive at the same instant included. Routed runs
+(:mod:`kvsim.sim.replicas`) are handed their arrivals and woken.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 
@@ -32,8 +44,11 @@ class Run:
                  requests: Requests | None = None):
         self.sim, self.work, self.n = sim, work, work.n
         self.sched = sim.scheduling
+        self.growing = self.sched.admission == "grow"  # memory held grows per token
         self.env = env = env or simpy.Environment()
         self.routed, self.assigned, self.router_done = routed, 0, False
+        self.pulls = not routed and work.concurrency is None  # reads arrivals when it looks
+        self.arrivals = work.arrival.tolist()
         self.cap_hbm, self.cap_host = sim.capacity()
         self.used_hbm = self.used_host = 0  # whole bytes held (callers check room first)
         # per request in the system, by slot (a finished request's slot is reused): memory
@@ -42,29 +57,32 @@ class Run:
         self.requests = requests if requests is not None else Requests()
         self.waiting: deque[int] = deque()
         self.prefilling: list[int] = []
-        self.running = np.zeros(0, np.int64)
         self.swapped: deque[int] = deque()
+        # the running batch: its slots in order, its decode clock, the sum of its (relative)
+        # ctx, and a heap of (clock at which it has emitted its last token, slot)
+        self.running: list[int] = []
+        self.clock, self.run_ctx, self.finish_at = 0, 0.0, []
         self.next, self.done, self.admissions, self.preemptions = 0, 0, 0, 0
         # after a preemption nothing is admitted or resumed until a request completes: memory
         # frees only then, and re-admitting at once would preempt again (thrash)
         self.pressure = False
-        self.may_finish = True  # whether the last turn may have finished a request
         self.in_system, self.area, self.t = 0, 0.0, 0.0
         self.peak_hbm = self.peak_host = 0
         self.wake = env.event()
-        if routed:
-            pass
-        elif work.concurrency is None:
-            env.process(self.open_arrivals())
-        else:
+        if work.concurrency is not None and not routed:
             for i in range(min(work.concurrency, self.n)):
                 self.arrive(i)
             self.next = min(work.concurrency, self.n)
 
     # ------------------------------------------------------------------ arrivals, memory
-    def mark(self, delta: int) -> None:  # integrate the number in system, then change it
-        self.area += self.in_system * (self.env.now - self.t)
-        self.t, self.in_system = self.env.now, self.in_system + delta
+    def mark(self, delta: int, since: float | None = None) -> None:
+        """Integrate the number in system up to now, then change it by ``delta``; ``since``:
+        an arrival read after it happened (its presence before now is added whole)."""
+        now = self.env.now
+        self.area += self.in_system * (now - self.t)
+        if since is not None:
+            self.area += now - since
+        self.t, self.in_system = now, self.in_system + delta
 
     def _grow(self) -> None:
         """Twice the slots (at least 256): ``arrival`` .. ``admitted`` and ``ctx`` are float
@@ -81,12 +99,13 @@ class Run:
             setattr(self, name, b)
         self.free.extend(range(new - 1, old - 1, -1))
 
-    def arrive(self, i: int) -> None:
-        """Request ``i`` of the workload arrives: it takes a free slot and waits."""
+    def arrive(self, i: int, at: float | None = None) -> None:
+        """Request ``i`` of the workload arrives (now, or at ``at`` if read later): it takes a
+        free slot and waits."""
         if not self.free:
             self._grow()
         s = self.free.pop()
-        self.arrival[s] = self.env.now
+        self.arrival[s] = self.env.now if at is None else at
         self.first_token[s] = self.admitted[s] = np.nan
         self.prompt[s] = self.target[s] = self.work.prompt[i]
         self.output[s] = self.left[s] = self.work.output[i]
@@ -94,16 +113,26 @@ class Run:
         self.prefilled[s] = self.held_hbm[s] = self.held_host[s] = self.order[s] = 0
         self.swap_host[s] = 0
         self.waiting.append(s)
-        self.mark(+1)
-        if not self.wake.triggered:
+        self.mark(+1, at)
+        if self.routed and not self.wake.triggered:
             self.wake.succeed()
 
-    def open_arrivals(self):
-        arrival = self.work.arrival
-        for i in range(self.n):
-            yield self.env.timeout(max(float(arrival[i]) - self.env.now, 0.0))
-            self.next = i + 1
-            self.arrive(i)
+    def pull(self) -> None:
+        """Open loop: every request that has arrived by now joins the queue."""
+        if not self.pulls:
+            return
+        now, arr = self.env.now, self.arrivals
+        while self.next < self.n and arr[self.next] <= now:
+            self.arrive(self.next, arr[self.next])
+            self.next += 1
+
+    def until_next_arrival(self) -> float:
+        """Seconds to the next arrival that may be admitted at a step boundary (inf if there is
+        none, or if requests already wait: they are admitted first)."""
+        self.pull()
+        if self.work.concurrency is None and self.next < self.n and not self.waiting:
+            return self.arrivals[self.next] - self.env.now
+        return np.inf
 
     def hold(self, ids, hbm, host=0) -> None:
         """Put ``hbm`` and ``host`` more bytes for request(s) ``ids`` (a slot and whole numbers,
@@ -118,17 +147,53 @@ class Run:
         self.peak_hbm = max(self.peak_hbm, self.used_hbm)
         self.peak_host = max(self.peak_host, self.used_host)
 
-    def release(self, ids, hbm: bool = True, host: bool = True) -> None:
-        """Give back what request(s) ``ids`` hold in HBM and/or host memory."""
-        if hbm:
-            self.used_hbm -= int(self.held_hbm[ids].sum())
-            self.held_hbm[ids] = 0
-        if host:
-            self.used_host -= int(self.held_host[ids].sum())
-            self.held_host[ids] = 0
+    def release(self, ids: list[int], hbm: bool = True, host: bool = True) -> None:
+        """Give back what requests ``ids`` hold in HBM and/or host memory."""
+        for i in ids:  # scalars: usually one
+            if hbm:
+                self.used_hbm -= int(self.held_hbm[i])
+                self.held_hbm[i] = 0
+            if host:
+                self.used_host -= int(self.held_host[i])
+                self.held_host[i] = 0
 
     def free_hbm(self) -> int:
         return self.cap_hbm - self.used_hbm
+
+    # ----------------------------------------------------------------- the running batch
+    def join(self, ids) -> None:
+        """Sequences ``ids`` (their ``ctx`` and ``left`` true) join the running batch."""
+        c = self.clock
+        for i in ids:
+            self.ctx[i] -= c
+            self.left[i] += c
+            self.run_ctx += float(self.ctx[i])
+            heapq.heappush(self.finish_at, (int(self.left[i]), i))
+            self.running.append(i)
+
+    def leave(self, ids) -> None:
+        """Sequences ``ids`` leave the running batch: their ``ctx`` and ``left`` are true again
+        (the caller takes them out of the heap)."""
+        c = self.clock
+        for i in ids:
+            self.run_ctx -= float(self.ctx[i])
+            self.ctx[i] += c
+            self.left[i] -= c
+        gone = set(ids)
+        self.running = [i for i in self.running if i not in gone]
+
+    def batch_tokens(self) -> float:
+        """KV tokens held by the running batch."""
+        return self.run_ctx + len(self.running) * self.clock if self.running else 0.0
+
+    def soonest(self) -> int:
+        """Decode steps until the running batch's next completion."""
+        return self.finish_at[0][0] - self.clock
+
+    def batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """The running batch's slots and their true ``ctx`` (for per-sequence arithmetic)."""
+        ids = np.array(self.running, np.int64)
+        return ids, self.ctx[ids] + self.clock
 
     # ------------------------------------------------------------------------ admission
     def seats(self) -> int:
@@ -137,6 +202,7 @@ class Run:
     def admit(self) -> None:
         """Waiting requests start prefilling, in order, while seats and memory allow (the
         longest prefix of the queue that fits)."""
+        self.pull()
         seats = self.seats()
         if not self.waiting or seats <= 0 or self.pressure:
             return
@@ -173,20 +239,19 @@ class Run:
             self.swap_host[i] = 0
             self.hold(i, need)
             yield from self.transfer(need, "h2d")
-            self.running = np.append(self.running, i)
+            self.join([i])
 
     def transfer(self, nbytes: int, path: str):
         """A swap: the GPU stream waits for the copy of ``nbytes`` over the link."""
         c = self.sim.costs
         t = float(c.link_time(nbytes, path, copies=2 * self.sim.model.layers))
-        self.sim.chunks.append(Chunk(self.env.now, t, 0, 0, 0.0, t, "swap"))
+        self.sim.chunks.add(self.env.now, t, 0, 0, 0.0, t, "swap")
         yield self.env.timeout(t)
 
     # ------------------------------------------------------------------------ preemption
     def preempt(self):
         """Free HBM by preempting the most recently admitted request that holds some."""
-        cands = [int(i) for i in self.running] + self.prefilling
-        victim = max(cands, key=lambda i: self.order[i])
+        victim = max(self.running + self.prefilling, key=lambda i: self.order[i])
         self.preemptions += 1
         self.pressure = True
         nbytes = int(self.held_hbm[victim])
@@ -194,7 +259,9 @@ class Run:
             self.prefilling.remove(victim)
             swap = False
         else:
-            self.running = self.running[self.running != victim]
+            self.leave([victim])
+            self.finish_at = [f for f in self.finish_at if f[1] != victim]
+            heapq.heapify(self.finish_at)
             swap = self.sched.preemption == "swap" and \
                 self.used_host + nbytes <= self.cap_host  # else recompute: no host room
         if swap:  # the HBM state goes to host memory; the request resumes where it was
@@ -210,55 +277,55 @@ class Run:
                 self.target[victim] = int(self.ctx[victim]) - 1
             self.waiting.appendleft(victim)
 
-    def grow_fit(self, ids: np.ndarray, k: int) -> int:
-        """How many of the next ``k`` decode steps of ``ids`` fit in HBM (grow admission)."""
-        if self.sched.admission != "grow" or not len(ids):
+    def grow_fit(self, k: int) -> int:
+        """How many of the running batch's next ``k`` decode steps fit in HBM (grow
+        admission)."""
+        if not self.growing or not self.running:
             return k
-        per = self.sim.hbm_need(self.ctx[ids] + k) - self.held_hbm[ids]
+        ids, ctx = self.batch()
+        per = self.sim.hbm_need(ctx + k) - self.held_hbm[ids]
         if int(per.sum()) <= self.free_hbm():
             return k
         per_step = max(float(per.sum()) / k, 1.0)
         k = int(self.free_hbm() // per_step)
-        while k > 0 and int((self.sim.hbm_need(self.ctx[ids] + k)
+        while k > 0 and int((self.sim.hbm_need(ctx + k)
                              - self.held_hbm[ids]).sum()) > self.free_hbm():
             k -= 1
         return k
 
-    def grow(self, ids: np.ndarray, k: int) -> None:
-        """Grow admission: ``ids`` hold their next ``k`` tokens' bytes."""
-        if self.sched.admission == "grow" and len(ids):
-            self.hold(ids, self.sim.hbm_need(self.ctx[ids] + k) - self.held_hbm[ids])
+    def grow(self, k: int) -> None:
+        """Grow admission: the running batch holds its next ``k`` tokens' bytes."""
+        if self.growing and self.running:
+            ids, ctx = self.batch()
+            self.hold(ids, self.sim.hbm_need(ctx + k) - self.held_hbm[ids])
 
     # ------------------------------------------------------------------------------ steps
-    def prefill_whole(self, dec: np.ndarray, pf: np.ndarray, size: np.ndarray):
+    def prefill_whole(self, decodes: bool, pf: list[int], size: list[int]):
         """One step in which every admitted prompt prefills the rest of itself (``size``
-        tokens each), with a decode token for each of ``dec`` (prefill-first: none); each
-        prompt then emits its first (or next) token. Scalars: the common step."""
-        m, D = self.sim.model, len(dec)
-        if len(pf) == 1:
-            flops = m.attention_flops(float(size[0]), float(self.prefilled[pf[0]]))
-        else:
-            flops = float(m.attention_flops(size.astype(float),
-                                            self.prefilled[pf].astype(float)).sum())
+        tokens each), with a decode token for each running sequence if ``decodes``
+        (prefill-first: none); each prompt then emits its first (or next) token. Scalars."""
+        m, D = self.sim.model, len(self.running) if decodes else 0
+        flops = sum(m.attention_flops(float(n), float(self.prefilled[i]))
+                    for i, n in zip(pf, size))
+        tokens = sum(size)
         step, gpu, link, alone = self.sim.steps.step(
-            D, float(self.ctx[dec].sum()) if D else 0.0, float(size.sum()), flops, len(pf),
-            self.target[pf].astype(float))
-        self.sim.chunks.append(Chunk(self.env.now, step, 1 if D else 0, D, gpu, link,
-                                     "mixed" if D else "prefill", None, int(size.sum()), alone))
+            D, self.batch_tokens() if D else 0.0, float(tokens), flops, len(pf),
+            [float(self.target[i]) for i in pf])
+        self.sim.chunks.add(self.env.now, step, 1 if D else 0, D, gpu, link,
+                            "mixed" if D else "prefill", None, tokens, alone)
         yield self.env.timeout(step)
         if D:
-            self.ctx[dec] += 1
-            self.left[dec] -= 1
+            self.clock += 1
         self.prefilling = []
         now = self.env.now
-        for i in pf.tolist():  # scalars: usually one prompt
+        for i in pf:  # usually one prompt
             self.prefilled[i] = self.target[i]
             if math.isnan(self.first_token[i]):
                 self.first_token[i] = now
                 self.ctx[i] = self.prompt[i]
             self.ctx[i] += 1
             self.left[i] -= 1
-        self.running = np.concatenate([self.running, pf])
+        self.join(pf)
 
     def prefill_phase(self):
         """Steps with prefill chunks (chunked scheduler), as many at once as nothing else
@@ -268,25 +335,24 @@ class Run:
         memory grows per token (grow admission)."""
         sim = self.sim
         grow = self.sched.admission == "grow"
-        pf = np.array(self.prefilling, np.int64)
-        rest = self.target[pf] - self.prefilled[pf]
+        pf = list(self.prefilling)
+        rest = [int(self.target[i] - self.prefilled[i]) for i in pf]
         if self.sched.scheduler != "chunked":  # prefill-first: whole prompts, decodes wait
-            yield from self.prefill_whole(np.zeros(0, np.int64), pf, rest)
+            yield from self.prefill_whole(False, pf, rest)
             return
-        if not grow and rest.sum() <= self.sched.max_batched_tokens - len(self.running):
-            yield from self.prefill_whole(self.running, pf, rest)  # it all fits in one step
+        if not grow and sum(rest) <= self.sched.max_batched_tokens - len(self.running):
+            yield from self.prefill_whole(True, pf, rest)  # it all fits in one step
             return
-        dec = self.running
-        while grow and self.grow_fit(dec, 1) < 1:
+        while grow and self.grow_fit(1) < 1:
             yield from self.preempt()
-            dec = self.running
-        plan = plan_chunks(self, dec, single=grow)
+        D = len(self.running)
+        plan = plan_chunks(self, single=grow)
         rows = plan["rows"]
         S = len(rows["D"])
         if S == 1:  # the common case, in scalars
-            lengths = self.target[plan["done"][0]].astype(float)
-            one = sim.steps.step(len(dec), rows["tokens"][0], rows["ctok"][0],
-                                 rows["cflops"][0], rows["count"][0], lengths)
+            lengths = [float(self.target[i]) for i in plan["done"][0]]
+            one = sim.steps.step(D, rows["tokens"][0], rows["ctok"][0], rows["cflops"][0],
+                                 rows["count"][0], lengths)
             step, gpu, link, alone = (np.array([x]) for x in one)
         else:
             arr = {k: np.array(v, float) for k, v in rows.items()}
@@ -295,75 +361,71 @@ class Run:
             step, gpu, link, alone = sim.steps.run(arr["D"], arr["tokens"], ch)
         ends = np.cumsum(step)
         k = S
-        if self.work.concurrency is None and self.next < self.n and not self.waiting:
-            k = min(k, int(np.searchsorted(ends, self.work.arrival[self.next] - self.env.now)) + 1)
+        until = self.until_next_arrival()
+        if until < np.inf:
+            k = min(k, int(np.searchsorted(ends, until)) + 1)
         t0 = self.env.now
         for j in range(k):
             Dj = rows["D"][j]
-            sim.chunks.append(Chunk(t0 + (ends[j - 1] if j else 0.0), float(step[j]),
-                                    1 if Dj else 0, Dj, float(gpu[j]), float(link[j]),
-                                    "mixed" if Dj else "prefill", None, rows["ctok"][j],
-                                    float(alone[j])))
+            sim.chunks.add(t0 + (ends[j - 1] if j else 0.0), float(step[j]), 1 if Dj else 0,
+                           Dj, float(gpu[j]), float(link[j]), "mixed" if Dj else "prefill",
+                           None, rows["ctok"][j], float(alone[j]))
         yield self.env.timeout(float(ends[k - 1]))
         if grow:
-            self.grow(dec, 1)
-        self.ctx[dec] += k
-        self.left[dec] -= k
+            self.grow(1)
+        if D:
+            self.clock += k
         for j in range(k):
             for i, size in plan["assign"][j]:
                 self.prefilled[i] += size
         fin = [(i, j) for j in range(k) for i in plan["done"][j]]
         if fin:  # each emitted at the end of its step, then decoded k - 1 - j more
-            ids, js = np.array([i for i, _ in fin], np.int64), np.array([j for _, j in fin])
-            done_ids = set(ids.tolist())
+            done_ids = {i for i, _ in fin}
             self.prefilling = [i for i in self.prefilling if i not in done_ids]
-            first = np.isnan(self.first_token[ids])
-            self.first_token[ids[first]] = t0 + ends[js[first]]
-            self.ctx[ids[first]] = self.prompt[ids[first]]
-            more = k - js
-            self.ctx[ids] += more
-            self.left[ids] -= more
-            self.running = np.concatenate([self.running, ids])
+            for i, j in fin:
+                if math.isnan(self.first_token[i]):
+                    self.first_token[i] = t0 + ends[j]
+                    self.ctx[i] = self.prompt[i]
+                self.ctx[i] += k - j
+                self.left[i] -= k - j
+            self.join([i for i, _ in fin])
 
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
-        ids = self.running
-        left = self.left[ids]
-        soonest = int(left.min())
-        k = self.grow_fit(ids, min(soonest, MAX_CHUNK))
-        if k < 1:
-            yield from self.preempt()
-            return
-        until = np.inf
-        if self.work.concurrency is None and self.next < self.n and not self.waiting:
-            # stop at the step boundary after the next arrival (it may be admitted)
-            until = float(self.work.arrival[self.next]) - self.env.now
-        ctx = self.ctx[ids]
-        k, seconds, gpu_s, link_s = self.sim.steps.decode_run(ctx, k, until)
+        k = min(self.finish_at[0][0] - self.clock, MAX_CHUNK)
+        if self.growing:
+            k = self.grow_fit(k)
+            if k < 1:
+                yield from self.preempt()
+                return
+        B, tokens = len(self.running), self.batch_tokens()
+        k, seconds, gpu_s, link_s = self.sim.steps.decode_run(B, tokens, k,
+                                                              self.until_next_arrival())
         log = self.sim.chunks
-        log.append(Chunk(self.env.now, seconds, k, len(ids), gpu_s, link_s, "decode",
-                         ctx if log.keeping else None))
+        log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode",
+                self.batch()[1] if log.keeping else None)
         yield self.env.timeout(seconds)
-        self.grow(ids, k)
-        self.ctx[ids] = ctx + k
-        self.left[ids] = left - k
-        self.may_finish = k >= soonest  # else no sequence of the batch has finished
+        if self.growing:
+            self.grow(k)
+        self.clock += k
 
     def complete(self) -> None:
         """Release finished requests (also those whose only token came from prefill)."""
-        if not self.may_finish:  # a decode run that stopped before any completion
-            self.may_finish = True
+        heap, clock = self.finish_at, self.clock
+        if not heap or heap[0][0] > clock:
             return
-        fin = self.left[self.running] <= 0
-        if not fin.any():
-            return
-        ids = self.running[fin]
+        gone = set()
+        while heap and heap[0][0] <= clock:
+            gone.add(heapq.heappop(heap)[1])
+        ids = [i for i in self.running if i in gone]  # in batch order
+        self.leave(ids)
         self.pressure = False
-        self.requests.record(self.arrival[ids], self.admitted[ids], self.first_token[ids],
-                             self.env.now, self.output[ids])
+        now, rec = self.env.now, self.requests.record_one
+        for i in ids:
+            rec(float(self.arrival[i]), float(self.admitted[i]), float(self.first_token[i]),
+                now, int(self.output[i]))
         self.release(ids)
-        self.running = self.running[~fin]
-        self.free.extend(ids.tolist())
+        self.free.extend(ids)
         self.done += len(ids)
         self.mark(-len(ids))
         if self.work.concurrency is not None:  # closed loop: replace each at once
@@ -384,9 +446,15 @@ class Run:
             self.admit()
             if self.prefilling:
                 yield from self.prefill_phase()
-            elif len(self.running):
+            elif self.running:
                 yield from self.decode_steps()
-            else:  # idle until the next arrival
+            elif self.pulls and self.next < self.n:  # idle until the next arrival
+                i = self.next
+                yield self.env.timeout(max(self.arrivals[i] - self.env.now, 0.0))
+                self.arrive(i, self.arrivals[i])
+                self.next = i + 1
+                continue
+            else:  # idle until a router hands over a request
                 self.wake = self.env.event()
                 yield self.wake
                 continue

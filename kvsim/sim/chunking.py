@@ -12,17 +12,18 @@ import numpy as np
 from kvsim.sim.engine import MAX_CHUNK
 
 
-def plan_chunks(run, dec: np.ndarray, single: bool) -> dict:
+def plan_chunks(run, single: bool) -> dict:
     """The schedule of the next steps, in scalars: per step the decodes (how many, their KV
-    tokens), the chunks given out, the prompts that finish; stops where it must."""
+    tokens), the chunks given out, the prompts that finish; stops where it must (after one
+    step if ``single``)."""
     sim, m = run.sim, run.sim.model
     budget0 = run.sched.max_batched_tokens
     pf = np.array(run.prefilling, np.int64)
     work = sim.prefill_work
     queue = [list(q) for q in zip(pf.tolist(), (run.target[pf] - run.prefilled[pf]).tolist(),
                                   run.prefilled[pf].tolist())]
-    D, tokens = len(dec), float(run.ctx[dec].sum())
-    min_left = int(run.left[dec].min()) if D else None
+    D, tokens = len(run.running), run.batch_tokens()
+    min_left = run.soonest() if D else None
     rows = {k: [] for k in ("D", "tokens", "ctok", "cflops", "count", "ndone", "wf", "wb")}
     assign, done = [], []
     any_work = bool(work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token)

@@ -117,17 +117,22 @@ class ChunkLog:
     gpu_busy: float = 0.0
     link_busy: float = 0.0
 
-    def append(self, c: Chunk) -> None:
+    def add(self, start: float, duration: float, steps: int, batch: int, gpu_busy: float,
+            link_busy: float, kind: str, ctx: np.ndarray | None = None, prefill_tokens: int = 0,
+            decode_time: float | None = None) -> None:
+        """Count a :class:`Chunk` of these fields (built only while chunks are kept)."""
         self.count += 1
         if len(self.kept) < self.keep:
-            self.kept.append(c)
-        if c.kind in ("decode", "mixed"):
-            self.decode_seconds += c.decode_seconds
-            self.decode_tokens += c.batch * c.steps
-            self.decode_steps += c.steps
-            self.batch_seconds += c.batch * c.decode_seconds
-        self.gpu_busy += c.gpu_busy
-        self.link_busy += c.link_busy
+            self.kept.append(Chunk(start, duration, steps, batch, gpu_busy, link_busy, kind, ctx,
+                                   prefill_tokens, decode_time))
+        if kind == "decode" or kind == "mixed":
+            seconds = duration if decode_time is None else decode_time
+            self.decode_seconds += seconds
+            self.decode_tokens += batch * steps
+            self.decode_steps += steps
+            self.batch_seconds += batch * seconds
+        self.gpu_busy += gpu_busy
+        self.link_busy += link_busy
 
     @property
     def keeping(self) -> bool:

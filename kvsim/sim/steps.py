@@ -22,6 +22,7 @@ step). A step without chunks is a plain decode step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -135,11 +136,11 @@ class StepCosts:
                 L * link + write, alone)
 
     def step(self, D: int, tokens: float, chunk_tokens: float, attn_flops: float, count: int,
-             done: np.ndarray) -> tuple[float, float, float, float]:
+             done) -> tuple[float, float, float, float]:
         """:meth:`run` for one step, in scalars (the engine's hot path: most runs of prefill
         steps are one step long): ``D`` decodes holding ``tokens`` KV tokens, ``count`` chunks
         of ``chunk_tokens`` tokens in all with ``attn_flops`` of attention, ``done``: the
-        lengths of the prompts that finish. ``tests/test_serving.py`` holds the two equal."""
+        lengths of the prompts that finish (a sequence of floats). ``tests/test_serving.py`` holds the two equal."""
         m, c, p = self.model, self.costs, self.policy
         L, work, ovh = m.layers, self.prefill_work, self.overhead
         gemm_d = attn = link = decide = alone = 0.0
@@ -167,8 +168,8 @@ class StepCosts:
         compute = attn + gemm + attn_flops / L / c.flops + reduce
         layers = _step_time(compute, decide, link, L, self.overlap)
         emit = D + len(done)
-        extra = (self.per_batch(emit)[1] if emit else 0.0) + (float(np.maximum(
-            work.flops(done) / c.flops, work.bytes(done) / c.hbm_bw).sum())
+        extra = (self.per_batch(emit)[1] if emit else 0.0) + (sum(
+            max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
             if work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token else 0.0)
         write = float(c.link_time(self.host_bytes(chunk_tokens), "d2h",
                                   copies=2 * L * c.copies(1.0, count))) \
@@ -178,10 +179,13 @@ class StepCosts:
 
     def decode(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Times of the next ``k`` decode steps of a fixed batch with contexts ``ctx`` (each step
-        adds a token per sequence): (step, GPU-busy, link-busy) seconds, each (k,). The hot
-        path of the engine: :meth:`run` without chunks, for a batch size that does not change."""
-        L, B, j = self.model.layers, len(ctx), np.arange(k, dtype=float)
-        compute, decide, link = self.layer_costs(B, float(ctx.sum()) + B * j)
+        adds a token per sequence): (step, GPU-busy, link-busy) seconds, each (k,): :meth:`run`
+        without chunks, for a batch size that does not change."""
+        return self._decode(len(ctx), float(ctx.sum()), k)
+
+    def _decode(self, B: int, tokens: float, k: int):
+        L, j = self.model.layers, np.arange(k, dtype=float)
+        compute, decide, link = self.layer_costs(B, tokens + B * j)
         head = self.per_batch(B)[1]
         return (step_time(compute, decide, link, L, self.overlap) + head + self.overhead,
                 L * (compute + decide) + head, L * link)
@@ -202,14 +206,14 @@ class StepCosts:
             self._lines[B] = got
         return got
 
-    def decode_run(self, ctx: np.ndarray, k: int, until: float = np.inf):
-        """The next decode steps of a fixed batch with contexts ``ctx`` (each step adds a token
-        per sequence): at most ``k``, ending with the first step that ends at or after ``until``
-        seconds. Returns (steps, seconds, GPU-busy, link-busy), the last three summed over the
-        steps. In closed form when a step's time is affine in its tokens over the run (no
-        measured curves, one side of the overlap's max throughout), else from :meth:`decode`;
-        ``tests/test_engine.py`` holds the two equal."""
-        B, T0 = len(ctx), float(ctx.sum())
+    def decode_run(self, B: int, T0: float, k: int, until: float = np.inf):
+        """The next decode steps of a fixed batch of ``B`` sequences holding ``T0`` KV tokens
+        (each step adds a token per sequence): at most ``k``, ending with the first step that
+        ends at or after ``until`` seconds. Returns (steps, seconds, GPU-busy, link-busy), the
+        last three summed over the steps. In closed form when a step's time is affine in its
+        tokens over the run (no measured curves, one side of the overlap's max throughout),
+        else from :meth:`decode`; ``tests/test_streaming.py`` holds the two equal (the engine's
+        hot path: one call per run of decode steps)."""
         line = self._line(B) if T0 > 0 else None
         if line is not None:
             (c0, c1), (d0, d1), (x0, x1) = line
@@ -226,20 +230,21 @@ class StepCosts:
             else:
                 s0, s1 = L * (c0 + d0 + x0), L * (c1 + d1 + x1)
         if line is None:
-            steps, gpu, link = self.decode(ctx, k)
+            steps, gpu, link = self._decode(B, T0, k)
             ends = np.cumsum(steps)
             if until < np.inf:
                 k = min(k, int(np.searchsorted(ends, until)) + 1)
             return k, float(ends[k - 1]), float(gpu[:k].sum()), float(link[:k].sum())
         ovh = self.overhead
         u, v = s0 + s1 * T0 + head + ovh, s1 * B  # step j takes u + v j
-        if until < np.inf:  # the first j whose end (j + 1) u + v j (j + 1) / 2 >= until
+        if until < math.inf:  # the first j whose end (j + 1) u + v j (j + 1) / 2 >= until
             end = lambda j: (j + 1) * u + v * j * (j + 1) / 2
             if v > 0:
                 b = u + v / 2
-                j = max(int(np.ceil((-b + np.sqrt(b * b + 2 * v * (until - u))) / v)), 0)
+                j = max(math.ceil((-b + math.sqrt(max(b * b + 2 * v * (until - u), 0.0))) / v),
+                        0)
             else:
-                j = max(int(np.ceil(until / u - 1)), 0)
+                j = max(math.ceil(until / u - 1), 0)
             while j > 0 and end(j - 1) >= until:
                 j -= 1
             while end(j) < until and j < k:
