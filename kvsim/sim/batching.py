@@ -54,6 +54,9 @@ class Run:
         # per request in the system, by slot (a finished request's slot is reused): memory
         # follows the requests in the system, not the workload's length
         self.slots, self.free = 0, []
+        for name in self.SLOTS:
+            setattr(self, name, [])
+        self.work_prompt, self.work_output = work.prompt.tolist(), work.output.tolist()
         self.requests = requests if requests is not None else Requests()
         self.waiting: deque[int] = deque()
         self.prefilling: list[int] = []
@@ -85,18 +88,15 @@ class Run:
         self.t, self.in_system = now, self.in_system + delta
 
     def _grow(self) -> None:
-        """Twice the slots (at least 256): ``arrival`` .. ``admitted`` and ``ctx`` are float
-        seconds / tokens, the rest whole numbers; ``order`` is the admission order (the
-        preemption victim is the last), ``swap_host`` the host bytes of a swapped-out state."""
+        """Twice the slots (at least 256), as Python lists (a turn reads and writes a few
+        scalars of them): ``arrival`` .. ``admitted`` and ``ctx`` are float seconds / tokens,
+        the rest whole numbers; ``order`` is the admission order (the preemption victim is
+        the last), ``swap_host`` the host bytes of a swapped-out state."""
         old = self.slots
         new = self.slots = max(2 * old, 256)
         for name in self.SLOTS:
-            a = getattr(self, name, None)
-            b = np.zeros(new, float if name in ("arrival", "first_token", "admitted", "ctx")
-                         else np.int64)
-            if a is not None:
-                b[:old] = a
-            setattr(self, name, b)
+            zero = 0.0 if name in ("arrival", "first_token", "admitted", "ctx") else 0
+            getattr(self, name).extend([zero] * (new - old))
         self.free.extend(range(new - 1, old - 1, -1))
 
     def arrive(self, i: int, at: float | None = None) -> None:
@@ -106,9 +106,9 @@ class Run:
             self._grow()
         s = self.free.pop()
         self.arrival[s] = self.env.now if at is None else at
-        self.first_token[s] = self.admitted[s] = np.nan
-        self.prompt[s] = self.target[s] = self.work.prompt[i]
-        self.output[s] = self.left[s] = self.work.output[i]
+        self.first_token[s] = self.admitted[s] = math.nan
+        self.prompt[s] = self.target[s] = self.work_prompt[i]
+        self.output[s] = self.left[s] = self.work_output[i]
         self.ctx[s] = 0.0
         self.prefilled[s] = self.held_hbm[s] = self.held_host[s] = self.order[s] = 0
         self.swap_host[s] = 0
@@ -134,13 +134,10 @@ class Run:
             return self.arrivals[self.next] - self.env.now
         return np.inf
 
-    def hold(self, ids, hbm, host=0) -> None:
-        """Put ``hbm`` and ``host`` more bytes for request(s) ``ids`` (a slot and whole numbers,
-        or arrays of them); the caller checked room."""
-        self.held_hbm[ids] += hbm
-        self.held_host[ids] += host
-        if isinstance(hbm, np.ndarray):
-            hbm, host = int(hbm.sum()), int(np.sum(host))
+    def hold(self, i: int, hbm: int, host: int = 0) -> None:
+        """Put ``hbm`` and ``host`` more bytes for request ``i``; the caller checked room."""
+        self.held_hbm[i] += hbm
+        self.held_host[i] += host
         self.used_hbm += hbm
         self.used_host += host
         assert self.used_hbm <= self.cap_hbm and self.used_host <= self.cap_host
@@ -151,10 +148,10 @@ class Run:
         """Give back what requests ``ids`` hold in HBM and/or host memory."""
         for i in ids:  # scalars: usually one
             if hbm:
-                self.used_hbm -= int(self.held_hbm[i])
+                self.used_hbm -= self.held_hbm[i]
                 self.held_hbm[i] = 0
             if host:
-                self.used_host -= int(self.held_host[i])
+                self.used_host -= self.held_host[i]
                 self.held_host[i] = 0
 
     def free_hbm(self) -> int:
@@ -167,8 +164,8 @@ class Run:
         for i in ids:
             self.ctx[i] -= c
             self.left[i] += c
-            self.run_ctx += float(self.ctx[i])
-            heapq.heappush(self.finish_at, (int(self.left[i]), i))
+            self.run_ctx += self.ctx[i]
+            heapq.heappush(self.finish_at, (self.left[i], i))
             self.running.append(i)
 
     def leave(self, ids) -> None:
@@ -176,7 +173,7 @@ class Run:
         (the caller takes them out of the heap)."""
         c = self.clock
         for i in ids:
-            self.run_ctx -= float(self.ctx[i])
+            self.run_ctx -= self.ctx[i]
             self.ctx[i] += c
             self.left[i] -= c
         gone = set(ids)
@@ -190,10 +187,10 @@ class Run:
         """Decode steps until the running batch's next completion."""
         return self.finish_at[0][0] - self.clock
 
-    def batch(self) -> tuple[np.ndarray, np.ndarray]:
+    def batch(self) -> tuple[list[int], np.ndarray]:
         """The running batch's slots and their true ``ctx`` (for per-sequence arithmetic)."""
-        ids = np.array(self.running, np.int64)
-        return ids, self.ctx[ids] + self.clock
+        ctx = self.ctx
+        return self.running, np.array([ctx[i] for i in self.running]) + self.clock
 
     # ------------------------------------------------------------------------ admission
     def seats(self) -> int:
@@ -203,8 +200,10 @@ class Run:
         """Waiting requests start prefilling, in order, while seats and memory allow (the
         longest prefix of the queue that fits)."""
         self.pull()
+        if not self.waiting or self.pressure:
+            return
         seats = self.seats()
-        if not self.waiting or seats <= 0 or self.pressure:
+        if seats <= 0:
             return
         grow, per_hbm, per_host = (self.sched.admission == "grow", self.sim.hbm_per_token,
                                    self.sim.host_per_token)
@@ -212,7 +211,7 @@ class Run:
         now = self.env.now
         while self.waiting and seats > 0:  # scalars: usually one or a few
             i = self.waiting[0]
-            whole = int(self.prompt[i]) + int(self.output[i])
+            whole = self.prompt[i] + self.output[i]
             h = math.ceil(per_hbm * float(self.target[i] if grow else whole))
             o = 0 if self.held_host[i] else math.ceil(per_host * float(whole))
             if h > free_hbm or o > free_host:
@@ -235,7 +234,7 @@ class Run:
             if need > self.free_hbm():
                 return
             self.swapped.popleft()
-            self.used_host -= int(self.swap_host[i])
+            self.used_host -= self.swap_host[i]
             self.swap_host[i] = 0
             self.hold(i, need)
             yield from self.transfer(need, "h2d")
@@ -254,7 +253,7 @@ class Run:
         victim = max(self.running + self.prefilling, key=lambda i: self.order[i])
         self.preemptions += 1
         self.pressure = True
-        nbytes = int(self.held_hbm[victim])
+        nbytes = self.held_hbm[victim]
         if victim in self.prefilling:
             self.prefilling.remove(victim)
             swap = False
@@ -273,7 +272,7 @@ class Run:
             self.swapped.append(victim)
         else:  # recompute: its cache is dropped
             self.release([victim], host=False)
-            if not np.isnan(self.first_token[victim]):  # prompt and generated tokens, again
+            if not math.isnan(self.first_token[victim]):  # prompt and generated tokens, again
                 self.target[victim] = int(self.ctx[victim]) - 1
             self.waiting.appendleft(victim)
 
@@ -283,13 +282,13 @@ class Run:
         if not self.growing or not self.running:
             return k
         ids, ctx = self.batch()
-        per = self.sim.hbm_need(ctx + k) - self.held_hbm[ids]
+        held = np.array([self.held_hbm[i] for i in ids], np.int64)
+        per = self.sim.hbm_need(ctx + k) - held
         if int(per.sum()) <= self.free_hbm():
             return k
         per_step = max(float(per.sum()) / k, 1.0)
         k = int(self.free_hbm() // per_step)
-        while k > 0 and int((self.sim.hbm_need(ctx + k)
-                             - self.held_hbm[ids]).sum()) > self.free_hbm():
+        while k > 0 and int((self.sim.hbm_need(ctx + k) - held).sum()) > self.free_hbm():
             k -= 1
         return k
 
@@ -297,7 +296,8 @@ class Run:
         """Grow admission: the running batch holds its next ``k`` tokens' bytes."""
         if self.growing and self.running:
             ids, ctx = self.batch()
-            self.hold(ids, self.sim.hbm_need(ctx + k) - self.held_hbm[ids])
+            for i, need in zip(ids, self.sim.hbm_need(ctx + k).tolist()):
+                self.hold(i, need - self.held_hbm[i])
 
     # ------------------------------------------------------------------------------ steps
     def prefill_whole(self, decodes: bool, pf: list[int], size: list[int]):
@@ -336,7 +336,7 @@ class Run:
         sim = self.sim
         grow = self.sched.admission == "grow"
         pf = list(self.prefilling)
-        rest = [int(self.target[i] - self.prefilled[i]) for i in pf]
+        rest = [self.target[i] - self.prefilled[i] for i in pf]
         if self.sched.scheduler != "chunked":  # prefill-first: whole prompts, decodes wait
             yield from self.prefill_whole(False, pf, rest)
             return

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from kvsim.sim.engine import MAX_CHUNK
 
 
@@ -18,10 +16,8 @@ def plan_chunks(run, single: bool) -> dict:
     step if ``single``)."""
     sim, m = run.sim, run.sim.model
     budget0 = run.sched.max_batched_tokens
-    pf = np.array(run.prefilling, np.int64)
     work = sim.prefill_work
-    queue = [list(q) for q in zip(pf.tolist(), (run.target[pf] - run.prefilled[pf]).tolist(),
-                                  run.prefilled[pf].tolist())]
+    queue = [[i, run.target[i] - run.prefilled[i], run.prefilled[i]] for i in run.prefilling]
     D, tokens = len(run.running), run.batch_tokens()
     min_left = run.soonest() if D else None
     rows = {k: [] for k in ("D", "tokens", "ctok", "cflops", "count", "ndone", "wf", "wb")}

@@ -62,6 +62,7 @@ class StepCosts:
     def __post_init__(self):
         self._per_batch: dict[int, tuple[float, float]] = {}
         self._lines: dict[int, tuple] = {}
+        self._forms: dict[int, tuple | None] = {}
         self.layer_bytes = float(self.model.layer_weight_bytes())
         m, c, p = self.model, self.costs, self.policy
         self.overlap = c.overlap_for(p.overlap)
@@ -206,6 +207,22 @@ class StepCosts:
             self._lines[B] = got
         return got
 
+    def _form(self, B: int) -> tuple | None:
+        """The closed form of a decode step of ``B`` sequences (None where costs are not
+        affine): per layer the GPU's share ``g0 + g1 T`` and the link's ``x0 + x1 T`` of ``T``
+        KV tokens, the step's layers ``s0 + s1 T`` where the GPU sets the pace and where the
+        link does (None: no overlap, one form), and the LM head's seconds."""
+        line = self._line(B)
+        if line is None:
+            return None
+        (c0, c1), (d0, d1), (x0, x1) = line
+        L, head = self.model.layers, self.per_batch(B)[1]
+        g0, g1 = c0 + d0, c1 + d1
+        if not self.overlap:
+            return g0, g1, x0, x1, (L * (c0 + d0 + x0), L * (c1 + d1 + x1)), None, head
+        return (g0, g1, x0, x1, (x0 + g0 + (L - 1) * g0, x1 + g1 + (L - 1) * g1),
+                (x0 + g0 + (L - 1) * x0, x1 + g1 + (L - 1) * x1), head)
+
     def decode_run(self, B: int, T0: float, k: int, until: float = np.inf):
         """The next decode steps of a fixed batch of ``B`` sequences holding ``T0`` KV tokens
         (each step adds a token per sequence): at most ``k``, ending with the first step that
@@ -214,42 +231,42 @@ class StepCosts:
         tokens over the run (no measured curves, one side of the overlap's max throughout),
         else from :meth:`decode`; ``tests/test_streaming.py`` holds the two equal (the engine's
         hot path: one call per run of decode steps)."""
-        line = self._line(B) if T0 > 0 else None
-        if line is not None:
-            (c0, c1), (d0, d1), (x0, x1) = line
-            L, head = self.model.layers, self.per_batch(B)[1]
-            if self.overlap:
-                g0, g1 = c0 + d0, c1 + d1  # the GPU's share of a layer
+        form = self._forms.get(B, 0)
+        if form == 0:
+            form = self._forms[B] = self._form(B)
+        if form is not None and T0 > 0:
+            g0, g1, x0, x1, gpu_side, link_side, head = form
+            if link_side is None:  # no overlap: one form throughout
+                s0, s1 = gpu_side
+            else:
                 T1 = T0 + B * (k - 1)
                 lo, hi = g0 + g1 * T0 - x0 - x1 * T0, g0 + g1 * T1 - x0 - x1 * T1
                 if lo * hi < 0:
-                    line = None  # the max changes sides within the run
+                    form = None  # the max changes sides within the run
                 else:
-                    m0, m1 = (g0, g1) if lo + hi >= 0 else (x0, x1)
-                    s0, s1 = x0 + g0 + (L - 1) * m0, x1 + g1 + (L - 1) * m1
-            else:
-                s0, s1 = L * (c0 + d0 + x0), L * (c1 + d1 + x1)
-        if line is None:
+                    s0, s1 = gpu_side if lo + hi >= 0 else link_side
+        else:
+            form = None
+        if form is None:
             steps, gpu, link = self._decode(B, T0, k)
             ends = np.cumsum(steps)
             if until < np.inf:
                 k = min(k, int(np.searchsorted(ends, until)) + 1)
             return k, float(ends[k - 1]), float(gpu[:k].sum()), float(link[:k].sum())
-        ovh = self.overhead
-        u, v = s0 + s1 * T0 + head + ovh, s1 * B  # step j takes u + v j
+        L = self.model.layers
+        u, v = s0 + s1 * T0 + head + self.overhead, s1 * B  # step j takes u + v j
         if until < math.inf:  # the first j whose end (j + 1) u + v j (j + 1) / 2 >= until
-            end = lambda j: (j + 1) * u + v * j * (j + 1) / 2
             if v > 0:
                 b = u + v / 2
                 j = max(math.ceil((-b + math.sqrt(max(b * b + 2 * v * (until - u), 0.0))) / v),
                         0)
             else:
                 j = max(math.ceil(until / u - 1), 0)
-            while j > 0 and end(j - 1) >= until:
+            while j > 0 and j * u + v * (j - 1) * j / 2 >= until:  # the end of step j - 1
                 j -= 1
-            while end(j) < until and j < k:
+            while (j + 1) * u + v * j * (j + 1) / 2 < until and j < k:
                 j += 1
             k = min(k, j + 1)
         tri = B * k * (k - 1) / 2  # tokens added over the run's steps
-        gpu = L * ((c0 + d0) * k + (c1 + d1) * (T0 * k + tri)) + head * k
+        gpu = L * (g0 * k + g1 * (T0 * k + tri)) + head * k
         return k, k * u + v * k * (k - 1) / 2, gpu, L * (x0 * k + x1 * (T0 * k + tri))
