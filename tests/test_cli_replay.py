@@ -42,6 +42,7 @@ def test_human_output_is_a_table(attn_trace):
     (["--requests", "0"], "--requests must be positive"),
     (["--concurrency", "0"], "--concurrency must be positive"),
     (["--gpu", ""], "--gpu is empty"),
+    (["--jobs", "0"], "--jobs must be a whole number >= 1"),
     (["--batch", "1000000000"], "beyond what kvsim simulates"),
     (["--qps", "1", "--concurrency", "2"], "not allowed with"),
     (["--policy", "dense-resident", "--gpu", "a100-40gb", "--context", "300000"], "infeasible"),

@@ -205,3 +205,80 @@ def test_requests_in_system_integrate_to_their_summed_latencies(concurrency):
     run.mark(0)
     assert run.done == n and run.in_system == 0
     assert run.area == pytest.approx(run.requests.e2e.total, rel=1e-9)
+
+
+def _counts(res):
+    r, c = res.requests, res.chunks
+    return [r.count, r.output_tokens, r.meet_slo, r.done_by_t1, res.peak_hbm_bytes,
+            c.decode_steps, c.count, [(ch.kind, ch.steps, ch.batch) for ch in c]]
+
+
+def _times(res):
+    """Times, percentiles and sums: equal to rounding (a piece's clock starts at its first
+    arrival, the serial run's gets there through its own steps; sums add in another order)."""
+    r, c = res.requests, res.chunks
+    return [r.first_arrival, r.last_finish, r.ttft.total, r.tpot.total, r.e2e.total,
+            res.in_system_area, c.decode_seconds, c.gpu_busy, c.batch_seconds,
+            *[ch.start for ch in c],
+            *[getattr(r, m).percentile(p) for m in ("ttft", "tpot", "e2e", "wait")
+              for p in (50, 90, 99)]]
+
+
+def _pieces_run(work, jobs, bounds=None):
+    from kvsim.sim import segments
+    sim = sim_for(DENSE)
+    sim.chunks.keep = 300  # the kept chunks span several pieces
+    reqs = Requests({"ttft_ms": 400.0}, (float(work.arrival[500]), float(work.arrival[-1])))
+    if bounds is None:
+        return segments.run(sim, work, reqs, jobs, piece=700)
+    orig = segments.cuts
+    segments.cuts = lambda arrival, piece: bounds
+    try:
+        return segments.run(sim, work, reqs, jobs, piece=700)
+    finally:
+        segments.cuts = orig
+
+
+def _serial(work):
+    sim = sim_for(DENSE)
+    sim.chunks.keep = 300
+    reqs = Requests({"ttft_ms": 400.0}, (float(work.arrival[500]), float(work.arrival[-1])))
+    return sim.run_whole(work, reqs)
+
+
+def test_a_long_open_loop_in_pieces_is_the_serial_run():
+    """Cut where the server was empty, pieces in two processes: every count equal, times,
+    percentiles and sums to rounding; the same result with one process or two."""
+    work = poisson(3.0, 5000, 2048, 128, 3)
+    serial, two, one = _serial(work), _pieces_run(work, 2), _pieces_run(work, 1)
+    assert two.pieces > 4 and serial.pieces == 1
+    assert _counts(two) == _counts(serial)
+    assert _times(two) == pytest.approx(_times(serial), rel=1e-12)
+    assert _counts(one) == _counts(two) and _times(one) == _times(two)
+
+
+def test_cuts_inside_a_busy_period_are_dropped_until_every_cut_holds():
+    """Bursts the server cannot clear before the next one: cuts placed inside the backlog fail
+    their check and the pieces around them run again as one."""
+    rng = np.random.default_rng(5)
+    bursts = [np.sort(rng.uniform(0, 2.0, 400)) + 60.0 * b for b in range(6)]
+    from kvsim.sim.workload import Workload
+    arrival = np.concatenate(bursts)
+    work = Workload(arrival, np.full(len(arrival), 2048), np.full(len(arrival), 64), None, "")
+    busy = [0, 200, 400, 800, 1000, 1200, 1300, 1600, 2000, 2200, 2400]  # 200, 1000 .. in bursts
+    res = _pieces_run(work, 2, busy)
+    serial = _serial(work)
+    assert res.pieces == 6  # only the cuts between bursts held
+    assert _counts(res) == _counts(serial)
+    assert _times(res) == pytest.approx(_times(serial), rel=1e-12)
+
+
+def test_where_to_cut():
+    from kvsim.sim.segments import cuts
+    arrival = np.cumsum(np.random.default_rng(1).exponential(0.5, 10_000))
+    assert cuts(arrival, 6000) == [0, 10_000]  # fewer than two pieces: whole
+    c = cuts(arrival, 1000)
+    assert c[0] == 0 and c[-1] == 10_000 and len(c) == 11
+    gaps = np.diff(arrival)
+    for k, at in enumerate(c[1:-1], 1):  # the longest gap near each multiple of the piece
+        assert abs(at - 1000 * k) <= 20 and gaps[at - 1] == gaps[1000 * k - 21:1000 * k + 19].max()

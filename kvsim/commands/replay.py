@@ -78,6 +78,10 @@ def add_parser(sub) -> None:
                    help="decode steps in the timeline [default: 16]")
     p.add_argument("--force", action="store_true", help="overwrite an existing --timeline file")
     p.add_argument("--seed", type=int, default=0, help="[default: 0]")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="processes for an open loop of 100,000 requests or more, simulated in "
+                        "pieces cut where the server was empty, with the serial run's result "
+                        "[default: the CPUs]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_policy_flags(p)
     p.set_defaults(run=run)
@@ -185,7 +189,7 @@ def run(args) -> int:
                        force=args.force, **scheduling_options(args), **engine_options(args),
                        kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, tp=args.tp,
                        tp_link=args.tp_link, replicas=args.replicas, router=args.router,
-                       slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
+                       jobs=args.jobs, slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                               ("ttft_ms", args.slo_ttft_ms),
                                               ("e2e_s", args.slo_e2e_s)) if v is not None})
     r = run_replay(cfg, progress=not args.json)  # the policy's analysis can take a minute

@@ -73,6 +73,7 @@ class ReplayConfig:
     tp: int = 1  # tensor parallelism: GPUs of one replica (each simulated as one GPU's shard)
     tp_link: str = "own"  # "own": a host link per GPU; "shared": one for the group
     replicas: int = 1  # data-parallel replicas behind a router
+    jobs: int | None = None  # processes for a long open loop (kvsim.sim.segments); None: CPUs
     router: str = "round-robin"  # or "least-loaded" (open loops; kvsim.sim.replicas)
     # what-if overrides, each recorded in provenance as such
     kv_read_frac: float | None = None  # the policy's KV read per step, replacing the trace's
@@ -120,6 +121,9 @@ class ReplayConfig:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or \
                 self.replicas < 1:
             raise KvsimError(f"--replicas must be a whole number >= 1, got {self.replicas!r}")
+        if self.jobs is not None and (isinstance(self.jobs, bool) or
+                                      not isinstance(self.jobs, int) or self.jobs < 1):
+            raise KvsimError(f"--jobs must be a whole number >= 1, got {self.jobs!r}")
         if self.router not in ROUTERS:
             raise KvsimError(f"--router must be one of {', '.join(ROUTERS)}, got "
                              f"{self.router!r}")
@@ -183,13 +187,15 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
     window = window_of(work.arrival, report.WARMUP, work.concurrency is not None)
 
     def simulate(cost):
-        sim = Simulator(model, costs, cost, memory, cfg.batch, scheduling, work_at_prefill)
+        sim = Simulator(model, costs, cost, memory, cfg.batch, scheduling, work_at_prefill,
+                        jobs=cfg.jobs)
         requests = Requests(dict(cfg.slo), window)
         if cfg.replicas == 1:
             return sim, sim.run(work, requests)
         from kvsim.sim import replicas  # one simulator per replica (the first draws the timeline)
         sims = [sim] + [Simulator(model, costs, cost, memory, cfg.batch, scheduling,
-                                  work_at_prefill) for _ in range(cfg.replicas - 1)]
+                                  work_at_prefill, jobs=cfg.jobs)
+                        for _ in range(cfg.replicas - 1)]
         if cfg.router == "least-loaded" and work.concurrency is None:
             return sim, replicas.merge(replicas.least_loaded(sims, work, requests))
         return sim, replicas.merge([s.run(w, requests.fresh()) for s, w in

@@ -69,6 +69,7 @@ def simulation(res, work) -> dict:
         "e2e_p99_s": req.e2e.percentile(99),
         "queue_wait_p99_ms": ms(req.wait.percentile(99)),
         "percentiles": req.method(),
+        "pieces": res.pieces,  # simulated in pieces cut where the server was empty
         "throughput_tok_s": per_s(float(req.output_tokens)),
         "decode_tok_s": (reps * log.decode_tokens / decode_time if decode_time else nan),
         "requests_per_s": per_s(work.n),

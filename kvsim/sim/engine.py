@@ -165,6 +165,7 @@ class SimResult:
     max_batch_fit: int  # how many requests of the largest size fit in memory at once
     preemptions: int = 0
     replicas: int = 1  # data-parallel replicas merged into this result (kvsim.sim.replicas)
+    pieces: int = 1  # simulated in pieces cut where the server was empty (kvsim.sim.segments)
 
 
 @dataclass
@@ -177,6 +178,7 @@ class Simulator:
     scheduling: Scheduling = field(default_factory=Scheduling)
     prefill_work: PrefillWork = field(default_factory=PrefillWork)
     chunks: ChunkLog = field(default_factory=ChunkLog)
+    jobs: int | None = None  # processes for a long open loop (kvsim.sim.segments); None: the CPUs
 
     def __post_init__(self):
         self.scheduling.check()
@@ -226,7 +228,17 @@ class Simulator:
     # ------------------------------------------------------------------------- run
     def run(self, workload: Workload, requests: Requests | None = None) -> SimResult:
         """Simulate ``workload``; ``requests``: where the finished requests' metrics go (its SLO
-        and measured window), a plain one if not given."""
+        and measured window), a plain one if not given. A long open loop runs in pieces over
+        ``jobs`` processes, with the same result (:mod:`kvsim.sim.segments`)."""
+        from kvsim.sim import segments
+        requests = requests if requests is not None else Requests()
+        if workload.concurrency is None and workload.n >= 2 * segments.PIECE:
+            self.check_feasible(workload)  # before any process starts
+            return segments.run(self, workload, requests, self.jobs)
+        return self.run_whole(workload, requests)
+
+    def run_whole(self, workload: Workload, requests: Requests) -> SimResult:
+        """:meth:`run` in this process, in one piece."""
         from kvsim.sim.batching import Run
         max_fit = self.check_feasible(workload)
         r = Run(self, workload, requests=requests)

@@ -1,0 +1,109 @@
+"""Long open-loop workloads simulated in pieces, in parallel processes, with the serial answer.
+
+An open loop's server empties now and then: when every request before an arrival has finished
+by the time it comes, the run from that arrival on depends on nothing before it (the scheduler
+starts from an empty system either way). So the workload is cut into pieces at arrivals that
+follow its longest gaps, each piece is simulated alone from an empty system, and the cut is
+checked afterwards: the piece before it must have finished its last request by the arrival
+that starts the next. A cut that fails the check is dropped and the two pieces around it are
+simulated again as one, until every cut holds. Each piece's start then holds by induction from
+the first, so the merged result is the serial run's: the same requests at the same times, every
+count and percentile equal, sums equal to rounding (they are added in another order).
+
+The cuts depend on the workload alone, not on the number of processes, so the same command
+gives the same JSON on any machine. A loaded server that never empties keeps one piece.
+Workers are forked (Linux; elsewhere the pieces run here, one after another): they run only the
+simulator, never torch, so a fork after torch was imported is safe, and no script needs a
+``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import os
+import sys
+
+import numpy as np
+
+from kvsim.sim.engine import ChunkLog, SimResult
+from kvsim.sim.metrics import Requests
+from kvsim.sim.workload import Workload
+
+PIECE = 50_000  # requests per piece (workloads of fewer than 2 pieces run whole)
+
+
+def cuts(arrival: np.ndarray, piece: int) -> list[int]:
+    """Where to cut: near every ``piece`` requests, the arrival after the longest gap within
+    2% of a piece either side (the likeliest to find the server empty; pieces of about equal
+    size keep the workers equally busy); 0 and n at the ends."""
+    n = len(arrival)
+    if n < 2 * piece:
+        return [0, n]
+    gaps = np.diff(arrival)
+    out, w = [0], max(piece // 50, 1)
+    for c in range(piece, n - piece // 2, piece):
+        lo, hi = max(c - w, out[-1] + 1), min(c + w, n - 1)
+        if lo < hi:
+            out.append(int(lo + np.argmax(gaps[lo - 1:hi - 1])))
+    return out + [n]
+
+
+def piece_of(work: Workload, a: int, b: int) -> Workload:
+    hashes = getattr(work, "prefix_hashes", None)
+    extra = {"prefix_hashes": hashes[a:b]} if hashes is not None else {}
+    return dataclasses.replace(work, arrival=work.arrival[a:b], prompt=work.prompt[a:b],
+                               output=work.output[a:b], **extra)
+
+
+def _simulate(task) -> SimResult:
+    """One piece, from an empty system (in a worker process, or here)."""
+    sim, work, requests = task
+    sim.chunks = ChunkLog(keep=sim.chunks.keep)
+    return sim.run_whole(work, requests)
+
+
+def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
+        piece: int | None = None) -> SimResult:
+    """The serial run's result of ``work`` on ``sim``, simulated in pieces over ``jobs``
+    processes (default: the CPUs); its ``pieces``: how many the cuts that held left."""
+    bounds = cuts(work.arrival, piece or PIECE)
+    done: dict[tuple[int, int], SimResult] = {}
+    if not jobs:
+        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            os.cpu_count() or 1
+    pool = None
+    try:
+        while True:
+            todo = [(a, b) for a, b in zip(bounds, bounds[1:]) if (a, b) not in done]
+            tasks = [(sim, piece_of(work, a, b), requests.fresh()) for a, b in todo]
+            if jobs > 1 and len(tasks) > 1 and sys.platform == "linux":
+                if pool is None:  # forked: the workers run no torch, only this module's code
+                    import multiprocessing as mp
+                    pool = cf.ProcessPoolExecutor(min(jobs, len(tasks)),
+                                                  mp_context=mp.get_context("fork"))
+                results = list(pool.map(_simulate, tasks))
+            else:
+                results = [_simulate(t) for t in tasks]
+            done.update(zip(todo, results))
+            held = [bounds[0]] + [c for p, c in zip(bounds, bounds[1:-1]) if
+                                  done[(p, c)].requests.last_finish <= work.arrival[c]] + [work.n]
+            if held == bounds:
+                break
+            bounds = held  # drop the cuts that failed; their neighbours run again as one
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    parts = [done[(a, b)] for a, b in zip(bounds, bounds[1:])]
+    return merge(parts)
+
+
+def merge(parts: list[SimResult]) -> SimResult:
+    """One run from its pieces, in time order: the first ``keep`` chunks across them."""
+    log = ChunkLog.merged([p.chunks for p in parts])
+    for p in parts[1:]:
+        log.kept.extend(p.chunks.kept[:log.keep - len(log.kept)])
+    return SimResult(Requests.merged([p.requests for p in parts]), log,
+                     max(p.peak_hbm_bytes for p in parts), max(p.peak_host_bytes for p in parts),
+                     sum(p.in_system_area for p in parts), min(p.max_batch_fit for p in parts),
+                     sum(p.preemptions for p in parts), pieces=len(parts))
