@@ -246,15 +246,21 @@ def _serial(work):
     return sim.run_whole(work, reqs)
 
 
-def test_a_long_open_loop_in_pieces_is_the_serial_run():
+@pytest.mark.parametrize("exact", [metrics.EXACT, 1000])
+def test_a_long_open_loop_in_pieces_is_the_serial_run(exact, monkeypatch):
     """Cut where the server was empty, pieces in two processes: every count equal, times,
-    percentiles and sums to rounding; the same result with one process or two."""
+    percentiles and sums to rounding; the same result with one process or two. With fewer
+    values kept exactly than the run has, both answer from the sketch (the pieces fold theirs
+    before they come back)."""
+    monkeypatch.setattr(metrics, "EXACT", exact)
     work = poisson(3.0, 5000, 2048, 128, 3)
     serial, two, one = _serial(work), _pieces_run(work, 2), _pieces_run(work, 1)
     assert two.pieces > 4 and serial.pieces == 1
     assert _counts(two) == _counts(serial)
     assert _times(two) == pytest.approx(_times(serial), rel=1e-12)
     assert _counts(one) == _counts(two) and _times(one) == _times(two)
+    assert two.requests.method() == serial.requests.method()
+    assert (serial.requests.method() == "exact") == (exact > work.n)
 
 
 def test_cuts_inside_a_busy_period_are_dropped_until_every_cut_holds():

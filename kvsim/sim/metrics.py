@@ -37,6 +37,24 @@ class Quantiles:
         self.n = 0
         self.total = 0.0
 
+    def __getstate__(self):  # pickled (a piece's result, kvsim.sim.segments): the values held
+        state = self.__dict__.copy()
+        state["buf"] = self.buf[:self.k].copy()
+        return state
+
+    def __setstate__(self, state):
+        held = state.pop("buf")
+        self.__dict__.update(state)
+        self.buf = np.empty(EXACT)  # untouched pages cost no memory
+        self.buf[:self.k] = held
+
+    def fold(self) -> None:
+        """Into the sketch now (a part of a run whose whole will be sketched)."""
+        if self.k:
+            self._fold()
+        elif self.buckets is None:
+            self.buckets = np.zeros(_NB, np.int64)
+
     @property
     def exact(self) -> bool:
         return self.buckets is None
@@ -139,6 +157,11 @@ class Requests:
         """How the percentiles were computed: exactly, or by the sketch for any metric."""
         sketched = [q for q in (self.ttft, self.tpot, self.e2e, self.wait) if not q.exact]
         return sketched[0].method() if sketched else "exact"
+
+    def fold(self) -> None:
+        """Every metric into its sketch (:meth:`Quantiles.fold`)."""
+        for q in (self.ttft, self.tpot, self.e2e, self.wait):
+            q.fold()
 
     def fresh(self) -> Requests:
         return Requests(dict(self.slo), self.window)

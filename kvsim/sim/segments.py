@@ -27,6 +27,7 @@ import sys
 import numpy as np
 
 from kvsim.sim.engine import ChunkLog, SimResult
+from kvsim.sim import metrics
 from kvsim.sim.metrics import Requests
 from kvsim.sim.workload import Workload
 
@@ -57,10 +58,14 @@ def piece_of(work: Workload, a: int, b: int) -> Workload:
 
 
 def _simulate(task) -> SimResult:
-    """One piece, from an empty system (in a worker process, or here)."""
-    sim, work, requests = task
+    """One piece, from an empty system (in a worker process, or here); its metrics folded into
+    their sketches where the whole run's will be, so that what comes back is small."""
+    sim, work, requests, sketched = task
     sim.chunks = ChunkLog(keep=sim.chunks.keep)
-    return sim.run_whole(work, requests)
+    res = sim.run_whole(work, requests)
+    if sketched:
+        res.requests.fold()
+    return res
 
 
 def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
@@ -76,7 +81,8 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
     try:
         while True:
             todo = [(a, b) for a, b in zip(bounds, bounds[1:]) if (a, b) not in done]
-            tasks = [(sim, piece_of(work, a, b), requests.fresh()) for a, b in todo]
+            sketched = work.n > metrics.EXACT
+            tasks = [(sim, piece_of(work, a, b), requests.fresh(), sketched) for a, b in todo]
             if jobs > 1 and len(tasks) > 1 and sys.platform == "linux":
                 if pool is None:  # forked: the workers run no torch, only this module's code
                     import multiprocessing as mp
@@ -86,6 +92,11 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
             else:
                 results = [_simulate(t) for t in tasks]
             done.update(zip(todo, results))
+            seen = 0  # chunks before each piece: only the run's first ``keep`` are kept
+            for a, b in zip(bounds, bounds[1:]):
+                if seen >= sim.chunks.keep:
+                    done[(a, b)].chunks.kept = []
+                seen += done[(a, b)].chunks.count
             held = [bounds[0]] + [c for p, c in zip(bounds, bounds[1:-1]) if
                                   done[(p, c)].requests.last_finish <= work.arrival[c]] + [work.n]
             if held == bounds:
