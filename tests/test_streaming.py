@@ -288,3 +288,20 @@ def test_where_to_cut():
     gaps = np.diff(arrival)
     for k, at in enumerate(c[1:-1], 1):  # the longest gap near each multiple of the piece
         assert abs(at - 1000 * k) <= 20 and gaps[at - 1] == gaps[1000 * k - 21:1000 * k + 19].max()
+
+
+def test_quantiles_travel_small_and_keep_working():
+    """A piece's metrics cross a process boundary with only the values they hold, and take
+    more values afterwards as if they had never moved."""
+    import pickle
+    v = sample(5000, 8)
+    q = Quantiles()
+    q.add(v[:3000])
+    blob = pickle.dumps(q)
+    assert len(blob) < 3000 * 8 + 2000  # not the whole EXACT-sized buffer
+    back = pickle.loads(blob)
+    back.add(v[3000:4000])
+    for x in v[4000:]:
+        back.add_one(float(x))
+    for p in QS:
+        assert back.percentile(p) == np.percentile(v, p)

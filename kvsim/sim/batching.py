@@ -47,7 +47,8 @@ class Run:
         self.growing = self.sched.admission == "grow"  # memory held grows per token
         self.env = env = env or simpy.Environment()
         self.routed, self.assigned, self.router_done = routed, 0, False
-        self.pulls = not routed and work.concurrency is None  # reads arrivals when it looks
+        self.open = work.concurrency is None
+        self.pulls = self.open and not routed  # reads arrivals when it looks
         self.arrivals = work.arrival.tolist()
         self.cap_hbm, self.cap_host = sim.capacity()
         self.used_hbm = self.used_host = 0  # whole bytes held (callers check room first)
@@ -119,20 +120,18 @@ class Run:
 
     def pull(self) -> None:
         """Open loop: every request that has arrived by now joins the queue."""
-        if not self.pulls:
-            return
-        now, arr = self.env.now, self.arrivals
-        while self.next < self.n and arr[self.next] <= now:
-            self.arrive(self.next, arr[self.next])
-            self.next += 1
+        now, arr, i = self.env.now, self.arrivals, self.next
+        while self.pulls and i < self.n and arr[i] <= now:
+            self.arrive(i, arr[i])
+            i = self.next = i + 1
 
     def until_next_arrival(self) -> float:
         """Seconds to the next arrival that may be admitted at a step boundary (inf if there is
-        none, or if requests already wait: they are admitted first)."""
-        self.pull()
-        if self.work.concurrency is None and self.next < self.n and not self.waiting:
+        none, or if requests already wait: they are admitted first); arrivals up to now were
+        read (:meth:`pull`)."""
+        if self.open and self.next < self.n and not self.waiting:
             return self.arrivals[self.next] - self.env.now
-        return np.inf
+        return math.inf
 
     def hold(self, i: int, hbm: int, host: int = 0) -> None:
         """Put ``hbm`` and ``host`` more bytes for request ``i``; the caller checked room."""
@@ -305,12 +304,17 @@ class Run:
         tokens each), with a decode token for each running sequence if ``decodes``
         (prefill-first: none); each prompt then emits its first (or next) token. Scalars."""
         m, D = self.sim.model, len(self.running) if decodes else 0
-        flops = sum(m.attention_flops(float(n), float(self.prefilled[i]))
-                    for i, n in zip(pf, size))
-        tokens = sum(size)
+        if len(pf) == 1:  # the common step
+            i, tokens = pf[0], size[0]
+            flops = m.attention_flops(float(tokens), float(self.prefilled[i]))
+            lengths = [float(self.target[i])]
+        else:
+            flops = sum(m.attention_flops(float(n), float(self.prefilled[i]))
+                        for i, n in zip(pf, size))
+            tokens, lengths = sum(size), [float(self.target[i]) for i in pf]
         step, gpu, link, alone = self.sim.steps.step(
-            D, self.batch_tokens() if D else 0.0, float(tokens), flops, len(pf),
-            [float(self.target[i]) for i in pf])
+            D, self.run_ctx + D * self.clock if D else 0.0, float(tokens), flops, len(pf),
+            lengths)
         self.sim.chunks.add(self.env.now, step, 1 if D else 0, D, gpu, link,
                             "mixed" if D else "prefill", None, tokens, alone)
         yield self.env.timeout(step)
@@ -345,6 +349,7 @@ class Run:
             return
         while grow and self.grow_fit(1) < 1:
             yield from self.preempt()
+            self.pull()  # a swap-out took time
         D = len(self.running)
         plan = plan_chunks(self, single=grow)
         rows = plan["rows"]
@@ -398,9 +403,9 @@ class Run:
             if k < 1:
                 yield from self.preempt()
                 return
-        B, tokens = len(self.running), self.batch_tokens()
-        k, seconds, gpu_s, link_s = self.sim.steps.decode_run(B, tokens, k,
-                                                              self.until_next_arrival())
+        B = len(self.running)
+        k, seconds, gpu_s, link_s = self.sim.steps.decode_run(
+            B, self.run_ctx + B * self.clock, k, self.until_next_arrival())
         log = self.sim.chunks
         log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode",
                 self.batch()[1] if log.keeping else None)
@@ -428,7 +433,7 @@ class Run:
         self.free.extend(ids)
         self.done += len(ids)
         self.mark(-len(ids))
-        if self.work.concurrency is not None:  # closed loop: replace each at once
+        if not self.open:  # closed loop: replace each at once
             for _ in ids:
                 if self.next < self.n:
                     self.arrive(self.next)

@@ -122,10 +122,10 @@ class ChunkLog:
             decode_time: float | None = None) -> None:
         """Count a :class:`Chunk` of these fields (built only while chunks are kept)."""
         self.count += 1
-        if len(self.kept) < self.keep:
+        if self.count <= self.keep:
             self.kept.append(Chunk(start, duration, steps, batch, gpu_busy, link_busy, kind, ctx,
                                    prefill_tokens, decode_time))
-        if kind == "decode" or kind == "mixed":
+        if steps:  # decode and mixed chunks
             seconds = duration if decode_time is None else decode_time
             self.decode_seconds += seconds
             self.decode_tokens += batch * steps

@@ -42,11 +42,8 @@ class Quantiles:
         state["buf"] = self.buf[:self.k].copy()
         return state
 
-    def __setstate__(self, state):
-        held = state.pop("buf")
+    def __setstate__(self, state):  # the buffer widens to EXACT if values are added
         self.__dict__.update(state)
-        self.buf = np.empty(EXACT)  # untouched pages cost no memory
-        self.buf[:self.k] = held
 
     def fold(self) -> None:
         """Into the sketch now (a part of a run whose whole will be sketched)."""
@@ -70,6 +67,8 @@ class Quantiles:
         if m > EXACT:
             self._fold_values(values)
             return
+        if len(self.buf) < EXACT:
+            self._widen()
         self.buf[self.k:self.k + m] = values
         self.k += m
 
@@ -78,8 +77,15 @@ class Quantiles:
         self.total += x
         if self.k == EXACT:
             self._fold()
+        elif self.k == len(self.buf):
+            self._widen()
         self.buf[self.k] = x
         self.k += 1
+
+    def _widen(self) -> None:
+        buf = np.empty(EXACT)
+        buf[:self.k] = self.buf[:self.k]
+        self.buf = buf
 
     def _fold_values(self, v: np.ndarray) -> None:
         if self.buckets is None:

@@ -57,12 +57,16 @@ def piece_of(work: Workload, a: int, b: int) -> Workload:
                                output=work.output[a:b], **extra)
 
 
-def _simulate(task) -> SimResult:
-    """One piece, from an empty system (in a worker process, or here); its metrics folded into
-    their sketches where the whole run's will be, so that what comes back is small."""
-    sim, work, requests, sketched = task
+_RUN: tuple | None = None  # (sim, workload, requests, sketched) of the run in progress
+
+
+def _simulate(piece: tuple[int, int]) -> SimResult:
+    """Requests ``a:b`` of the run in progress, from an empty system (in a worker forked with
+    the run in its memory, or here); its metrics folded into their sketches where the whole
+    run's will be, so that what comes back is small."""
+    sim, work, requests, sketched = _RUN
     sim.chunks = ChunkLog(keep=sim.chunks.keep)
-    res = sim.run_whole(work, requests)
+    res = sim.run_whole(piece_of(work, *piece), requests.fresh())
     if sketched:
         res.requests.fold()
     return res
@@ -72,37 +76,38 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
         piece: int | None = None) -> SimResult:
     """The serial run's result of ``work`` on ``sim``, simulated in pieces over ``jobs``
     processes (default: the CPUs); its ``pieces``: how many the cuts that held left."""
+    global _RUN
     bounds = cuts(work.arrival, piece or PIECE)
     done: dict[tuple[int, int], SimResult] = {}
     if not jobs:
         jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             os.cpu_count() or 1
-    pool = None
+    _RUN, pool = (sim, work, requests, work.n > metrics.EXACT), None
     try:
         while True:
             todo = [(a, b) for a, b in zip(bounds, bounds[1:]) if (a, b) not in done]
-            sketched = work.n > metrics.EXACT
-            tasks = [(sim, piece_of(work, a, b), requests.fresh(), sketched) for a, b in todo]
-            if jobs > 1 and len(tasks) > 1 and sys.platform == "linux":
+            if jobs > 1 and len(todo) > 1 and sys.platform == "linux":
                 if pool is None:  # forked: the workers run no torch, only this module's code
                     import multiprocessing as mp
-                    pool = cf.ProcessPoolExecutor(min(jobs, len(tasks)),
+                    pool = cf.ProcessPoolExecutor(min(jobs, len(todo)),
                                                   mp_context=mp.get_context("fork"))
-                results = list(pool.map(_simulate, tasks))
+                fresh = pool.map(_simulate, todo)  # in order, as they finish
             else:
-                results = [_simulate(t) for t in tasks]
-            done.update(zip(todo, results))
+                fresh = map(_simulate, todo)
             seen = 0  # chunks before each piece: only the run's first ``keep`` are kept
-            for a, b in zip(bounds, bounds[1:]):
+            for ab in zip(bounds, bounds[1:]):
+                if ab not in done:
+                    done[ab] = next(fresh)
                 if seen >= sim.chunks.keep:
-                    done[(a, b)].chunks.kept = []
-                seen += done[(a, b)].chunks.count
+                    done[ab].chunks.kept = []
+                seen += done[ab].chunks.count
             held = [bounds[0]] + [c for p, c in zip(bounds, bounds[1:-1]) if
                                   done[(p, c)].requests.last_finish <= work.arrival[c]] + [work.n]
             if held == bounds:
                 break
             bounds = held  # drop the cuts that failed; their neighbours run again as one
     finally:
+        _RUN = None
         if pool is not None:
             pool.shutdown()
     parts = [done[(a, b)] for a, b in zip(bounds, bounds[1:])]

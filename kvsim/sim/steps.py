@@ -255,7 +255,9 @@ class StepCosts:
             return k, float(ends[k - 1]), float(gpu[:k].sum()), float(link[:k].sum())
         L = self.model.layers
         u, v = s0 + s1 * T0 + head + self.overhead, s1 * B  # step j takes u + v j
-        if until < math.inf:  # the first j whose end (j + 1) u + v j (j + 1) / 2 >= until
+        # step j ends at (j + 1) u + v j (j + 1) / 2; a run that ends before ``until`` is whole,
+        # else it ends with the first step that ends at or after it
+        if until <= k * u + v * (k - 1) * k / 2:
             if v > 0:
                 b = u + v / 2
                 j = max(math.ceil((-b + math.sqrt(max(b * b + 2 * v * (until - u), 0.0))) / v),
