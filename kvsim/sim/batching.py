@@ -26,8 +26,9 @@ from collections import deque
 import numpy as np
 import simpy
 
+from kvsim.sim import preemption
 from kvsim.sim.chunking import plan_chunks
-from kvsim.sim.engine import MAX_CHUNK, Chunk
+from kvsim.sim.engine import MAX_CHUNK
 from kvsim.sim.metrics import Requests
 from kvsim.sim.steps import Chunks
 
@@ -225,79 +226,6 @@ class Run:
             self.prefilled[i] = 0
             self.prefilling.append(i)
 
-    def resume_swapped(self):
-        """Swapped-out requests come back first, over the link, when their HBM state fits."""
-        while self.swapped and self.seats() > 0 and not self.pressure:
-            i = self.swapped[0]
-            need = int(self.sim.hbm_need(self.ctx[i]))
-            if need > self.free_hbm():
-                return
-            self.swapped.popleft()
-            self.used_host -= self.swap_host[i]
-            self.swap_host[i] = 0
-            self.hold(i, need)
-            yield from self.transfer(need, "h2d")
-            self.join([i])
-
-    def transfer(self, nbytes: int, path: str):
-        """A swap: the GPU stream waits for the copy of ``nbytes`` over the link."""
-        c = self.sim.costs
-        t = float(c.link_time(nbytes, path, copies=2 * self.sim.model.layers))
-        self.sim.chunks.add(self.env.now, t, 0, 0, 0.0, t, "swap")
-        yield self.env.timeout(t)
-
-    # ------------------------------------------------------------------------ preemption
-    def preempt(self):
-        """Free HBM by preempting the most recently admitted request that holds some."""
-        victim = max(self.running + self.prefilling, key=lambda i: self.order[i])
-        self.preemptions += 1
-        self.pressure = True
-        nbytes = self.held_hbm[victim]
-        if victim in self.prefilling:
-            self.prefilling.remove(victim)
-            swap = False
-        else:
-            self.leave([victim])
-            self.finish_at = [f for f in self.finish_at if f[1] != victim]
-            heapq.heapify(self.finish_at)
-            swap = self.sched.preemption == "swap" and \
-                self.used_host + nbytes <= self.cap_host  # else recompute: no host room
-        if swap:  # the HBM state goes to host memory; the request resumes where it was
-            self.release([victim], host=False)
-            self.used_host += nbytes
-            self.swap_host[victim] = nbytes
-            self.peak_host = max(self.peak_host, self.used_host)
-            yield from self.transfer(nbytes, "d2h")
-            self.swapped.append(victim)
-        else:  # recompute: its cache is dropped
-            self.release([victim], host=False)
-            if not math.isnan(self.first_token[victim]):  # prompt and generated tokens, again
-                self.target[victim] = int(self.ctx[victim]) - 1
-            self.waiting.appendleft(victim)
-
-    def grow_fit(self, k: int) -> int:
-        """How many of the running batch's next ``k`` decode steps fit in HBM (grow
-        admission)."""
-        if not self.growing or not self.running:
-            return k
-        ids, ctx = self.batch()
-        held = np.array([self.held_hbm[i] for i in ids], np.int64)
-        per = self.sim.hbm_need(ctx + k) - held
-        if int(per.sum()) <= self.free_hbm():
-            return k
-        per_step = max(float(per.sum()) / k, 1.0)
-        k = int(self.free_hbm() // per_step)
-        while k > 0 and int((self.sim.hbm_need(ctx + k) - held).sum()) > self.free_hbm():
-            k -= 1
-        return k
-
-    def grow(self, k: int) -> None:
-        """Grow admission: the running batch holds its next ``k`` tokens' bytes."""
-        if self.growing and self.running:
-            ids, ctx = self.batch()
-            for i, need in zip(ids, self.sim.hbm_need(ctx + k).tolist()):
-                self.hold(i, need - self.held_hbm[i])
-
     # ------------------------------------------------------------------------------ steps
     def prefill_whole(self, decodes: bool, pf: list[int], size: list[int]):
         """One step in which every admitted prompt prefills the rest of itself (``size``
@@ -347,8 +275,8 @@ class Run:
         if not grow and sum(rest) <= self.sched.max_batched_tokens - len(self.running):
             yield from self.prefill_whole(True, pf, rest)  # it all fits in one step
             return
-        while grow and self.grow_fit(1) < 1:
-            yield from self.preempt()
+        while grow and preemption.grow_fit(self, 1) < 1:
+            yield from preemption.preempt(self)
             self.pull()  # a swap-out took time
         D = len(self.running)
         plan = plan_chunks(self, single=grow)
@@ -377,7 +305,7 @@ class Run:
                            None, rows["ctok"][j], float(alone[j]))
         yield self.env.timeout(float(ends[k - 1]))
         if grow:
-            self.grow(1)
+            preemption.grow(self, 1)
         if D:
             self.clock += k
         for j in range(k):
@@ -399,9 +327,9 @@ class Run:
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
         k = min(self.finish_at[0][0] - self.clock, MAX_CHUNK)
         if self.growing:
-            k = self.grow_fit(k)
+            k = preemption.grow_fit(self, k)
             if k < 1:
-                yield from self.preempt()
+                yield from preemption.preempt(self)
                 return
         B = len(self.running)
         k, seconds, gpu_s, link_s = self.sim.steps.decode_run(
@@ -411,7 +339,7 @@ class Run:
                 self.batch()[1] if log.keeping else None)
         yield self.env.timeout(seconds)
         if self.growing:
-            self.grow(k)
+            preemption.grow(self, k)
         self.clock += k
 
     def complete(self) -> None:
@@ -447,7 +375,7 @@ class Run:
     def scheduler(self):
         while not self.finished():
             if self.swapped:
-                yield from self.resume_swapped()
+                yield from preemption.resume_swapped(self)
             self.admit()
             if self.prefilling:
                 yield from self.prefill_phase()

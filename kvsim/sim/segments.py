@@ -23,11 +23,12 @@ import concurrent.futures as cf
 import dataclasses
 import os
 import sys
+from itertools import pairwise
 
 import numpy as np
 
-from kvsim.sim.engine import ChunkLog, SimResult
 from kvsim.sim import metrics
+from kvsim.sim.engine import ChunkLog, SimResult
 from kvsim.sim.metrics import Requests
 from kvsim.sim.workload import Workload
 
@@ -85,7 +86,7 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
     _RUN, pool = (sim, work, requests, work.n > metrics.EXACT), None
     try:
         while True:
-            todo = [(a, b) for a, b in zip(bounds, bounds[1:]) if (a, b) not in done]
+            todo = [(a, b) for a, b in pairwise(bounds) if (a, b) not in done]
             if jobs > 1 and len(todo) > 1 and sys.platform == "linux":
                 if pool is None:  # forked: the workers run no torch, only this module's code
                     import multiprocessing as mp
@@ -95,13 +96,13 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
             else:
                 fresh = map(_simulate, todo)
             seen = 0  # chunks before each piece: only the run's first ``keep`` are kept
-            for ab in zip(bounds, bounds[1:]):
+            for ab in pairwise(bounds):
                 if ab not in done:
                     done[ab] = next(fresh)
                 if seen >= sim.chunks.keep:
                     done[ab].chunks.kept = []
                 seen += done[ab].chunks.count
-            held = [bounds[0]] + [c for p, c in zip(bounds, bounds[1:-1]) if
+            held = [bounds[0]] + [c for p, c in pairwise(bounds[:-1]) if
                                   done[(p, c)].requests.last_finish <= work.arrival[c]] + [work.n]
             if held == bounds:
                 break
@@ -110,7 +111,7 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
         _RUN = None
         if pool is not None:
             pool.shutdown()
-    parts = [done[(a, b)] for a, b in zip(bounds, bounds[1:])]
+    parts = [done[(a, b)] for a, b in pairwise(bounds)]
     return merge(parts)
 
 
