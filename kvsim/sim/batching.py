@@ -176,8 +176,11 @@ class Run:
             self.run_ctx -= self.ctx[i]
             self.ctx[i] += c
             self.left[i] -= c
-        gone = set(ids)
-        self.running = [i for i in self.running if i not in gone]
+        if len(ids) == 1:
+            self.running.remove(ids[0])
+        else:
+            gone = set(ids)
+            self.running = [i for i in self.running if i not in gone]
 
     def batch_tokens(self) -> float:
         """KV tokens held by the running batch."""
@@ -347,16 +350,15 @@ class Run:
         heap, clock = self.finish_at, self.clock
         if not heap or heap[0][0] > clock:
             return
-        gone = set()
+        gone = {heapq.heappop(heap)[1]}
         while heap and heap[0][0] <= clock:
             gone.add(heapq.heappop(heap)[1])
-        ids = [i for i in self.running if i in gone]  # in batch order
-        self.leave(ids)
+        ids = list(gone) if len(gone) == 1 else [i for i in self.running if i in gone]
+        self.leave(ids)  # (in batch order)
         self.pressure = False
         now, rec = self.env.now, self.requests.record_one
         for i in ids:
-            rec(float(self.arrival[i]), float(self.admitted[i]), float(self.first_token[i]),
-                now, int(self.output[i]))
+            rec(self.arrival[i], self.admitted[i], self.first_token[i], now, self.output[i])
         self.release(ids)
         self.free.extend(ids)
         self.done += len(ids)

@@ -34,10 +34,22 @@ class Quantiles:
         self.k = 0  # values in ``buf``
         self.buckets: np.ndarray | None = None  # the sketch, once more than EXACT values came
         self.zeros = 0
-        self.n = 0
-        self.total = 0.0
+        self._n = 0
+        self._total = 0.0
+        self.pending: list[float] = []  # values given one at a time, added in blocks
+
+    @property
+    def n(self) -> int:
+        self._flush()
+        return self._n
+
+    @property
+    def total(self) -> float:
+        self._flush()
+        return self._total
 
     def __getstate__(self):  # pickled (a piece's result, kvsim.sim.segments): the values held
+        self._flush()
         state = self.__dict__.copy()
         state["buf"] = self.buf[:self.k].copy()
         return state
@@ -47,6 +59,7 @@ class Quantiles:
 
     def fold(self) -> None:
         """Into the sketch now (a part of a run whose whole will be sketched)."""
+        self._flush()
         if self.k:
             self._fold()
         elif self.buckets is None:
@@ -54,14 +67,15 @@ class Quantiles:
 
     @property
     def exact(self) -> bool:
+        self._flush()
         return self.buckets is None
 
     def add(self, values: np.ndarray) -> None:
         m = len(values)
         if not m:
             return
-        self.n += m
-        self.total += float(values.sum())
+        self._n += m
+        self._total += float(values.sum())
         if self.k + m > EXACT:
             self._fold()
         if m > EXACT:
@@ -73,14 +87,15 @@ class Quantiles:
         self.k += m
 
     def add_one(self, x: float) -> None:
-        self.n += 1
-        self.total += x
-        if self.k == EXACT:
-            self._fold()
-        elif self.k == len(self.buf):
-            self._widen()
-        self.buf[self.k] = x
-        self.k += 1
+        p = self.pending
+        p.append(x)
+        if len(p) == 1024:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.pending:
+            values, self.pending = np.array(self.pending), []
+            self.add(values)
 
     def _widen(self) -> None:
         buf = np.empty(EXACT)
@@ -100,6 +115,7 @@ class Quantiles:
         self.k = 0
 
     def merge(self, other: Quantiles) -> None:
+        other._flush()
         if other.buckets is not None:
             if self.buckets is None:
                 self.buckets = np.zeros(_NB, np.int64)
@@ -107,13 +123,13 @@ class Quantiles:
             self.zeros += other.zeros
         n, total = self.n + other.n, self.total + other.total
         self.add(other.buf[:other.k])
-        self.n, self.total = n, total
+        self._n, self._total = n, total
 
     def mean(self) -> float:
         return self.total / self.n if self.n else float("nan")
 
     def percentile(self, q: float) -> float:
-        if not self.n:
+        if not self.n:  # (flushed)
             return float("nan")
         if self.buckets is None:
             return float(np.percentile(self.buf[:self.k], q))
@@ -131,7 +147,7 @@ class Quantiles:
         return 2 * _G ** (i + _LO) / (_G + 1)
 
     def method(self) -> str:
-        return "exact" if self.buckets is None else \
+        return "exact" if self.exact else \
             f"log-bucket sketch, within {REL_ERR:.1%} of the exact percentile"
 
 

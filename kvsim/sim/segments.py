@@ -89,7 +89,9 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
             todo = [(a, b) for a, b in pairwise(bounds) if (a, b) not in done]
             if jobs > 1 and len(todo) > 1 and sys.platform == "linux":
                 if pool is None:  # forked: the workers run no torch, only this module's code
+                    import gc
                     import multiprocessing as mp
+                    gc.freeze()  # the workers' collector then leaves the inherited pages shared
                     pool = cf.ProcessPoolExecutor(min(jobs, len(todo)),
                                                   mp_context=mp.get_context("fork"))
                 fresh = pool.map(_simulate, todo)  # in order, as they finish
@@ -111,6 +113,8 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
         _RUN = None
         if pool is not None:
             pool.shutdown()
+            import gc
+            gc.unfreeze()
     parts = [done[(a, b)] for a, b in pairwise(bounds)]
     return merge(parts)
 
