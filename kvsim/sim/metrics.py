@@ -58,12 +58,14 @@ class Quantiles:
         self.__dict__.update(state)
 
     def fold(self) -> None:
-        """Into the sketch now (a part of a run whose whole will be sketched)."""
+        """Into the sketch now (a part of a run whose whole will be sketched); the buffer goes
+        (it widens again if values are added)."""
         self._flush()
         if self.k:
             self._fold()
         elif self.buckets is None:
             self.buckets = np.zeros(_NB, np.int64)
+        self.buf = np.empty(0)
 
     @property
     def exact(self) -> bool:
