@@ -117,7 +117,8 @@ def _replay_config(c: dict, **over) -> ReplayConfig:
               requests=c["requests"], output_len=c["output_len"], seed=c["seed"],
               **json.loads(c.get("scheduling") or "{}"), **json.loads(c.get("engine") or "{}"),
               **json.loads(c.get("deployment") or "{}"),
-              kv_read_everywhere=False)  # --kv-read-frac: for the policies that fetch
+              kv_read_everywhere=False,  # --kv-read-frac: for the policies that fetch
+              jobs=1)  # the sweep's own workers run the configurations in parallel
     kw.update(over)
     return ReplayConfig(**kw)
 
