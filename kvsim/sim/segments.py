@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import gc
+import multiprocessing as mp
 import os
 import sys
 from itertools import pairwise
@@ -83,14 +85,12 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
     if not jobs:
         jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
             os.cpu_count() or 1
-    _RUN, pool = (sim, work, requests, work.n > metrics.EXACT), None
+    _RUN, pool, log = (sim, work, requests, work.n > metrics.EXACT), None, sim.chunks
     try:
         while True:
             todo = [(a, b) for a, b in pairwise(bounds) if (a, b) not in done]
             if jobs > 1 and len(todo) > 1 and sys.platform == "linux":
                 if pool is None:  # forked: the workers run no torch, only this module's code
-                    import gc
-                    import multiprocessing as mp
                     gc.freeze()  # the workers' collector then leaves the inherited pages shared
                     pool = cf.ProcessPoolExecutor(min(jobs, len(todo)),
                                                   mp_context=mp.get_context("fork"))
@@ -110,10 +110,9 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
                 break
             bounds = held  # drop the cuts that failed; their neighbours run again as one
     finally:
-        _RUN = None
+        _RUN, sim.chunks = None, log  # (pieces run here replaced it)
         if pool is not None:
             pool.shutdown()
-            import gc
             gc.unfreeze()
     parts = [done[(a, b)] for a, b in pairwise(bounds)]
     return merge(parts)
