@@ -244,7 +244,7 @@ class Run:
                         for i, n in zip(pf, size))
             tokens, lengths = sum(size), [float(self.target[i]) for i in pf]
         step, gpu, link, alone = self.sim.steps.step(
-            D, self.run_ctx + D * self.clock if D else 0.0, float(tokens), flops, len(pf),
+            D, self.batch_tokens() if D else 0.0, float(tokens), flops, len(pf),
             lengths)
         self.sim.chunks.add(self.env.now, step, 1 if D else 0, D, gpu, link,
                             "mixed" if D else "prefill", None, tokens, alone)
@@ -328,7 +328,7 @@ class Run:
 
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
-        k = min(self.finish_at[0][0] - self.clock, MAX_CHUNK)
+        k = min(self.soonest(), MAX_CHUNK)
         if self.growing:
             k = preemption.grow_fit(self, k)
             if k < 1:
@@ -336,7 +336,7 @@ class Run:
                 return
         B = len(self.running)
         k, seconds, gpu_s, link_s = self.sim.steps.decode_run(
-            B, self.run_ctx + B * self.clock, k, self.until_next_arrival())
+            B, self.batch_tokens(), k, self.until_next_arrival())
         log = self.sim.chunks
         log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode",
                 self.batch()[1] if log.keeping else None)

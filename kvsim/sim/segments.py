@@ -29,7 +29,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from kvsim.sim import metrics
+from kvsim.sim import metrics, replicas
 from kvsim.sim.engine import ChunkLog, SimResult
 from kvsim.sim.metrics import Requests
 from kvsim.sim.workload import Workload
@@ -119,11 +119,10 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
 
 
 def merge(parts: list[SimResult]) -> SimResult:
-    """One run from its pieces, in time order: the first ``keep`` chunks across them."""
-    log = ChunkLog.merged([p.chunks for p in parts])
+    """One run from its pieces, in time order (:func:`kvsim.sim.replicas.merge`, but of one
+    server): the first ``keep`` chunks across them."""
+    out = dataclasses.replace(replicas.merge(parts), replicas=1, pieces=len(parts))
+    log = out.chunks
     for p in parts[1:]:
         log.kept.extend(p.chunks.kept[:log.keep - len(log.kept)])
-    return SimResult(Requests.merged([p.requests for p in parts]), log,
-                     max(p.peak_hbm_bytes for p in parts), max(p.peak_host_bytes for p in parts),
-                     sum(p.in_system_area for p in parts), min(p.max_batch_fit for p in parts),
-                     sum(p.preemptions for p in parts), pieces=len(parts))
+    return out
