@@ -21,6 +21,16 @@ from kvsim.sim.metrics import Requests
 from kvsim.sim.workload import Workload
 
 
+def take(work: Workload, idx, **changes) -> Workload:
+    """Requests ``idx`` (a slice or an index array) of ``work``, ``changes`` replaced (a
+    replica's share here, a piece in :mod:`kvsim.sim.segments`)."""
+    h = work.prefix_hashes
+    if h is not None:
+        changes["prefix_hashes"] = h[idx] if isinstance(idx, slice) else [h[i] for i in idx]
+    return dataclasses.replace(work, arrival=work.arrival[idx], prompt=work.prompt[idx],
+                               output=work.output[idx], **changes)
+
+
 def split(work: Workload, replicas: int) -> list[Workload]:
     """The workload of each replica (round-robin)."""
     out = []
@@ -30,12 +40,8 @@ def split(work: Workload, replicas: int) -> list[Workload]:
             work.concurrency // replicas + (r < work.concurrency % replicas)
         if len(idx) == 0 or conc == 0:
             continue
-        hashes = getattr(work, "prefix_hashes", None)
-        extra = {"prefix_hashes": [hashes[i] for i in idx]} if hashes is not None else {}
-        out.append(dataclasses.replace(
-            work, arrival=work.arrival[idx], prompt=work.prompt[idx], output=work.output[idx],
-            concurrency=conc, description=f"{work.description}; replica {r + 1} of "
-                                          f"{replicas} (round-robin)", **extra))
+        about = f"{work.description}; replica {r + 1} of {replicas} (round-robin)"
+        out.append(take(work, idx, concurrency=conc, description=about))
     return out
 
 

@@ -53,13 +53,6 @@ def cuts(arrival: np.ndarray, piece: int) -> list[int]:
     return out + [n]
 
 
-def piece_of(work: Workload, a: int, b: int) -> Workload:
-    hashes = getattr(work, "prefix_hashes", None)
-    extra = {"prefix_hashes": hashes[a:b]} if hashes is not None else {}
-    return dataclasses.replace(work, arrival=work.arrival[a:b], prompt=work.prompt[a:b],
-                               output=work.output[a:b], **extra)
-
-
 _RUN: tuple | None = None  # (sim, workload, requests, sketched) of the run in progress
 
 
@@ -69,7 +62,7 @@ def _simulate(piece: tuple[int, int]) -> SimResult:
     run's will be, so that what comes back is small."""
     sim, work, requests, sketched = _RUN
     sim.chunks = ChunkLog(keep=sim.chunks.keep)
-    res = sim.run_whole(piece_of(work, *piece), requests.fresh())
+    res = sim.run_whole(replicas.take(work, slice(*piece)), requests.fresh())
     if sketched:
         res.requests.fold()
     return res
