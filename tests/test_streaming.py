@@ -93,11 +93,8 @@ def test_request_metrics_match_per_request_arrays():
         ids = order[i:i + m]
         for j in ids:  # a group finishes at the same instant
             finish[j] = finish[ids[-1]]
-        if m == 1:
-            j = ids[0]
+        for j in ids:
             req.record_one(arrival[j], admitted[j], first[j], finish[j], int(output[j]))
-        else:
-            req.record(arrival[ids], admitted[ids], first[ids], finish[ids[-1]], output[ids])
         i += m
     ttft, multi = first - arrival, output > 1
     tpot = (finish - first)[multi] / (output[multi] - 1)

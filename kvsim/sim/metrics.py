@@ -190,14 +190,6 @@ class Requests:
     def fresh(self) -> Requests:
         return Requests(dict(self.slo), self.window)
 
-    def record(self, arrival: np.ndarray, admitted: np.ndarray, first: np.ndarray, now: float,
-               output: np.ndarray) -> None:
-        """Requests that finished at ``now``: their arrival, first admission and first token
-        times and output lengths (:meth:`record_one` of each)."""
-        for a, w, f, o in zip(arrival.tolist(), admitted.tolist(), first.tolist(),
-                              output.tolist()):
-            self.record_one(a, w, f, now, int(o))
-
     def record_one(self, arrival: float, admitted: float, first: float, now: float,
                    output: int) -> None:
         """One request that finished at ``now``."""
