@@ -141,7 +141,8 @@ class StepCosts:
         """:meth:`run` for one step, in scalars (the engine's hot path: most runs of prefill
         steps are one step long): ``D`` decodes holding ``tokens`` KV tokens, ``count`` chunks
         of ``chunk_tokens`` tokens in all with ``attn_flops`` of attention, ``done``: the
-        lengths of the prompts that finish (a sequence of floats). ``tests/test_serving.py`` holds the two equal."""
+        lengths of the prompts that finish (a sequence of floats). ``tests/test_serving.py``
+        holds the two equal."""
         m, c, p = self.model, self.costs, self.policy
         L, work, ovh = m.layers, self.prefill_work, self.overhead
         gemm_d = attn = link = decide = alone = 0.0
