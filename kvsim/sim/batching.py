@@ -50,7 +50,6 @@ class Run:
         self.routed, self.assigned, self.router_done = routed, 0, False
         self.open = work.concurrency is None
         self.pulls = self.open and not routed  # reads arrivals when it looks
-        self.arrivals = work.arrival.tolist()
         self.cap_hbm, self.cap_host = sim.capacity()
         self.used_hbm = self.used_host = 0  # whole bytes held (callers check room first)
         # per request in the system, by slot (a finished request's slot is reused): memory
@@ -58,7 +57,6 @@ class Run:
         self.slots, self.free = 0, []
         for name in self.SLOTS:
             setattr(self, name, [])
-        self.work_prompt, self.work_output = work.prompt.tolist(), work.output.tolist()
         self.requests = requests if requests is not None else Requests()
         self.waiting: deque[int] = deque()
         self.prefilling: list[int] = []
@@ -109,8 +107,8 @@ class Run:
         s = self.free.pop()
         self.arrival[s] = self.env.now if at is None else at
         self.first_token[s] = self.admitted[s] = math.nan
-        self.prompt[s] = self.target[s] = self.work_prompt[i]
-        self.output[s] = self.left[s] = self.work_output[i]
+        self.prompt[s] = self.target[s] = int(self.work.prompt[i])
+        self.output[s] = self.left[s] = int(self.work.output[i])
         self.ctx[s] = 0.0
         self.prefilled[s] = self.held_hbm[s] = self.held_host[s] = self.order[s] = 0
         self.swap_host[s] = 0
@@ -121,9 +119,9 @@ class Run:
 
     def pull(self) -> None:
         """Open loop: every request that has arrived by now joins the queue."""
-        now, arr, i = self.env.now, self.arrivals, self.next
-        while self.pulls and i < self.n and arr[i] <= now:
-            self.arrive(i, arr[i])
+        now, arr, i = self.env.now, self.work.arrival, self.next
+        while self.pulls and i < self.n and (at := float(arr[i])) <= now:
+            self.arrive(i, at)
             i = self.next = i + 1
 
     def until_next_arrival(self) -> float:
@@ -131,7 +129,7 @@ class Run:
         none, or if requests already wait: they are admitted first); arrivals up to now were
         read (:meth:`pull`)."""
         if self.open and self.next < self.n and not self.waiting:
-            return self.arrivals[self.next] - self.env.now
+            return float(self.work.arrival[self.next]) - self.env.now
         return math.inf
 
     def hold(self, i: int, hbm: int, host: int = 0) -> None:
@@ -384,9 +382,9 @@ class Run:
             elif self.running:
                 yield from self.decode_steps()
             elif self.pulls and self.next < self.n:  # idle until the next arrival
-                i = self.next
-                yield self.env.timeout(max(self.arrivals[i] - self.env.now, 0.0))
-                self.arrive(i, self.arrivals[i])
+                i, at = self.next, float(self.work.arrival[self.next])
+                yield self.env.timeout(max(at - self.env.now, 0.0))
+                self.arrive(i, at)
                 self.next = i + 1
                 continue
             else:  # idle until a router hands over a request
