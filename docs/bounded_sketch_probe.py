@@ -83,7 +83,8 @@ def main() -> None:
     widths = {f[0]: [] for f in forms}
     for la_e, la_f in zip(ev.attention.layers, fit.attention.layers):
         k = la_e.k[0, :n].astype(np.float64)
-        q = la_e.q_decode.reshape(-1, k.shape[1]).astype(np.float64)  # (heads x rows, d)
+        # logits are q.k / sqrt(d) (queries are stored unscaled: kvsim.model.hooks)
+        q = la_e.q_decode.reshape(-1, k.shape[1]).astype(np.float64) / np.sqrt(k.shape[1])
         kf = la_f.k[0, : int(fit.attention.context_len)].astype(np.float64)
         d = k.shape[1]
         row = []
