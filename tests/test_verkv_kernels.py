@@ -458,7 +458,7 @@ def test_kv_read_counts_each_byte_once():
     shortlist and K+V of the fetched tokens (union over query heads and rows of the pass)."""
     from kvsim.policies import make
     layer, q, pos = layer_case(1)
-    pol = make("verkv", {"sink": 4, "local": 4, "eps": 0.02})
+    pol = make("verkv", {"sink": 4, "local": 4, "eps": 0.02, "pass_plan": "rows"})
     k = layer.k_host
     n_kv, n, d = k.shape
     extra_k = torch.randn(n_kv, 6, d, generator=torch.Generator().manual_seed(1), dtype=F64)

@@ -116,8 +116,10 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
             ref, ref_logd = dense_attention(q.to(torch.float64), k.to(torch.float64),
                                             v.to(torch.float64), pos)
             rec = dict(st)
-            rec["output_rel_err"] = ((out.to(torch.float64) - ref).norm(dim=-1)
-                                     / ref.norm(dim=-1).clamp_min(1e-300))
+            gap = (out.to(torch.float64) - ref).norm(dim=-1)
+            rec["output_rel_err"] = gap / ref.norm(dim=-1).clamp_min(1e-300)
+            if "value_range_norm" in st:  # what an output certificate bounds (VerKV)
+                rec["output_range_err"] = gap / st["value_range_norm"].to(torch.float64)
             if "log_denominator" in st:
                 den = (st["log_denominator"].to(torch.float64) - ref_logd).exp() - 1
                 rec["denominator_rel_err"] = den.abs()
@@ -126,7 +128,7 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
                 own = (st["log_denominator_own"].to(torch.float64) - ref_logd).exp() - 1
                 rec["denominator_rel_err_own"] = own.abs()
             calls.add(phase, rec, n_ctx)
-    stats = calls.summary(eps)
+    stats = calls.summary(eps, getattr(policy.params, "eps_output", None))
     if eps is not None and by_layer:  # the same decisions, per layer (spec: per decision)
         rates = {l: float((torch.cat(e) > eps).to(torch.float64).mean())
                  for l, e in by_layer.items()}

@@ -24,6 +24,9 @@ Per phase (``question``, ``decode``) and ``overall``:
   ``kvhead_steps_fetch_frac``, ``tokens_per_fetch_frac`` (fetched tokens of the decisions that
   fetch, as a share of the context), ``output_rel_err_mean``/``_max``,
   ``denominator_rel_err_mean``/``_max``, ``violation_rate`` (denominator error above eps);
+  with an output certificate (VerKV ``--eps-output``; its ``attend`` returns
+  ``value_range_norm``, the norm of the values' per-dimension range) ``output_range_err_mean``/
+  ``_max`` (output error over that norm) and ``output_violation_rate`` (above eps_output);
 * ``kv_read_frac`` is the mean over calls, i.e. per forward pass averaged over layers; overall it
   averages the question pass and every decode step alike, as the paper's Table 2 "Overall" does.
 
@@ -42,7 +45,7 @@ TRAFFIC = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_
            "kv_read_frac")
 PHASES = ("question", "decode")
 _NAMED = {"fetch", "fetched_tokens", "kvhead_fetch", "kv_read_frac", "denominator_rel_err",
-          "output_rel_err", "denominator_rel_err_own"}
+          "output_rel_err", "denominator_rel_err_own", "output_range_err", "value_range_norm"}
 
 
 class Calls:
@@ -62,10 +65,10 @@ class Calls:
     def decisions(self) -> int:
         return sum(next(iter(r.values())).numel() for c in self.calls.values() for r in c if r)
 
-    def summary(self, eps: float | None = None) -> dict:
+    def summary(self, eps: float | None = None, eps_output: float | None = None) -> dict:
         q, d = self.calls["question"], self.calls["decode"]
-        parts = {"question": _summary(q, eps), "decode": _summary(d, eps),
-                 "overall": _summary(q + d, eps)}
+        parts = {"question": _summary(q, eps, eps_output), "decode": _summary(d, eps, eps_output),
+                 "overall": _summary(q + d, eps, eps_output)}
         traffic = parts["decode"] if d else parts["question"]
         out: dict = {k: (traffic[k] if k in TRAFFIC else v) for k, v in parts["overall"].items()}
         out["traffic_basis"] = "decode steps" if d else "question pass (no decode rows)"
@@ -90,7 +93,7 @@ def _cat(recs: list[dict], key: str) -> torch.Tensor | None:
     return torch.cat(vals) if vals else None
 
 
-def _summary(recs: list[dict], eps: float | None) -> dict:
+def _summary(recs: list[dict], eps: float | None, eps_output: float | None = None) -> dict:
     out: dict[str, float] = {}
     if not recs:
         return out
@@ -117,6 +120,12 @@ def _summary(recs: list[dict], eps: float | None) -> dict:
     if err is not None:
         out["output_rel_err_mean"] = float(err.mean())
         out["output_rel_err_max"] = float(err.max())
+    rng = _cat(recs, "output_range_err")
+    if rng is not None:  # the output error over |R|, and how often it exceeds eps_output
+        out["output_range_err_mean"] = float(rng.mean())
+        out["output_range_err_max"] = float(rng.max())
+        if eps_output is not None:
+            out["output_violation_rate"] = float((rng > eps_output).to(torch.float64).mean())
     for key in sorted(set().union(*(r.keys() for r in recs)) - _NAMED):
         name = "eps_hat" if key == "eps_hat_before" else key
         out[f"{name}_mean"] = float(_cat(recs, key).mean())

@@ -26,7 +26,7 @@ HEADLINE = ("tpot_ms", "throughput_tok_s", "ttft_ms", "e2e_s", "hbm_gib", "host_
 # policy statistics earlier versions promised at the top level of the JSON (VerKV's Table 2)
 TABLE2 = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_frac",
           "violation_rate", "output_rel_err_mean", "violation_rate_max_layer",
-          "violation_rate_own", "sketch_bytes_per_token")
+          "violation_rate_own", "sketch_bytes_per_token", "output_violation_rate")
 
 
 WARMUP = 0.2  # the first fifth of the arrivals warms the system up

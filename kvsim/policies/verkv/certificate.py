@@ -193,13 +193,32 @@ class FetchPlan:
     order: torch.Tensor  # (..., K) the head of L_g (K = n for a full sort)
 
 
+def output_terms(eps_out: float, delta: float, head_dim: int) -> tuple[float, float]:
+    """(threshold, log term) of the output certificate at ``eps_out``: per value dimension j and
+    for D, Lemma 1 at delta / (d + 1) each (a union bound over d + 1 events) gives
+    ``|o^_j - o_j| <= R_j e' / (1 - e')`` with ``e' = eps_hat`` at ``l' = ln(2 (d + 1) / delta)``
+    and ``R_j`` the range of value dimension j (every term of the numerator is a term of D times
+    ``v_ij - o_j``, and ``|v_ij - o_j| <= R_j``). So ``||o^ - o|| <= eps_out ||R||`` when
+    ``e' <= eps_out / (1 + eps_out)``."""
+    return eps_out / (1.0 + eps_out), math.log(2.0 * (head_dim + 1) / delta)
+
+
+def output_eps(eps_prime):
+    """The output certificate ``e' / (1 - e')`` (inf where ``e' >= 1``)."""
+    return torch.where(eps_prime < 1, eps_prime / (1 - eps_prime).clamp_min(1e-300),
+                       torch.full_like(eps_prime, float("inf")))
+
+
 def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
-                     head: int | None = FETCH_HEAD) -> FetchPlan:
+                     head: int | None = FETCH_HEAD,
+                     also: tuple[float, float] | None = None) -> FetchPlan:
     """KVFetch steps 3-5 from per-token terms: order L by ``g_i = eps_hat(L) - eps_hat(L \\ {i})``
     descending, take the smallest k with ``eps_hat(L_g[k:]) < eps``. Suffix sums (beta, V) and a
     suffix max (b) give every k at once. Tokens with all-zero terms (outside L, invisible, or
-    underflowed) are never made exact."""
-    l = log_term(delta)
+    underflowed) are never made exact. ``also`` = (threshold, log term): a second condition the
+    cut must meet (the output certificate, :func:`output_terms`); the order then uses its log
+    term, the larger one."""
+    l = log_term(delta) if also is None else max(log_term(delta), also[1])
     shape, n = beta_i.shape, beta_i.shape[-1]
     denom = torch.broadcast_to(denom, shape[:-1])
     beta, var = beta_i.sum(-1), var_i.sum(-1)
@@ -241,8 +260,10 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
         suf_beta = torch.cat([hb.flip(-1).cumsum(-1).flip(-1), zero], -1) + tail_beta
         suf_var = torch.cat([hv.flip(-1).cumsum(-1).flip(-1), zero], -1) + tail_var
         suf_b = torch.cat([hm.flip(-1).cummax(-1).values.flip(-1), zero], -1).maximum(tail_b)
-        eps_k = bernstein_eps(suf_beta, suf_var, suf_b, d[..., None], l)  # (..., k + 1)
-        ok = eps_k < eps
+        eps_k = bernstein_eps(suf_beta, suf_var, suf_b, d[..., None], log_term(delta))
+        ok = eps_k < eps  # (..., k + 1)
+        if also is not None:
+            ok &= bernstein_eps(suf_beta, suf_var, suf_b, d[..., None], also[1]) < also[0]
         found = ok.any(-1)
         k_star = ok.int().argmax(-1)
         live = (hb > 0) | (hv > 0) | (hm > 0)  # tokens with no contribution are never fetched

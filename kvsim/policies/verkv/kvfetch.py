@@ -13,6 +13,13 @@ Two variants of what the certificate may look at (spec point 2):
   shortlist is chosen among the non-resident tokens L \\ S; lambda, the order and D then depend
   on the sample.
 
+With the bounded sketch (``KeySketch.bounded``) every planned logit carries a half-width e
+(0 where it is exact): the certificate's terms (beta, V, b) use the upper weights
+``exp(s^ + e)`` and its D the lower ones ``exp(s^ - e)``. Lemma 1's bound grows with beta, V and
+b and shrinks with D, so it is then a bound on the true eps_hat whatever the keys: Theorem 2
+holds by construction, not only with an exact sketch. The shortlist takes the largest upper
+logits.
+
 GQA: each query head orders and cuts its own L; its KV head fetches the union of the heads'
 selections, and every head of the group then treats the whole union as exact (more exact tokens
 only lower a head's certificate, and the union is as sample-independent as its parts).
@@ -23,6 +30,7 @@ All of it is vectorised over query heads and rows; the only sorts are ``torch.to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,7 +38,7 @@ import torch
 
 from kvsim.attention.sampling import PoissonSample
 from kvsim.policies.verkv import certificate as C
-from kvsim.policies.verkv.sketch import KeySketch, shortlist, sketch_logits
+from kvsim.policies.verkv.sketch import KeySketch, logit_halfwidth, shortlist, sketch_logits
 
 VARIANTS = ("independent", "paper")
 WEIGHT_FLOOR = {torch.float32: 1e-15, torch.float16: 1e-3, torch.bfloat16: 1e-15,
@@ -47,6 +55,7 @@ class DecideConfig:
     fetch_head: int | None = C.FETCH_HEAD
     shrink_head: int | None = C.SHRINK_HEAD
     report_after: bool = True  # compute eps_hat after the GQA union (a statistic, not a decision)
+    eps_output: float | None = None  # also fetch until the output certificate is below it
 
 
 @dataclass
@@ -57,10 +66,11 @@ class VerKVLayer:
     k_host: torch.Tensor  # (n_kv, n_ctx, d) the full keys in host memory (shortlist, fetch)
     known_idx: torch.Tensor  # (n_kv, R) context tokens with exact weights before any read
     factors: C.Factors  # per-token constants of r, (n_kv, 1, n_ctx), zero outside L
+    v_range: tuple | None = None  # (lo, hi) (n_kv, d) of the context's values: output certificate
 
 
 def make_layer(sample: PoissonSample, sketch: KeySketch | None, k_host: torch.Tensor,
-               variant: str) -> VerKVLayer:
+               variant: str, v_range: tuple | None = None) -> VerKVLayer:
     known = sample.in_h if variant == "independent" else sample.resident
     count = known.sum(-1)
     width = int(count.max())
@@ -70,7 +80,7 @@ def make_layer(sample: PoissonSample, sketch: KeySketch | None, k_host: torch.Te
     known_idx = torch.where(pos < count[:, None], order, order[:, :1])
     f = C.token_factors(sample.r.to(k_host.dtype), sample.in_l)
     f = C.Factors(*(x[:, None, :] for x in (f.r, f.odds, f.one_minus_r, f.bfac)))
-    return VerKVLayer(sample, sketch, k_host, known_idx, f)
+    return VerKVLayer(sample, sketch, k_host, known_idx, f, v_range)
 
 
 @dataclass
@@ -79,12 +89,14 @@ class Decision:
     k_star: torch.Tensor  # (n_q, m) tokens made exact by each decision
     own_exact: torch.Tensor  # (n_q, m, n) bool
     exact_kv: torch.Tensor  # (n_kv, m, n) bool, union over the query heads of each KV head
-    shortlisted: torch.Tensor  # (n_kv, m, n) bool
+    shortlisted: torch.Tensor  # (n_kv, m, n) bool: keys read and scored exactly (shortlist; with
+    # the bounded sketch also the keys its first plan would fetch)
     eps_before: torch.Tensor  # (n_q, m) eps_hat(L)
     eps_after: torch.Tensor  # (n_q, m) eps_hat(L \ exact_kv), after the union
     denom_est: torch.Tensor  # (n_q, m) the certificate's D, shifted by ``shift``
     shift: torch.Tensor  # (n_q, m) the logit shift of the weights (log of the largest weight)
     shrink: C.BinaryShrink | torch.Tensor  # lambda: sparse binary form or dense (n_kv, g*m, n)
+    out_after: torch.Tensor | None = None  # (n_q, m) the output certificate after the union
 
     def lam(self, f: C.Factors) -> torch.Tensor:
         """Dense lambda (n_q, m, n) (1 outside L)."""
@@ -95,11 +107,13 @@ class Decision:
 def _planned_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | None):
     """Grouped logits (n_kv, g*m, n) of the query rows before any host read: exact everywhere
     with the perfect sketch, else sketch logits with exact ones at ``known_idx``; -inf where a
-    row does not see the token."""
+    row does not see the token. With a bounded sketch also their half-widths (0 where exact),
+    else None."""
     n_q, m, d = q.shape
     n_kv = layer.k_host.shape[0]
     g = n_q // n_kv
     qg = q.reshape(n_kv, g * m, d)
+    e = None
     if layer.sketch is None:
         s = torch.matmul(qg, layer.k_host.transpose(1, 2)) / math.sqrt(d)
     else:
@@ -107,10 +121,14 @@ def _planned_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | 
         idx = layer.known_idx  # (n_kv, R)
         keys = layer.k_host.gather(1, idx[:, :, None].expand(-1, -1, d))
         exact_known = torch.matmul(qg, keys.transpose(1, 2)) / math.sqrt(d)  # (n_kv, g*m, R)
-        s.scatter_(-1, idx[:, None, :].expand(-1, g * m, -1), exact_known)
+        at = idx[:, None, :].expand(-1, g * m, -1)
+        s.scatter_(-1, at, exact_known)
+        if layer.sketch.bounded:
+            e = logit_halfwidth(layer.sketch, q).view(n_kv, g * m, -1)
+            e.scatter_(-1, at, 0.0)
     if visible is not None:
         s.masked_fill_(~visible.repeat(g, 1)[None], float("-inf"))
-    return s
+    return s, e
 
 
 def _visible(q_pos: torch.Tensor, n: int) -> torch.Tensor | None:
@@ -142,7 +160,9 @@ def pass_shortlist(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg:
     seen = torch.zeros(n, dtype=torch.bool, device=q.device)
     for sl in chunks or [slice(0, q.shape[1])]:
         visible = _visible(q_pos[sl], n)
-        s = _planned_logits(q[:, sl], layer, visible)
+        s, e = _planned_logits(q[:, sl], layer, visible)
+        if e is not None:  # the bounded sketch ranks by the upper logit
+            s = s + e
         best = torch.maximum(best, _pass_score(s, s.amax(-1)))
         seen |= True if visible is None else visible.any(0)
     return _pick(best, seen, layer, cfg)
@@ -164,20 +184,22 @@ def _pick(score: torch.Tensor, seen, layer: VerKVLayer, cfg: DecideConfig):
 def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | None,
                      short: tuple | None, cfg: DecideConfig):
     """Grouped logits (n_kv, g*m, n) the certificate plans with (-inf where not visible), their
-    row maximum (n_kv, g*m), and the rows' shortlist mask (n_kv, m, n): the planned logits of
-    :func:`_planned_logits`, exact at the pass's shortlist ``short`` (:func:`pass_shortlist`;
-    None: these rows are the whole pass, scored here from the same logits) where a row sees
-    it. Its keys are read once per pass."""
+    half-widths (bounded sketch; else None), the rows' largest upper logit (n_kv, g*m) and the
+    rows' shortlist mask (n_kv, m, n): the planned logits of :func:`_planned_logits`, exact at
+    the pass's shortlist ``short`` (:func:`pass_shortlist`; None: these rows are the whole
+    pass, scored here from the same logits) where a row sees it. Its keys are read once per
+    pass."""
     n_q, m, d = q.shape
     n_kv, n, _ = layer.k_host.shape
     g = n_q // n_kv
-    s = _planned_logits(q, layer, visible)
-    shift = s.amax(-1)
+    s, e = _planned_logits(q, layer, visible)
+    upper = s if e is None else s + e
+    shift = upper.amax(-1)
     if short is None and layer.sketch is not None and cfg.shortlist > 0:
-        short = _pick(_pass_score(s, shift), True if visible is None else visible.any(0),
+        short = _pick(_pass_score(upper, shift), True if visible is None else visible.any(0),
                       layer, cfg)
     if short is None:
-        return s, shift, torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
+        return s, e, shift, torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
     sidx, valid = short  # (n_kv, kk)
     skeys = layer.k_host.gather(1, sidx[:, :, None].expand(-1, -1, d))  # (n_kv, kk, d)
     exact_short = torch.matmul(q.reshape(n_kv, g * m, d), skeys.transpose(1, 2)) / math.sqrt(d)
@@ -186,47 +208,59 @@ def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor |
     if visible is not None:  # each row uses the shortlisted tokens it sees
         vv = vv & visible[:, sidx].permute(1, 0, 2).repeat(1, g, 1)  # (n_kv, g*m, kk)
     s.scatter_(-1, gidx, torch.where(vv, exact_short, s.gather(-1, gidx)))
+    if e is not None:
+        e.scatter_(-1, gidx, torch.where(vv, 0.0, e.gather(-1, gidx)))
     short_max = exact_short.masked_fill(~vv, float("-inf")).amax(-1)
     rows = torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
     rows.scatter_(-1, sidx[:, None].expand(-1, m, -1), valid[:, None].expand(-1, m, -1))
     if visible is not None:
         rows &= visible[None]
-    return s, torch.maximum(shift, short_max), rows
+    return s, e, torch.maximum(shift, short_max), rows
 
 
 def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideConfig,
-           extra_logits: torch.Tensor | None = None, short: tuple | None = None) -> Decision:
+           extra_logits: torch.Tensor | None = None, short: tuple | None = None,
+           fetched: torch.Tensor | None = None) -> Decision:
     """VerKV's decide step for query rows ``q`` (n_q, m, d) at ``q_pos``: a forward pass, or
     some rows of one whose shortlist ``short`` (:func:`pass_shortlist`) was chosen over all of
     its rows (by default over the rows given).
 
     ``extra_logits`` (n_q, m, n_extra): exact logits of the tokens after the context (-inf where
-    masked); they count in D and never in L.
+    masked); they count in D and never in L. ``fetched`` (n_kv, n): context tokens the pass has
+    already fetched for earlier rows (their plans did not look at the sample): exact and out of
+    L for these rows, like H.
     """
     n_q, m, d = q.shape
     n_kv, n, _ = layer.k_host.shape
     g = n_q // n_kv
     f = layer.factors
-    s, shift, short = estimated_logits(q, layer, _visible(q_pos, n), short, cfg)
+    visible = _visible(q_pos, n)
+    s, e, shift, short = estimated_logits(q, layer, visible, short, cfg)
+    exact_logits = None
+    if fetched is not None and bool(fetched.any()):
+        f = dataclasses.replace(f, odds=f.odds * ~fetched[:, None], bfac=f.bfac * ~fetched[:, None],
+                                one_minus_r=f.one_minus_r * ~fetched[:, None])
+        exact_logits = _exact_logits(q, layer, visible)
+        s, e, shift = _make_exact(s, e, shift, exact_logits, fetched[:, None])
     extra = None
     if extra_logits is not None and extra_logits.shape[-1]:
         extra = extra_logits.reshape(n_kv, g * m, -1)
         shift = torch.maximum(shift, extra.amax(-1))
-    w = torch.exp(s - shift[..., None])  # (n_kv, g*m, n)
-    # weights under a tiny floor move D by < n * floor (the largest weight is 1): flush them to 0
-    # so that squares stay out of subnormal arithmetic, which is ~100x slower on CPUs
-    w.masked_fill_(w < WEIGHT_FLOOR.get(w.dtype, 0.0), 0.0)
-    denom = w.sum(-1)
-    if extra is not None:
-        denom = denom + torch.exp(extra - shift[..., None]).sum(-1)
-    if cfg.shrinkage == "binary":
-        shrink = C.binary_shrink(w, f, head=cfg.shrink_head)
-    else:
-        shrink = C.bounded_shrinkage(w, f.r, f.odds > 0)
-    beta_i, var_i, b_i = C.terms(w, f, shrink)
-    plan = C.fetch_plan_terms(beta_i, var_i, b_i, denom, cfg.eps, cfg.delta, head=cfg.fetch_head)
+    also = None if cfg.eps_output is None else C.output_terms(cfg.eps_output, cfg.delta, d)
+    denom, shrink, (beta_i, var_i, b_i), plan = _certify(s, e, shift, extra, f, cfg, also)
+    if e is not None:
+        # bounded sketch, second look: read the keys of what the bounds would fetch (its K
+        # only), score them exactly, and plan again; K+V are fetched for the second plan alone
+        keys = plan.exact.view(n_kv, g, m, n).any(dim=1)  # (n_kv, m, n)
+        rows = keys[:, None].expand(n_kv, g, m, n).reshape(n_kv, g * m, n)
+        if exact_logits is None:
+            exact_logits = _exact_logits(q, layer, visible)
+        s, e, shift = _make_exact(s, e, shift, exact_logits, rows)
+        denom, shrink, (beta_i, var_i, b_i), plan = _certify(s, e, shift, extra, f, cfg, also)
+        short = short | keys
     exact_kv = plan.exact.view(n_kv, g, m, n).any(dim=1)  # GQA union
     eps_after = plan.eps_after  # before the union; lowered by it, computed below if asked
+    out_after = None
     if cfg.report_after:  # eps_hat after the union: remove the union's contributions
         ex = exact_kv[:, None]
         view = lambda x: x.view(n_kv, g, m, n)  # noqa: E731
@@ -235,10 +269,51 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
         b_a = view(b_i).masked_fill(ex, 0.0).amax(-1).reshape(n_kv, g * m)
         eps_after = C.bernstein_eps(beta_a.clamp_min(0), var_a, b_a, denom,
                                     C.log_term(cfg.delta))
+        if also is not None:
+            out_after = C.output_eps(C.bernstein_eps(beta_a.clamp_min(0), var_a, b_a, denom,
+                                                     also[1])).reshape(n_q, m)
     lead = (n_q, m)
     return Decision(plan.k_star.reshape(lead), plan.exact.reshape(n_q, m, n), exact_kv, short,
                     plan.eps_before.reshape(lead), eps_after.reshape(lead), denom.reshape(lead),
-                    shift.reshape(lead), shrink)
+                    shift.reshape(lead), shrink, out_after)
+
+
+def _exact_logits(q, layer: VerKVLayer, visible) -> torch.Tensor:
+    """(n_kv, g*m, n) exact logits of every context token (-inf where a row does not see it)."""
+    n_q, m, d = q.shape
+    n_kv = layer.k_host.shape[0]
+    s = torch.matmul(q.reshape(n_kv, -1, d), layer.k_host.transpose(1, 2)) / math.sqrt(d)
+    if visible is not None:
+        s.masked_fill_(~visible.repeat(n_q // n_kv, 1)[None], float("-inf"))
+    return s
+
+
+def _make_exact(s, e, shift, exact, mask):
+    """Planned logits with ``exact`` ones (half-width 0) where ``mask`` (broadcast to ``s``)."""
+    s = torch.where(mask, exact, s)
+    if e is not None:
+        e = e.masked_fill(mask, 0.0)
+    return s, e, torch.maximum(shift, exact.masked_fill(~mask, float("-inf")).amax(-1))
+
+
+def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
+    """The certificate's D, lambda, per-token terms and fetch plan from planned logits ``s``
+    (half-widths ``e`` or None) and the exact logits ``extra`` of the later tokens."""
+    # upper weights for the certificate's terms (the point weights but for a bounded sketch)
+    w = torch.exp((s if e is None else s + e) - shift[..., None])  # (n_kv, g*m, n)
+    # weights under a tiny floor move D by < n * floor (the largest weight is 1): flush them to 0
+    # so that squares stay out of subnormal arithmetic, which is ~100x slower on CPUs
+    w.masked_fill_(w < WEIGHT_FLOOR.get(w.dtype, 0.0), 0.0)
+    denom = w.sum(-1) if e is None else torch.exp(s - e - shift[..., None]).sum(-1)
+    if extra is not None:
+        denom = denom + torch.exp(extra - shift[..., None]).sum(-1)
+    if cfg.shrinkage == "binary":
+        shrink = C.binary_shrink(w, f, head=cfg.shrink_head)
+    else:
+        shrink = C.bounded_shrinkage(w, f.r, f.odds > 0)
+    terms = C.terms(w, f, shrink)
+    plan = C.fetch_plan_terms(*terms, denom, cfg.eps, cfg.delta, head=cfg.fetch_head, also=also)
+    return denom, shrink, terms, plan
 
 
 def reweighted_log_factor(layer: VerKVLayer, dec: Decision, n_q: int,

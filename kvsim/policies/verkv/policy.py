@@ -17,6 +17,10 @@ Decisions taken on the spec's open points:
    (see ``kvsim.policies.verkv.kvfetch``);
 3. the 2-bit sketch's bias is not corrected: its violation rate is reported as measured, and
    ``certificate_denominator_ratio_mean`` (the certificate's D over the true D) shows the bias;
+   ``--sketch bounded`` removes it by construction: the same sketch plus one fp16 per token
+   bounds every logit's error, the certificate plans with upper weights and a lower D, and a
+   second look reads the keys of what the bounds alone would fetch before fetching K+V (see
+   ``kvsim.policies.verkv.sketch`` and ``kvfetch``);
 4. shortlist score, per KV head and query row: the max over the group's query heads of the sketch
    log-weight ``s_i - max_j s_j`` (a log-probability up to each head's normaliser, so that no
    single head with large logits takes the whole shortlist); the shortlist is drawn from L in the
@@ -25,11 +29,19 @@ Decisions taken on the spec's open points:
    fetched tokens, each byte once (the union over the pass's rows and query heads): at most 100%;
 6. see the budget above; 7. a budget that cannot hold sink + local + sketch + one sampled token
    is one error naming sizes that fit.
+
+Beyond the paper: ``--pass-plan shared`` (default) plans a pass's rows in order, each taking the
+tokens earlier rows made exact as exact (the pass reads their union once anyway; ``rows`` plans
+each row alone, as the paper's kernel); ``--eps-output`` also fetches until the output
+certificate holds (``kvsim.policies.verkv.certificate.output_terms``: the error of the attention
+output, relative to the norm of the values' per-dimension range, below eps_output with
+probability 1 - delta).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -56,11 +68,13 @@ from kvsim.policies.verkv.sketch import (
     build_sketch,
     rope_pairs,
     sketch_bits_per_token,
+    NORM_BYTES,
     sketch_bytes,
 )
 
-SKETCHES = ("2bit", "perfect")
+SKETCHES = ("2bit", "bounded", "perfect")
 SHRINKAGES = ("binary", "bounded")
+PASS_PLANS = ("shared", "rows")
 R_BYTES = 2  # fp16 inclusion probability per context token
 
 
@@ -71,7 +85,9 @@ class VerKVParams:
     delta: float = O.delta_field()
     sketch: str = field(default="2bit", metadata={
         "help": "weights the certificate plans with: 2bit (the paper's key sketch + a shortlist "
-                "scored exactly) or perfect (exact weights: an upper bound)",
+                "scored exactly), bounded (the 2-bit sketch + one fp16 per token bounding each "
+                "logit's error: the certificate holds by construction) or perfect (exact "
+                "weights: an upper bound)",
         "choices": list(SKETCHES)})
     scorer: str = O.scorer_field()
     sink: int = O.sink_field()
@@ -81,7 +97,15 @@ class VerKVParams:
                 "(Theorem 1's MSE minimiser, by bisection)", "choices": list(SHRINKAGES)})
     shortlist: int = field(default=128, metadata={
         "help": "tokens per KV head and row whose keys are read from host and scored exactly "
-                "(2bit sketch only)"})
+                "(2bit and bounded sketches)"})
+    pass_plan: str = field(default="shared", metadata={
+        "help": "how the rows of one forward pass plan their fetches: shared (row by row, each "
+                "taking what earlier rows fetched as exact: the pass reads the union once) or "
+                "rows (each row alone, as the paper's kernel)", "choices": list(PASS_PLANS)})
+    eps_output: float | None = field(default=None, metadata={
+        "kind": float, "help": "also fetch until the output certificate holds: |o^ - o| <= "
+                               "eps_output |R| with probability 1 - delta, R the per-dimension "
+                               "range of the values (off when not given)"})
     variant: str = field(default="independent", metadata={
         "help": "independent: plan only with sample-independent weights (Theorem 2 holds with "
                 "an exact sketch); paper: exact weights on the resident sample, as deployed",
@@ -89,7 +113,12 @@ class VerKVParams:
 
     def validate(self) -> None:
         O.check_common(self)
-        O.check_choices(self, sketch=SKETCHES, shrinkage=SHRINKAGES, variant=VARIANTS)
+        O.check_choices(self, sketch=SKETCHES, shrinkage=SHRINKAGES, variant=VARIANTS,
+                        pass_plan=PASS_PLANS)
+        if self.eps_output is not None and not (isinstance(self.eps_output, (int, float))
+                                                and math.isfinite(self.eps_output)
+                                                and self.eps_output > 0):
+            raise KvsimError(f"--eps-output must be > 0; got {self.eps_output}")
         if int(self.shortlist) != self.shortlist or self.shortlist < 0:
             raise KvsimError(f"--shortlist must be a whole number >= 0; got {self.shortlist}")
 
@@ -106,22 +135,28 @@ class VerKV(Policy):
     def config(self) -> DecideConfig:
         p = self.params
         return DecideConfig(eps=p.eps, delta=p.delta, shrinkage=p.shrinkage,
-                            shortlist=int(p.shortlist) if p.sketch == "2bit" else 0,
-                            variant=p.variant)
+                            shortlist=int(p.shortlist) if p.sketch != "perfect" else 0,
+                            variant=p.variant, eps_output=p.eps_output)
 
     def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
         p = self.params
         n_kv, n_ctx, d = k.shape
-        sk_bytes = sketch_bytes(n_ctx, d)
+        # the perfect sketch reserves the 2-bit sketch's share (the same sample, seed for seed)
+        sk_bytes = sketch_bytes(n_ctx, d, bounded=p.sketch == "bounded")
         token_bytes = 2 * d * KV_ELEM_BYTES
         sample_budget = self.budget(n_ctx, sketch_tokens=sk_bytes / token_bytes)
         tau = to_tau(context_scores(p.scorer, scores, k, obs_q, obs_pos, obs_k))
         smp = poisson_compress(tau, *self.sink_local, sample_budget, generator)
-        sketch = build_sketch(k, rope_pairs(d, self.rope.get("type"))) \
-            if p.sketch == "2bit" else None
+        sketch = build_sketch(k, rope_pairs(d, self.rope.get("type")),
+                              bounded=p.sketch == "bounded") if p.sketch != "perfect" else None
         held = float(smp.resident.sum(-1).to(torch.float64).mean())
+        v_range = None
         meta = sk_bytes + n_ctx * R_BYTES
-        return Compressed(make_layer(smp, sketch, k, p.variant), held, held * token_bytes + meta,
+        if p.eps_output is not None:  # fp16 min and max of each value dimension
+            v_range = (v.amin(1), v.amax(1))
+            meta += 2 * d * 2
+        return Compressed(make_layer(smp, sketch, k, p.variant, v_range), held,
+                          held * token_bytes + meta,
                           meta, {"expected_tokens": float(smp.expected_kept().mean()),
                                  "sketch_bytes_per_token": sk_bytes / n_ctx})
 
@@ -132,7 +167,7 @@ class VerKV(Policy):
                 / len(infos), "r_bytes_per_token": float(R_BYTES)}
 
     def attend(self, state, q, q_pos, k, v):
-        layer = state
+        layer, p = state, self.params
         n_q, m, d = q.shape
         n_kv, n_ctx, _ = layer.k_host.shape
         g = n_q // n_kv
@@ -144,10 +179,18 @@ class VerKV(Policy):
         extra_pos = torch.arange(n_ctx, k.shape[1], device=q.device)
         chunks = row_chunks(n_q, m, k.shape[1])
         short = pass_shortlist(q, q_pos, layer, cfg, chunks)  # one per KV head and pass
-        for sl in chunks:
+        shared = p.pass_plan == "shared"
+        made_exact = torch.zeros_like(fetched_pass)  # shared: what earlier rows made exact
+        for sl in [slice(j, j + 1) for j in range(m)] if shared else chunks:
             qc, pc = q[:, sl], q_pos[sl]
             extra = logits(qc, k[:, n_ctx:], pc, extra_pos)
-            dec = decide(qc, pc, layer, cfg, extra_logits=extra, short=short)
+            dec = decide(qc, pc, layer, cfg, extra_logits=extra, short=short,
+                         fetched=made_exact if shared else None)
+            own_plan = dec.own_exact  # what this decision asked for itself
+            if shared:  # earlier rows' tokens are exact for this row's plan and attention too
+                dec.exact_kv |= made_exact[:, None]
+                dec.own_exact = own_plan | made_exact.repeat_interleave(g, 0)[:, None]
+                made_exact |= dec.exact_kv.any(1)
             log_w = reweighted_log_factor(layer, dec, n_q)
             o, ld = weighted_attention(qc, pc, k, v, log_w)
             full = logits(qc, k, pc)
@@ -161,7 +204,7 @@ class VerKV(Policy):
             new_kv = dec.exact_kv & ~sampled[:, None, :]  # (n_kv, mc, n) fetched after the union
             fetched_pass |= new_kv.any(1)
             short_pass |= (dec.shortlisted & ~sampled[:, None, :]).any(1)
-            own_new = dec.own_exact & ~sampled.repeat_interleave(g, 0)[:, None, :]
+            own_new = own_plan & ~sampled.repeat_interleave(g, 0)[:, None, :]
             per_kv = lambda x: x.repeat_interleave(g, 0).to(q.dtype)  # noqa: E731
             rows.append({
                 "fetch": dec.k_star > 0,
@@ -172,6 +215,9 @@ class VerKV(Policy):
                 "shortlist_size": per_kv(dec.shortlisted.sum(-1)),
                 "eps_hat_before": dec.eps_before,
                 "eps_hat_after": dec.eps_after,
+                **({} if dec.out_after is None else {
+                    "output_eps_hat_after": dec.out_after,
+                    "value_range_norm": _range_norm(layer.v_range, v[:, n_ctx:], pc, n_ctx, g)}),
                 # the certificate's D over the true D: 1 with the perfect sketch; the 2-bit
                 # sketch's bias shows here (spec point 3)
                 "certificate_denominator_ratio": torch.exp(torch.log(dec.denom_est) + dec.shift
@@ -190,7 +236,7 @@ class VerKV(Policy):
         simulator's KV write)."""
         f, f2, b, what = scoring_work(self.params.scorer, model)
         keys = model.layers * model.kv_heads * model.head_dim * model.kv_elem
-        sketch = keys if self.params.sketch == "2bit" else 0.0
+        sketch = keys if self.params.sketch != "perfect" else 0.0
         return PrefillWork(f, f2, b + sketch, f"modelled: {what}; "
                            + ("the keys read once more for the sketch" if sketch else
                               "no sketch (perfect)"))
@@ -202,12 +248,31 @@ class VerKV(Policy):
     def decode_cost(self, stats):
         p = self.params
         res, read = stats["resident_frac"], stats["kv_read_frac"]
-        if p.sketch == "2bit":
-            decide_bytes = sketch_bits_per_token(stats["head_dim"]) / 8 + R_BYTES
+        if p.sketch != "perfect":
+            decide_bytes = sketch_bits_per_token(stats["head_dim"]) / 8 + R_BYTES \
+                + (NORM_BYTES if p.sketch == "bounded" else 0)
         else:  # exact weights for every token: as if all keys were read at each step
             decide_bytes = stats["head_dim"] * KV_ELEM_BYTES + R_BYTES
         return DecodeCost(resident_frac=res, hbm_read_frac=min(1.0, res + read),
                           host_read_frac=min(1.0, read), host_frac=1.0, overlap=False,
-                          copies_per_layer=2.0 if p.sketch == "2bit" else 1.0, path="gather",
+                          copies_per_layer=2.0 if p.sketch != "perfect" else 1.0, path="gather",
                           staging_layers=1, decide_bytes_per_token=decide_bytes,
                           meta_frac=stats["meta_frac"], decide_kernel=self.name)
+
+
+def _range_norm(v_range: tuple, v_extra: torch.Tensor, q_pos: torch.Tensor, n_ctx: int,
+                g: int) -> torch.Tensor:
+    """(n_q, m) |R| of each row: the norm of the per-dimension value range over the context and
+    the later tokens the row sees (what the output certificate is relative to)."""
+    lo, hi = v_range[0][:, None], v_range[1][:, None]  # (n_kv, 1, d)
+    if v_extra.shape[1]:
+        seen = min(v_extra.shape[1], int(q_pos.max()) - n_ctx + 1)
+        if seen > 0:
+            cmin = torch.cummin(v_extra[:, :seen], 1).values
+            cmax = torch.cummax(v_extra[:, :seen], 1).values
+            at = (q_pos - n_ctx).clamp(-1, seen - 1)  # -1: the row sees no later token
+            idx = at.clamp_min(0)
+            has = (at >= 0)[None, :, None]
+            lo = torch.where(has, torch.minimum(lo, cmin[:, idx]), lo)
+            hi = torch.where(has, torch.maximum(hi, cmax[:, idx]), hi)
+    return (hi - lo).norm(dim=-1).expand(lo.shape[0], len(q_pos)).repeat_interleave(g, 0)
