@@ -10,7 +10,8 @@ eps * D_lo. This probe measures that forced fetch, per decode query row and head
 length of the `mk` set (the basis is fitted on the `qa` set: other prompts, the same layer and
 KV head). It ignores the sample's own variance, so VerKV would fetch at least this much.
 
-Forms, all within the 2-bit sketch's 9 bytes per token and KV head plus one fp16 (11 bytes):
+Forms near the 2-bit sketch's bytes per token and KV head plus one fp16 (11 bytes at head dim
+128, 6.5 at SmolLM2's 64: only ``2bit+dropped`` fits there; the last row prints each form's bytes):
 
 * ``2bit+dropped``: the paper's 2-bit sketch (16 of 32 RoPE pairs, 2 bits, fp16 scale and zero per
   128 tokens) plus the fp16 norm of each key's dropped channels: e = |q_drop| |k_drop| + the
@@ -120,7 +121,8 @@ def main() -> None:
     print(f"{'mean':>5} " + " ".join(f"{np.mean(totals[f[0]]):>13.1%}" for f in forms))
     print(f"{'e50':>5} " + " ".join(f"{np.median(widths[f[0]]):>13.2f}" for f in forms)
           + "   (median logit half-width, nats)")
-    sizes = {"2bit+dropped": 9 + 2}
+    c = d // 4  # the 2-bit sketch's kept channels, with an fp16 scale and zero per 128 tokens
+    sizes = {"2bit+dropped": c * 2 / 8 + c * 4 / GROUP + 2}
     for name, r, bits in forms[1:]:
         sizes[name] = r * bits / 8 + r * 4 / GROUP + 2
     print(f"{'bytes':>5} " + " ".join(f"{sizes[f[0]]:>13.2f}" for f in forms))

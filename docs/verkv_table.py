@@ -1,12 +1,16 @@
-"""VerKV on the shipped capture sets, from the shipped policy profile's rows: per setting (sketch,
+"""VerKV on the shipped capture sets, from policy profiles' rows: per setting (sketch, pass plan,
 budget, eps), the violation rate over all decisions and in the worst layer, the KV read per
-decode step and per forward pass, and the output error, at each measured length.
+decode step, per question pass and per forward pass, and the output error, at each length.
 
-    python docs/verkv_table.py [traces/policy-profile-smollm2.json] [--length 8192]
+    python docs/verkv_table.py [PROFILE ...] [--length 8192] [--sketch bounded]
 
-Every statistic is a mean over the profile's units (2 tasks x 4 questions per length, one draw
-of the sample per layer), layers weighted to the whole depth (the capture's ``--layer-weights``);
-the worst layer is the kept layer with the highest violation rate, averaged over the units.
+Default profiles: the shipped one (``traces/policy-profile-smollm2.json``: the 2-bit sketch at
+8x-32x, the perfect sketch at 16x) and ``docs/verkv-sketches-profile.json`` (the bounded sketch
+at 8x and 16x, the perfect sketch at 8x and 32x, the 2-bit sketch at 16x with
+``--pass-plan shared``). Every statistic is a mean over the profile's units (2 tasks x 4
+questions per length, one draw of the sample per layer), layers weighted to the whole depth
+(the capture's ``--layer-weights``); the worst layer is the kept layer with the highest violation
+rate, averaged over the units.
 """
 
 from __future__ import annotations
@@ -15,20 +19,17 @@ import argparse
 import json
 from collections import defaultdict
 
+DEFAULT = ["traces/policy-profile-smollm2.json", "docs/verkv-sketches-profile.json"]
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("profile", nargs="?", default="traces/policy-profile-smollm2.json")
-    ap.add_argument("--length", type=int, default=None, help="one target length (default all)")
-    args = ap.parse_args()
-    d = json.load(open(args.profile))
+
+def rows_of(path: str):
+    """(label params, stat accumulators, per-layer violations) of one profile's VerKV rows."""
+    d = json.load(open(path))
     col = {c: i for i, c in enumerate(d["columns"])}
     settings = [json.loads(s[len("verkv"):]) if s.startswith("verkv") else None
                 for s in d["settings"]]
-    # (setting, target, pass, stat) -> weighted sums; (setting, target, layer) -> violations
-    acc = defaultdict(lambda: [0.0, 0.0])
-    by_layer = defaultdict(lambda: [0.0, 0])
+    acc = defaultdict(lambda: [0.0, 0.0])  # (setting, target, pass, stat) -> weighted sums
+    by_layer = defaultdict(lambda: [0.0, 0])  # (setting, target, layer) -> violations
     for row in d["rows"]:
         s = row[col["setting"]]
         if settings[s] is None:
@@ -45,29 +46,46 @@ def main() -> None:
             b = by_layer[(s, t, row[col["layer"]])]
             b[0] += v
             b[1] += 1
-    mean = lambda *k: acc[k][0] / acc[k][1] if acc[k][1] else float("nan")  # noqa: E731
-    targets = sorted({t for (_, t, _, _) in acc})
-    if args.length:
-        targets = [t for t in targets if t == args.length]
+    return settings, acc, by_layer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("profiles", nargs="*", default=DEFAULT)
+    ap.add_argument("--length", type=int, default=None, help="one target length (default all)")
+    ap.add_argument("--sketch", default=None, help="one sketch (default all)")
+    args = ap.parse_args()
     print("| sketch | budget | eps | length | violation rate | worst layer | KV read per decode "
-          "step | KV read per forward pass | output rel. error |")
-    print("|---|---|---|--:|--:|--:|--:|--:|--:|")
-    order = sorted((i for i, p in enumerate(settings) if p is not None),
-                   key=lambda i: (settings[i]["sketch"], settings[i]["compression"],
-                                  settings[i]["eps"]))
-    for s in order:
-        p = settings[s]
-        for t in targets:
-            layers = {la: v / n for (ss, tt, la), (v, n) in by_layer.items()
-                      if ss == s and tt == t}
-            worst = max(layers, key=layers.get)
-            print(f"| {p['sketch']} | {p['compression']:g}x | {p['eps']:g} | {t} | "
-                  f"{mean(s, t, 'overall', 'violation_rate'):.1%} | "
-                  + (f"{layers[worst]:.1%} (layer {worst}) | " if layers[worst] > 0 else
-                     "0.0% (none) | ") +
-                  f"{mean(s, t, 'decode', 'kv_read_frac'):.1%} | "
-                  f"{mean(s, t, 'overall', 'kv_read_frac'):.1%} | "
-                  f"{mean(s, t, 'overall', 'output_rel_err_mean'):.1%} |")
+          "step | per question pass | per forward pass | output rel. error |")
+    print("|---|---|---|--:|--:|--:|--:|--:|--:|--:|")
+    lines = []
+    for path in args.profiles:
+        settings, acc, by_layer = rows_of(path)
+        mean = lambda *k: acc[k][0] / acc[k][1] if acc[k][1] else float("nan")  # noqa: E731
+        targets = sorted({t for (_, t, _, _) in acc})
+        if args.length:
+            targets = [t for t in targets if t == args.length]
+        for s, p in enumerate(settings):
+            if p is None or (args.sketch and p["sketch"] != args.sketch):
+                continue
+            plan = p.get("pass_plan") or "rows"
+            name = p["sketch"] + ("" if plan == "rows" else f", {plan} plan")
+            for t in targets:
+                layers = {la: v / n for (ss, tt, la), (v, n) in by_layer.items()
+                          if ss == s and tt == t}
+                worst = max(layers, key=layers.get)
+                key = (p["sketch"], plan != "rows", p["compression"], p["eps"], t)
+                lines.append((key, f"| {name} | {p['compression']:g}x | {p['eps']:g} | {t} | "
+                              f"{mean(s, t, 'overall', 'violation_rate'):.1%} | "
+                              + (f"{layers[worst]:.1%} (layer {worst}) | " if layers[worst] > 0
+                                 else "0.0% (none) | ") +
+                              f"{mean(s, t, 'decode', 'kv_read_frac'):.1%} | "
+                              f"{mean(s, t, 'question', 'kv_read_frac'):.1%} | "
+                              f"{mean(s, t, 'overall', 'kv_read_frac'):.1%} | "
+                              f"{mean(s, t, 'overall', 'output_rel_err_mean'):.1%} |"))
+    for _, line in sorted(lines):
+        print(line)
 
 
 if __name__ == "__main__":

@@ -291,3 +291,12 @@ def test_malformed_profiles_are_one_line(profile, tmp_path, edit, msg):
     p.write_text(json.dumps(d))
     with pytest.raises(KvsimError, match=msg):
         pp.load(p)
+
+
+def test_a_setting_that_cannot_run_stops_a_parallel_build_with_its_error(sets, tmp_path):
+    """A worker's error ends a --jobs 2 build at once, with the policy's one-line message (the
+    pool used to run every pending unit before the error surfaced)."""
+    specs, _ = parse("verkv", {"compression": [32.0], "eps": [0.05], "sink": [4000],
+                               "local": [4]}, grid=True)
+    with pytest.raises(KvsimError, match="budget"):
+        build(sets, specs, tmp_path / "bad.json", progress=False, jobs_n=2)

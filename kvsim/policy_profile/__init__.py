@@ -54,6 +54,22 @@ def _split(key: str) -> tuple[str, dict]:
     return key[:i], json.loads(key[i:])
 
 
+def _with_new_options(name: str, params: dict) -> dict:
+    """``params`` plus the policy's options added since the profile was built, at their
+    defaults: a new option's default is the behaviour from before it existed (VerKV's
+    ``pass_plan`` = rows, ``eps_output`` = off), so the old rows still describe it."""
+    import dataclasses
+
+    from kvsim.policies.registry import resolve
+    try:
+        cls = resolve(name)
+    except KvsimError:
+        return params
+    new = {f.name: f.default for f in dataclasses.fields(cls.Params)
+           if f.name not in params and f.default is not dataclasses.MISSING}
+    return {**params, **new}
+
+
 def save(profile: dict, path: str | os.PathLike, force: bool = False) -> Path:
     return atomic_write(path, lambda f: f.write(json.dumps(profile).encode()), force)
 
@@ -88,7 +104,8 @@ class Profile:
             cols = data["columns"]
             if cols != COLUMNS:
                 raise KvsimError(f"{where}: columns differ from this kvsim's {COLUMNS}")
-            self.settings = [_split(k) for k in data["settings"]]
+            self.settings = [(n, _with_new_options(n, p))
+                             for n, p in map(_split, data["settings"])]
             self.captures = data["captures"]
             rows = data["rows"]
             for r in rows:
@@ -142,6 +159,7 @@ class Profile:
         same = [(i, p) for i, (n, p) in enumerate(self.settings) if n == name]
         if not same:
             raise KvsimError(f"{self.where} has no {name} settings")
+        params = _with_new_options(name, params)  # a query written before an option existed
         exact = [i for i, p in same if p == params]
         if exact:
             return {exact[0]: 1.0}

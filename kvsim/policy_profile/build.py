@@ -124,8 +124,16 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
                                         initializer=_init,
                                         initargs=(list(captures), specs, seed)) as pool:
                 futs = {pool.submit(_run_unit, u, sis): u for u, sis in units.items()}
-                for f in cf.as_completed(futs):
-                    record(*futs[f], f.result())
+                try:
+                    for f in cf.as_completed(futs):
+                        record(*futs[f], f.result())
+                except BaseException:
+                    # fail fast: without this the pool would run every pending unit before the
+                    # error surfaced; the journal keeps what finished, for a resume
+                    for p in list(getattr(pool, "_processes", {}).values()):
+                        p.terminate()
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
         else:
             _init(None, None, seed, sets, policies)
             for (ci, j, i), sis in units.items():

@@ -30,9 +30,9 @@ Decisions taken on the spec's open points:
 6. see the budget above; 7. a budget that cannot hold sink + local + sketch + one sampled token
    is one error naming sizes that fit.
 
-Beyond the paper: ``--pass-plan shared`` (default) plans a pass's rows in order, each taking the
-tokens earlier rows made exact as exact (the pass reads their union once anyway; ``rows`` plans
-each row alone, as the paper's kernel); ``--eps-output`` also fetches until the output
+Beyond the paper: ``--pass-plan shared`` plans a pass's rows in order, each taking the tokens
+earlier rows made exact as exact (the pass reads their union once anyway; ``rows``, the default,
+plans each row alone, as the paper's kernel); ``--eps-output`` also fetches until the output
 certificate holds (``kvsim.policies.verkv.certificate.output_terms``: the error of the attention
 output, relative to the norm of the values' per-dimension range, below eps_output with
 probability 1 - delta).
@@ -74,7 +74,7 @@ from kvsim.policies.verkv.sketch import (
 
 SKETCHES = ("2bit", "bounded", "perfect")
 SHRINKAGES = ("binary", "bounded")
-PASS_PLANS = ("shared", "rows")
+PASS_PLANS = ("rows", "shared")
 R_BYTES = 2  # fp16 inclusion probability per context token
 
 
@@ -98,10 +98,11 @@ class VerKVParams:
     shortlist: int = field(default=128, metadata={
         "help": "tokens per KV head and row whose keys are read from host and scored exactly "
                 "(2bit and bounded sketches)"})
-    pass_plan: str = field(default="shared", metadata={
-        "help": "how the rows of one forward pass plan their fetches: shared (row by row, each "
-                "taking what earlier rows fetched as exact: the pass reads the union once) or "
-                "rows (each row alone, as the paper's kernel)", "choices": list(PASS_PLANS)})
+    pass_plan: str = field(default="rows", metadata={
+        "help": "how the rows of one forward pass plan their fetches: rows (each row alone, as "
+                "the paper's kernel) or shared (row by row, each taking what earlier rows "
+                "fetched as exact: less read where rows overlap, one decide per row)",
+        "choices": list(PASS_PLANS)})
     eps_output: float | None = field(default=None, metadata={
         "kind": float, "help": "also fetch until the output certificate holds: |o^ - o| <= "
                                "eps_output |R| with probability 1 - delta, R the per-dimension "
