@@ -24,7 +24,8 @@ DEFAULT = ["traces/policy-profile-smollm2.json", "docs/verkv-sketches-profile.js
 
 def rows_of(path: str):
     """(label params, stat accumulators, per-layer violations) of one profile's VerKV rows."""
-    d = json.load(open(path))
+    with open(path) as f:
+        d = json.load(f)
     col = {c: i for i, c in enumerate(d["columns"])}
     settings = [json.loads(s[len("verkv"):]) if s.startswith("verkv") else None
                 for s in d["settings"]]
@@ -62,7 +63,7 @@ def main() -> None:
     lines = []
     for path in args.profiles:
         settings, acc, by_layer = rows_of(path)
-        mean = lambda *k: acc[k][0] / acc[k][1] if acc[k][1] else float("nan")  # noqa: E731
+        mean = lambda *k, acc=acc: acc[k][0] / acc[k][1] if acc[k][1] else float("nan")  # noqa: E731
         targets = sorted({t for (_, t, _, _) in acc})
         if args.length:
             targets = [t for t in targets if t == args.length]
