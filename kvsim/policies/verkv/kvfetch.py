@@ -113,19 +113,18 @@ def _planned_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | 
     n_kv = layer.k_host.shape[0]
     g = n_q // n_kv
     qg = q.reshape(n_kv, g * m, d)
-    e = None
     if layer.sketch is None:
-        s = torch.matmul(qg, layer.k_host.transpose(1, 2)) / math.sqrt(d)
-    else:
-        s = sketch_logits(layer.sketch, q).view(n_kv, g * m, -1)
-        idx = layer.known_idx  # (n_kv, R)
-        keys = layer.k_host.gather(1, idx[:, :, None].expand(-1, -1, d))
-        exact_known = torch.matmul(qg, keys.transpose(1, 2)) / math.sqrt(d)  # (n_kv, g*m, R)
-        at = idx[:, None, :].expand(-1, g * m, -1)
-        s.scatter_(-1, at, exact_known)
-        if layer.sketch.bounded:
-            e = logit_halfwidth(layer.sketch, q).view(n_kv, g * m, -1)
-            e.scatter_(-1, at, 0.0)
+        return _exact_logits(q, layer, visible), None
+    s = sketch_logits(layer.sketch, q).view(n_kv, g * m, -1)
+    idx = layer.known_idx  # (n_kv, R)
+    keys = layer.k_host.gather(1, idx[:, :, None].expand(-1, -1, d))
+    exact_known = torch.matmul(qg, keys.transpose(1, 2)) / math.sqrt(d)  # (n_kv, g*m, R)
+    at = idx[:, None, :].expand(-1, g * m, -1)
+    s.scatter_(-1, at, exact_known)
+    e = None
+    if layer.sketch.bounded:
+        e = logit_halfwidth(layer.sketch, q).view(n_kv, g * m, -1)
+        e.scatter_(-1, at, 0.0)
     if visible is not None:
         s.masked_fill_(~visible.repeat(g, 1)[None], float("-inf"))
     return s, e
