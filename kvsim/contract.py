@@ -2,9 +2,11 @@
 the policies' tensor code.
 
 A policy runs its algorithm on a trace (``kvsim.measure.harness``) and returns a
-:class:`PolicyResult`: statistics measured on the trace and a :class:`DecodeCost` that says, as
-shares of one sequence's full KV cache, what it holds in HBM and host memory and what it reads
-and moves per decode step. The simulator scales those shares to the planned model and context.
+:class:`PolicyResult`: statistics measured on the trace and a :class:`DecodeCost` that says what
+it holds in HBM and host memory and what it reads and moves per decode step. Each of those four
+terms says how it scales with the context: a share of it (``*_frac``, e.g. 1/compression of the
+cache), a fixed number of tokens (``*_tokens``, e.g. a window of 1,020 tokens), or both; the
+simulator charges ``min(n, frac * n + tokens)`` tokens' worth of KV for a sequence of ``n``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SHARES = ("resident_frac", "meta_frac", "hbm_read_frac", "host_read_frac", "host_frac")
+TERMS = ("resident", "hbm_read", "host_read", "host")  # each a share plus a fixed token count
 
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """Per sequence and decode step, as shares of that sequence's full KV cache (all layers)."""
+    """Per sequence and decode step: shares of that sequence's full KV cache (all layers) plus
+    fixed token counts (per KV head and layer, like a context length): :meth:`tokens`."""
     resident_frac: float  # state held in HBM: kept tokens plus ``meta_frac``
     hbm_read_frac: float  # read from HBM by attention per step
     host_read_frac: float  # moved over the host link per step (the "KV read" of the paper)
@@ -27,13 +31,44 @@ class DecodeCost:
     staging_layers: int = 0  # layers of transferred KV buffered in HBM at once
     decide_bytes_per_token: float = 0.0  # per context token and KV head, if it decides each step
     meta_frac: float = 0.0  # of resident_frac: sketch, inclusion probabilities, codec metadata
-    decide_kernel: str = ""  # whose decide-cost model an engine applies ("verkv")
+    decide_kernel: str = ""  # the policy whose decide-cost model an engine applies
+    resident_tokens: float = 0.0  # tokens held in HBM whatever the context (a window, sinks)
+    hbm_read_tokens: float = 0.0
+    host_read_tokens: float = 0.0  # tokens moved over the host link per step (a page budget)
+    host_tokens: float = 0.0
 
     def __post_init__(self):
         for f in SHARES:
             v = getattr(self, f)
             if not 0.0 <= v <= 1.0 + 1e-9:
                 raise ValueError(f"DecodeCost.{f} = {v} is not a share in [0, 1]")
+        for t in TERMS:
+            v = getattr(self, f"{t}_tokens")
+            if not (v >= 0.0 and v < float("inf")):
+                raise ValueError(f"DecodeCost.{t}_tokens = {v} is not a token count >= 0")
+
+    def tokens(self, term: str, n):
+        """Tokens' worth of KV that ``term`` (one of ``TERMS``) charges a sequence of ``n``
+        tokens: the share of ``n`` plus the fixed count, never more than ``n``."""
+        import numpy as np
+        n = np.asarray(n, float)
+        return np.minimum(n, getattr(self, f"{term}_frac") * n + getattr(self, f"{term}_tokens"))
+
+    @property
+    def fixed(self) -> bool:
+        """Whether any term holds a fixed token count (else every term is a plain share)."""
+        return any(getattr(self, f"{t}_tokens") for t in TERMS)
+
+    def scaling(self) -> dict[str, str]:
+        """How each term scales, in words, for reports: ``{"resident": "6.2% of n + 1020
+        tokens"}``."""
+        out = {}
+        for t in TERMS:
+            f, k = getattr(self, f"{t}_frac"), getattr(self, f"{t}_tokens")
+            parts = ([f"{100 * f:.3g}% of the context"] if f else []) + \
+                ([f"{k:g} tokens"] if k else [])
+            out[t] = " + ".join(parts) or "none"
+        return out
         if self.meta_frac > self.resident_frac + 1e-12:
             raise ValueError(f"DecodeCost.meta_frac {self.meta_frac} exceeds resident_frac "
                              f"{self.resident_frac}: metadata is part of the resident state")
