@@ -82,7 +82,7 @@ def test_eps_to_zero_gives_dense(trace, sketch):
                       torch.as_tensor(a.question_pos), torch.Generator().manual_seed(0), layer=0)
     for q, pos in ((t(layer.q_question), a.question_pos), (t(layer.q_decode), a.decode_pos)):
         pos = torch.as_tensor(pos)
-        out, stats = pol.attend(st.state, q, pos, k, v)
+        out, stats, _ = pol.attend(st.state, q, pos, k, v)
         ref, logd = dense_attention(q, k, v, pos)
         torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(stats["log_denominator"], logd, rtol=1e-9, atol=1e-9)
@@ -229,7 +229,7 @@ def test_verkv_attention_applies_the_shrinkage_factor(seed, eps):
                      *observation(pol.observation, qq, qpos, qd, dpos, n),
                      torch.Generator().manual_seed(1), layer=0)
     q, pos = qd[:, :1], dpos[:1]
-    out, st = pol.attend(c.state, q, pos, k, v)
+    out, st, _ = pol.attend(c.state, q, pos, k, v)
     extra_pos = torch.arange(n, k.shape[1])
     dec = decide(q, pos, c.state, pol.config(), extra_logits=logits(q, k[:, n:], pos, extra_pos))
     g = q.shape[0] // k.shape[0]

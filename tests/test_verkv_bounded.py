@@ -180,7 +180,7 @@ def test_shared_pass_plan_row_by_row(seed, sketch):
                          "sketch": sketch})
     extra_k = torch.randn(n_kv, 6, d, generator=torch.Generator().manual_seed(1), dtype=F64)
     k_all = torch.cat([layer.k_host, extra_k], 1)
-    _, stats = pol.attend(layer, q, pos, k_all, k_all)
+    _, stats = counted(pol, layer, q, pos, k_all, k_all)
     made = torch.zeros(n_kv, n, dtype=torch.bool)
     short = torch.zeros_like(made)
     s = layer.sample.sampled
@@ -210,8 +210,16 @@ def test_shared_pass_plan_does_not_depend_on_the_sample():
     for seed in (1, 2):
         layer, q, pos = pass_case(seed)
         k = layer.k_host
-        _, st = pol.attend(layer, q, pos, k, k)
+        _, st, _ = pol.attend(layer, q, pos, k, k)
         outs.append(st)
     assert not torch.equal(pass_case(1)[0].sample.sampled, pass_case(2)[0].sample.sampled)
     for key in ("made_exact", "eps_hat_before", "eps_hat_after"):
         torch.testing.assert_close(outs[0][key], outs[1][key])
+
+
+def counted(pol, layer, q, pos, k, v):
+    """attend through the caller's count of the reads (and its check of them)."""
+    from kvsim.measure import traffic
+    from kvsim.policies.base import Compressed
+    return traffic.attend(pol, Compressed(layer, 0.0, 0.0, resident=layer.sample.resident), q,
+                          pos, k, v, verify=True)

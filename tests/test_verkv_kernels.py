@@ -463,7 +463,7 @@ def test_kv_read_counts_each_byte_once():
     n_kv, n, d = k.shape
     extra_k = torch.randn(n_kv, 6, d, generator=torch.Generator().manual_seed(1), dtype=F64)
     k_all = torch.cat([k, extra_k], 1)
-    _, stats = pol.attend(layer, q, pos, k_all, k_all)
+    _, stats = counted(pol, layer, q, pos, k_all, k_all)
     dec = decide(q, pos, layer, pol.config(),
                  extra_logits=torch.einsum("hmd,hnd->hmn", q, extra_k.repeat_interleave(4, 0))
                  / math.sqrt(d))
@@ -540,10 +540,18 @@ def test_a_pass_split_into_row_chunks_decides_as_one(monkeypatch):
     k_all = torch.cat([layer.k_host, extra], 1)
     pos = torch.tensor([n, n + 2, n + 5])  # question rows, seeing the context and each other
     pol = make("verkv", {"sink": 4, "local": 4, "eps": 0.02})
-    whole, stats = pol.attend(layer, q, pos, k_all, k_all)
+    whole, stats, _ = pol.attend(layer, q, pos, k_all, k_all)
     monkeypatch.setattr(P, "row_chunks", lambda n_q, m, n: [slice(i, i + 1) for i in range(m)])
-    split, stats_split = pol.attend(layer, q, pos, k_all, k_all)
+    split, stats_split, _ = pol.attend(layer, q, pos, k_all, k_all)
     torch.testing.assert_close(split, whole)
     for key in stats:
         torch.testing.assert_close(stats_split[key], stats[key], msg=key)
     assert float(stats["shortlist_size"].max()) <= 128
+
+
+def counted(pol, layer, q, pos, k, v):
+    """attend through the caller's count of the reads (and its check of them)."""
+    from kvsim.measure import traffic
+    from kvsim.policies.base import Compressed
+    return traffic.attend(pol, Compressed(layer, 0.0, 0.0, resident=layer.sample.resident), q,
+                          pos, k, v, verify=True)

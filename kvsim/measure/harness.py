@@ -26,6 +26,7 @@ from kvsim.attention.dense import dense_attention, expand_kv
 from kvsim.attention.scoring import attention_mass
 from kvsim.contract import PolicyResult
 from kvsim.errors import KvsimError
+from kvsim.measure import traffic
 from kvsim.measure.stats import Calls, kept
 from kvsim.trace import Trace
 
@@ -65,10 +66,11 @@ def _prefill_attention_seconds(k: torch.Tensor, n_q: int) -> float:
 
 def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
         device: str | torch.device = "cpu", progress: bool = False,
-        timed: bool = True) -> tuple[dict, dict]:
+        timed: bool = True, verify: str = "first") -> tuple[dict, dict]:
     """(statistics, timings) of ``policy`` replayed on every captured layer of ``trace``; with
     ``progress`` a bar over the layers on a terminal; ``timed=False`` skips the prefill
-    timings (a policy profile, which runs layer by layer, needs none)."""
+    timings (a policy profile, which runs layer by layer, needs none). ``verify``: on which
+    layers the reads are checked (:mod:`kvsim.measure.traffic`): ``first``, ``all``, ``none``."""
     require_attention(trace, policy.name)
     a = trace.attention
     policy.bind(a.rope, a.head_dim)
@@ -112,7 +114,9 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
         passes = [("question", qq, qpos)] if qq.shape[1] else []
         passes += [("decode", qd[:, j:j + 1], dpos[j:j + 1]) for j in range(qd.shape[1])]
         for phase, q, pos in passes:
-            out, st = policy.attend(c.state, q, pos, k, v)
+            out, st = traffic.attend(policy, c, q, pos, k, v,
+                                     verify=verify == "all" or (verify == "first"
+                                                                and la is a.layers[0]))
             ref, ref_logd = dense_attention(q.to(torch.float64), k.to(torch.float64),
                                             v.to(torch.float64), pos)
             rec = dict(st)

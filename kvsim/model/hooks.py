@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvsim.attention.dense import logits
+from kvsim.measure import traffic
 
 ATTN_NAME = "kvsim"
 _active: "Controller | None" = None
@@ -33,7 +34,7 @@ class Controller:
     n_ctx: int = 0  # context length, for KVzip scores
     kvzip: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (n_kv, n_ctx) max
     policy: object = None
-    states: dict = field(default_factory=dict)  # layer -> policy state
+    states: dict = field(default_factory=dict)  # layer -> what the policy kept (Compressed)
     stats: list = field(default_factory=list)  # (layer, m, stats dict) per policy call
     calls: int = 0
 
@@ -68,7 +69,8 @@ class Controller:
             return sdpa_attention_forward(module, query, key, value, attention_mask,
                                           dropout=dropout, scaling=scaling, **kwargs)
         if self.mode == "policy":
-            out, stats = self.policy.attend(self.states[layer], q, q_pos, key[0], value[0])
+            out, stats = traffic.attend(self.policy, self.states[layer], q, q_pos, key[0],
+                                        value[0])
             self.stats.append((layer, m, stats))
         else:
             raise ValueError(f"unknown controller mode {self.mode!r}")

@@ -156,7 +156,7 @@ def generate(model, codec, pre: Prefilled, q_ids: list[int], max_new_tokens: int
             c = policy.compress(k[:, :pre.n_ctx], v[:, :pre.n_ctx], pre.scores[l],
                                 pre.obs_q[l], pre.obs_pos.to(dev), gen, layer=l)
             compressed.append(c)
-            ctl.states[l] = c.state
+            ctl.states[l] = c
     else:
         ctl = controller or Controller(mode="stock", record_layers=record_layers or set())
     phases: list[str] = []

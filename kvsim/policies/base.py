@@ -1,14 +1,22 @@
 """A policy: one class that compresses a layer's context, attends through what it kept, and turns
-measured statistics into a :class:`~kvsim.contract.DecodeCost`.
+measured statistics into a :class:`~kvsim.contract.DecodeCost`. Two kinds:
 
-Policies are pure transformations: they never call the measuring code. The harness
-(``kvsim.measure.harness`` on a trace, ``kvsim.measure.evaluate`` inside a real model) is the only
-caller of :meth:`Policy.compress` and :meth:`Policy.attend`; it compares every output with dense
-attention, aggregates the statistics (``kvsim.measure.stats``) and asks the policy for its cost.
+* a :class:`MaskPolicy` keeps a set of the context in HBM (exact tokens, a sample, a code) and
+  never fetches: its ``attend`` returns ``(output, stats)``;
+* a :class:`FetchPolicy` keeps the full cache in host memory and decides per step what to fetch:
+  its ``attend`` returns ``(output, stats, Reads)``, the tokens it read.
 
-To add a policy: one file in ``kvsim/policies/`` with one subclass of :class:`Policy` decorated
-with :func:`kvsim.policies.register`; options are fields of its ``Params`` dataclass (the CLI builds
-flags from them: ``field(default=..., metadata={"help": ..., "choices": [...]})``).
+Policies are pure transformations: they never call the measuring code, and they do not count
+their own traffic. The callers (``kvsim.measure.harness`` on a trace, ``kvsim.model`` inside a
+real model) go through :func:`kvsim.measure.traffic.attend`, which counts what was read from
+``Compressed.resident`` and the ``Reads`` and refuses attention that used a context token outside
+them; they compare every output with dense attention, aggregate the statistics
+(``kvsim.measure.stats``) and ask the policy for its cost.
+
+To add a policy: one file in ``kvsim/policies/`` with one subclass of :class:`MaskPolicy` or
+:class:`FetchPolicy` decorated with :func:`kvsim.policies.register`; options are fields of its
+``Params`` dataclass (the CLI builds flags from them: ``field(default=..., metadata={"help": ...,
+"choices": [...]})``). A mask policy that keeps exact tokens need only say which (``keep``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from typing import ClassVar
 
 import torch
 
-from kvsim.attention.dense import dense_attention
+from kvsim.attention.weighted import weighted_attention_chunked
 from kvsim.contract import DecodeCost, PrefillWork
 
 KV_ELEM_BYTES = 2  # bytes per K or V element of the cache a policy is costed against (16-bit)
@@ -33,6 +41,17 @@ class Compressed:
     held_bytes: float  # HBM bytes: those tokens' K/V plus ``meta_bytes``
     meta_bytes: float = 0.0  # of which sketch, inclusion probabilities, codec metadata
     info: dict = field(default_factory=dict)  # other per-layer facts, see Policy.summarize
+    # (n_kv, n_ctx) bool: the context tokens whose exact K/V ``attend`` may read without fetching
+    # (None: none; a codec's own state is not counted here)
+    resident: torch.Tensor | None = None
+
+
+@dataclass
+class Reads:
+    """What one ``attend`` call of a fetching policy read from host memory, (n_kv, n_ctx) bool
+    each: tokens whose K and V it read, and tokens whose K alone it read (a second look)."""
+    kv: torch.Tensor
+    k: torch.Tensor | None = None
 
 
 @dataclass
@@ -42,7 +61,9 @@ class NoParams:
 
 
 class Policy(ABC):
+    """What both kinds share; subclass :class:`MaskPolicy` or :class:`FetchPolicy`."""
     name: ClassVar[str]
+    fetches: ClassVar[bool]  # attend returns Reads (FetchPolicy) or not (MaskPolicy)
     Params: ClassVar[type] = NoParams
     needs_attention: ClassVar[bool] = False  # runs on a trace's attention section
     summary: ClassVar[str] = ""
@@ -90,20 +111,21 @@ class Policy(ABC):
         Default: everything stays (dense).
         """
         n_kv, n_ctx, d = k.shape
-        return Compressed(None, float(n_ctx), n_ctx * 2.0 * d * KV_ELEM_BYTES)
+        return Compressed(None, float(n_ctx), n_ctx * 2.0 * d * KV_ELEM_BYTES,
+                          resident=torch.ones(n_kv, n_ctx, dtype=torch.bool, device=k.device))
 
+    @abstractmethod
     def attend(self, state, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, dict]:
+               v: torch.Tensor):
         """Attention of query rows ``q`` (n_q, m, d) at positions ``q_pos`` (m,).
 
         ``k``, ``v`` (n_kv, n, d) hold the full cache: the context (as given to
-        :meth:`compress`; a policy may use only what it kept or fetched of it) followed by the
-        tokens appended since (question and decoded tokens, always exact). Returns the output
-        (n_q, m, d) and per-decision statistics (tensors of shape (n_q, m); their names are
-        defined in :mod:`kvsim.measure.stats`).
+        :meth:`compress`; only its resident tokens and, for a fetching policy, the tokens it
+        reports in ``Reads`` may be used) followed by the tokens appended since (question and
+        decoded tokens, always exact). Returns the output (n_q, m, d), per-decision statistics
+        (tensors of shape (n_q, m); names in :mod:`kvsim.measure.stats`; ``kv_read_frac`` is
+        the caller's to count) and, for a :class:`FetchPolicy`, the :class:`Reads`.
         """
-        out, _ = dense_attention(q, k, v, q_pos)
-        return out, {}
 
     def summarize(self, infos: list[dict]) -> dict:
         """Run statistics from the ``Compressed.info`` of every compressed layer (default: none)."""
@@ -121,13 +143,6 @@ class Policy(ABC):
         token (and per token squared). Default: none."""
         return PrefillWork()
 
-    def decide_kernel(self, device, model, context: int, seed: int = 0):
-        """For a policy that decides per step what to fetch (``decide_bytes_per_token > 0``):
-        its decide step for one layer and sequence on a synthetic layer of ``model``'s head shape
-        (an object with ``plan()``, as ``kvsim.policies.verkv.bench``), which ``kvsim profile``
-        times and ``kvsim validate`` runs inside real decode steps. None otherwise."""
-        return None
-
     def provenance(self, stats: dict) -> str:
         """What the report should add about where this policy's figures came from."""
         return ""
@@ -135,3 +150,47 @@ class Policy(ABC):
     def definition_stats(self) -> dict:
         """Statistics a policy that needs no trace knows by definition."""
         return {}
+
+
+class MaskPolicy(Policy):
+    """Keeps a set of the context in HBM and never fetches. By default the set is exact tokens
+    (:meth:`keep`) and attention is exact over them; a policy with weights or a code overrides
+    :meth:`compress` and :meth:`attend`."""
+    fetches = False
+
+    def keep(self, k: torch.Tensor) -> torch.Tensor:
+        """(n_kv, n_ctx) bool: the context tokens kept, from the keys ``k`` (n_kv, n_ctx, d)."""
+        return torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
+
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
+        keep = self.keep(k)
+        held = float(keep.sum(-1).to(torch.float64).mean())
+        log_w = torch.zeros(keep.shape, dtype=k.dtype, device=k.device).masked_fill(
+            ~keep, float("-inf"))
+        return Compressed(log_w, held, held * 2 * k.shape[-1] * KV_ELEM_BYTES, resident=keep)
+
+    def attend(self, log_w, q, q_pos, k, v):
+        """Exact attention over the tokens ``log_w`` keeps (0: kept, -inf: dropped; a finite
+        weight reweights)."""
+        g = q.shape[0] // k.shape[0]
+        lw = log_w.to(q.dtype).repeat_interleave(g, dim=0)[:, None, :]
+        out, log_d = weighted_attention_chunked(q, q_pos, k, v, lw)
+        return out, {"log_denominator": log_d}
+
+
+class FetchPolicy(Policy):
+    """Keeps the full cache in host memory and decides per step what to fetch; ``attend``
+    returns ``(output, stats, Reads)``. A policy whose fetch is decided by a kernel (not "all of
+    it") names that kernel: its :class:`~kvsim.contract.DecodeCost` sets ``decide_kernel`` to
+    the policy's name, and :meth:`decide_kernel` builds it for the profiler."""
+    fetches = True
+
+    def decide_kernel(self, device, model, context: int, seed: int = 0):
+        """The policy's decide step for one layer and sequence on a synthetic layer of
+        ``model``'s head shape: an object with ``plan()`` (the timed call, returning the fetch
+        set as host row indices, their slots in a compact layout, an additive logit bias over
+        that layout and the rows fetched per KV head), ``fetched_frac`` and optionally
+        ``stack(B)`` (``B`` requests in one call), as ``kvsim.policies.verkv.bench``;
+        ``kvsim profile`` times it and ``kvsim validate`` runs it inside real decode steps.
+        None for a policy that fetches without deciding (dense offload)."""
+        return None

@@ -6,14 +6,17 @@ import torch
 
 from kvsim.attention.dense import dense_attention
 from kvsim.contract import DecodeCost
-from kvsim.policies.base import Compressed, Policy
+from kvsim.policies.base import Compressed, FetchPolicy, MaskPolicy, Reads
 from kvsim.policies.registry import register
 
 
 @register
-class DenseResident(Policy):
+class DenseResident(MaskPolicy):
     name = "dense-resident"
     summary = "the full KV cache in HBM; attention reads all of it each step"
+
+    def attend(self, state, q, q_pos, k, v):
+        return dense_attention(q, k, v, q_pos)[0], {}
 
     def decode_cost(self, stats):
         return DecodeCost(resident_frac=1.0, hbm_read_frac=1.0, host_read_frac=0.0,
@@ -24,17 +27,17 @@ class DenseResident(Policy):
 
 
 @register
-class DenseOffload(Policy):
+class DenseOffload(FetchPolicy):
     name = "dense-offload"
     summary = ("the full KV cache in pinned host memory, streamed to HBM layer by layer each "
                "step with double buffering (layer l+1 copies while layer l computes)")
 
-    def attend(self, state, q, q_pos, k, v):
-        out, _ = dense_attention(q, k, v, q_pos)
-        return out, {"kv_read_frac": torch.ones(q.shape[:2], dtype=torch.float64)}
-
     def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
-        return Compressed(None, 0.0, 0.0)  # nothing stays in HBM between steps
+        return Compressed(k.shape[1], 0.0, 0.0)  # nothing stays in HBM between steps
+
+    def attend(self, n_ctx, q, q_pos, k, v):
+        out, _ = dense_attention(q, k, v, q_pos)
+        return out, {}, Reads(torch.ones(k.shape[0], n_ctx, dtype=torch.bool, device=k.device))
 
     def decode_cost(self, stats):
         return DecodeCost(resident_frac=0.0, hbm_read_frac=1.0, host_read_frac=1.0,

@@ -3,7 +3,8 @@ eviction and PoissonComp of the VerKV paper): one scorer call, one selection hoo
 
 A subclass overrides :meth:`ScoredPolicy.sample_budget` (the budget rule) and
 :meth:`ScoredPolicy.select` (scores -> additive log-weights on the context logits: 0 on a kept
-token, ``-log r`` on a reweighted sample, ``-inf`` on a dropped token).
+token, ``-log r`` on a reweighted sample, ``-inf`` on a dropped token); attention is
+:meth:`MaskPolicy.attend` over those weights.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvsim.attention.weighted import weighted_attention_chunked
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.policies import options as O
-from kvsim.policies.base import KV_ELEM_BYTES, Compressed, Policy
+from kvsim.policies.base import KV_ELEM_BYTES, Compressed, MaskPolicy
 from kvsim.policies.scorers import context_scores, scoring_work
 
 
@@ -33,7 +33,7 @@ class NoFetchParams:
         O.check_common(self)
 
 
-class ScoredPolicy(Policy):
+class ScoredPolicy(MaskPolicy):
     Params = NoFetchParams
     needs_attention = True
 
@@ -53,13 +53,8 @@ class ScoredPolicy(Policy):
         s = context_scores(p.scorer, scores, k, obs_q, obs_pos, obs_k)
         log_w, resident, meta, info = self.select(s, budget, generator)
         held = float(resident.sum(-1).to(torch.float64).mean())
-        return Compressed(log_w, held, held * 2 * d * KV_ELEM_BYTES + meta, meta, info)
-
-    def attend(self, log_w, q, q_pos, k, v):
-        g = q.shape[0] // k.shape[0]
-        lw = log_w.to(q.dtype).repeat_interleave(g, dim=0)[:, None, :]
-        out, log_d = weighted_attention_chunked(q, q_pos, k, v, lw)
-        return out, {"log_denominator": log_d}
+        return Compressed(log_w, held, held * 2 * d * KV_ELEM_BYTES + meta, meta, info,
+                          resident=resident)
 
     def prefill_work(self, model) -> PrefillWork:
         """Scoring the context (the selection itself, a top-k or a sample, is linear in n and

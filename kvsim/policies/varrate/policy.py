@@ -25,7 +25,7 @@ from kvsim.attention.dense import dense_attention
 from kvsim.attention.rope import rope_from_meta
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import KvsimError
-from kvsim.policies.base import Compressed, Policy
+from kvsim.policies.base import Compressed, MaskPolicy
 from kvsim.policies.registry import register
 from kvsim.policies.varrate import codec as vc
 
@@ -95,7 +95,7 @@ class Coded:
 
 
 @register
-class VarRate(Policy):
+class VarRate(MaskPolicy):
     name = "varrate"
     Params = VarRateParams
     needs_attention = True
@@ -202,8 +202,8 @@ class VarRate(Policy):
         kk = torch.cat([state.k.to(k.dtype), k[:, n:]], dim=1)
         vv = torch.cat([state.v.to(v.dtype), v[:, n:]], dim=1)
         out, _ = dense_attention(q, kk, vv, q_pos)
-        # nothing comes from host memory: every token is resident (coded or exact)
-        return out, {"kv_read_frac": torch.zeros(q.shape[:2], dtype=torch.float64)}
+        # nothing comes from host memory: every token is in the code (coded or exact)
+        return out, {}
 
     def summarize(self, infos: list[dict]) -> dict:
         p = self.params

@@ -53,7 +53,7 @@ from kvsim.attention.weighted import row_chunks, weighted_attention
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.policies import options as O
-from kvsim.policies.base import KV_ELEM_BYTES, Compressed, Policy
+from kvsim.policies.base import KV_ELEM_BYTES, Compressed, FetchPolicy, Reads
 from kvsim.policies.registry import register
 from kvsim.policies.scorers import context_scores, scoring_work
 from kvsim.policies.verkv.kvfetch import (
@@ -125,7 +125,7 @@ class VerKVParams:
 
 
 @register
-class VerKV(Policy):
+class VerKV(FetchPolicy):
     name = "verkv"
     Params = VerKVParams
     needs_attention = True
@@ -159,7 +159,8 @@ class VerKV(Policy):
         return Compressed(make_layer(smp, sketch, k, p.variant, v_range), held,
                           held * token_bytes + meta,
                           meta, {"expected_tokens": float(smp.expected_kept().mean()),
-                                 "sketch_bytes_per_token": sk_bytes / n_ctx})
+                                 "sketch_bytes_per_token": sk_bytes / n_ctx},
+                          resident=smp.resident)
 
     def summarize(self, infos: list[dict]) -> dict:
         """The sketch's GPU bytes per context token and KV head (the perfect sketch reserves the
@@ -225,11 +226,10 @@ class VerKV(Policy):
                                                            - true_logd),
             })
         stats = {key: torch.cat([r[key] for r in rows], 1) for key in rows[0]}
-        read = ((fetched_pass | short_pass).sum(-1) + fetched_pass.sum(-1)) / (2.0 * n_ctx)
-        stats["kv_read_frac"] = read.to(q.dtype).repeat_interleave(g)[:, None].expand(n_q, m)
         stats["log_denominator"] = torch.cat(logds, 1)
         stats["log_denominator_own"] = torch.cat(logds_own, 1)
-        return torch.cat(outs, 1), stats
+        # K and V of the fetch set; K alone of the shortlist's second look (bounded sketch)
+        return torch.cat(outs, 1), stats, Reads(fetched_pass, short_pass)
 
     def prefill_work(self, model):
         """Scoring the context, then one more pass over the keys to build the 2-bit sketch
