@@ -200,6 +200,9 @@ def scheduler_words(cfg, s) -> str:
     return text + f"; admission grows per token, preemption by {s.preemption}"
 
 
+TRACE_SHARES = ("resident_frac", "meta_frac", "kv_read_frac")
+
+
 def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
           res, scheduling, work_at_prefill) -> dict:
     sim = simulation(res, work)
@@ -211,8 +214,11 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
     mem_report = memory(res, analysis.cost, model, mem, cfg.batch)
     prov = provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
                       scheduling, work_at_prefill)
-    stats = analysis.stats
-    top = {"kv_read_frac": analysis.cost.host_read_frac, **sim, **mem_report}
+    stats, cost = analysis.stats, analysis.cost
+    if cost.fixed:  # the trace's shares are of its own context, not of the planned one
+        stats = {(f"trace_{k}" if k in TRACE_SHARES else k): v for k, v in stats.items()}
+    read = float(cost.tokens("host_read", cfg.context)) / cfg.context  # as charged here
+    top = {"kv_read_frac": read, **sim, **mem_report}
     return {
         "policy": spec.name, "policy_options": analysis.params, "gpu": costs.gpu_name,
         "model": model.name, "context": cfg.context, "batch": cfg.batch,
@@ -221,7 +227,8 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
         **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
         **{f"{ps}_kv_read_frac": stats[ps]["kv_read_frac"] for ps in ("question", "overall")
            if "kv_read_frac" in (stats.get(ps) or {})},
-        "sim": sim, "memory": mem_report, "policy_cost": dataclasses.asdict(analysis.cost),
+        "sim": sim, "memory": mem_report,
+        "policy_cost": dataclasses.asdict(cost) | {"scaling": cost.scaling()},
         "policy_stats": stats, "policy_timings": analysis.timings,
         "provenance": prov, "warnings": warnings(cfg, tr, model, costs, cost_source, res, prov,
                                  analysis.cost, stats),

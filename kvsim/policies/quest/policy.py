@@ -1,0 +1,163 @@
+"""Quest's page selection as a fetching policy.
+
+The context is cut into pages of ``page_size`` tokens. Per page and KV head the GPU keeps the
+channel-wise minimum and maximum of the keys (fp16): for a query ``q`` no key of the page has a
+logit above ``sum_j max(q_j min_j, q_j max_j) / sqrt(d)``. Each decision ranks the pages by that
+bound and reads the best ``token_budget / page_size`` of them (K and V) from host memory;
+attention is exact over them, the ``sink`` and ``local`` tokens kept in HBM, and the tokens after
+the context. With GQA the query heads of a KV head share its fetch: a page's bound is the largest
+over the group's query heads (the upper bound for any of them), so each KV head reads exactly the
+budget, whatever the context: the fetch is a fixed token count, charged as such.
+
+Quest itself keeps the cache on the GPU and skips the first layers; here every layer selects,
+and the pages come over the host link (the offload setting of the other fetching policies).
+A question pass (several rows) reads the union of its rows' pages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsim.attention.weighted import row_chunks, weighted_attention
+from kvsim.contract import DecodeCost
+from kvsim.errors import KvsimError
+from kvsim.policies.base import KV_ELEM_BYTES, Compressed, FetchPolicy, Reads
+from kvsim.policies.registry import register
+
+META_BYTES = 2  # fp16 min and max per page, channel and KV head
+
+
+@dataclass
+class QuestParams:
+    page_size: int = field(default=16, metadata={
+        "kind": int, "help": "tokens per page: the unit Quest bounds and fetches"})
+    token_budget: int = field(default=1024, metadata={
+        "kind": int, "help": "context tokens each KV head reads per step (whole pages: the "
+                             "best token_budget / page_size), whatever the context"})
+    sink: int = field(default=4, metadata={"kind": int, "help": "first tokens always kept"})
+    local: int = field(default=4, metadata={"kind": int, "help": "last tokens always kept"})
+
+    def validate(self) -> None:
+        for name in ("page_size", "token_budget", "sink", "local"):
+            v = getattr(self, name)
+            if int(v) != v or v < (1 if name in ("page_size", "token_budget") else 0):
+                raise KvsimError(f"--{name.replace('_', '-')} must be a whole number >= "
+                                 f"{1 if name in ('page_size', 'token_budget') else 0}; got {v}")
+        if self.token_budget < self.page_size:
+            raise KvsimError(f"--token-budget ({self.token_budget}) holds no page of "
+                             f"--page-size {self.page_size}")
+
+
+@dataclass
+class Pages:
+    """What Quest keeps of one layer: per KV head the pages' key bounds, and the resident
+    tokens (sink and local)."""
+    k_min: torch.Tensor  # (n_kv, pages, d)
+    k_max: torch.Tensor
+    resident: torch.Tensor  # (n_kv, n_ctx) bool
+    page_size: int
+    n_ctx: int
+
+
+def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel-wise min and max of the keys (n_kv, n, d) per page of ``page_size`` tokens (the
+    last page may be partial): (n_kv, pages, d) each."""
+    n_kv, n, d = k.shape
+    pages = math.ceil(n / page_size)
+    pad = pages * page_size - n
+    kp = torch.nn.functional.pad(k, (0, 0, 0, pad), value=float("nan")).view(n_kv, pages,
+                                                                             page_size, d)
+    return (torch.nan_to_num(kp, nan=float("inf")).amin(2),
+            torch.nan_to_num(kp, nan=float("-inf")).amax(2))
+
+
+def select(q: torch.Tensor, q_pos: torch.Tensor, state: Pages, budget_pages: int) -> torch.Tensor:
+    """(n_kv, m, n_ctx) bool: the tokens of the pages each row of each KV head reads: the
+    ``budget_pages`` pages with the highest upper bound on the logit over the group's query
+    heads, among the pages that start at or before the row's position."""
+    n_q, m, d = q.shape
+    n_kv, pages, _ = state.k_min.shape
+    g = n_q // n_kv
+    kmin = state.k_min.repeat_interleave(g, 0).to(q.dtype)
+    kmax = state.k_max.repeat_interleave(g, 0).to(q.dtype)
+    bound = (torch.einsum("hmd,hpd->hmp", q.clamp_min(0), kmax)
+             + torch.einsum("hmd,hpd->hmp", q.clamp_max(0), kmin)) / math.sqrt(d)
+    bound = bound.view(n_kv, g, m, pages).amax(1)  # (n_kv, m, pages)
+    start = torch.arange(pages, device=q.device) * state.page_size
+    bound = bound.masked_fill(start[None, None, :] > q_pos[None, :, None], float("-inf"))
+    top = bound.topk(min(budget_pages, pages), dim=-1)
+    chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(
+        -1, top.indices, top.values > float("-inf"))
+    return chosen.repeat_interleave(state.page_size, -1)[..., :state.n_ctx]
+
+
+@register
+class Quest(FetchPolicy):
+    name = "quest"
+    Params = QuestParams
+    needs_attention = True
+    summary = ("per page of keys their channel-wise min/max on the GPU, the cache in host "
+               "memory; each step fetches the pages with the highest bound on q.k within a "
+               "fixed token budget")
+
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
+        p = self.params
+        n_kv, n_ctx, d = k.shape
+        pos = torch.arange(n_ctx, device=k.device)
+        resident = ((pos < p.sink) | (pos >= n_ctx - p.local)).expand(n_kv, n_ctx)
+        k_min, k_max = page_bounds(k, p.page_size)
+        meta = 2 * k_min.shape[1] * d * META_BYTES  # per KV head
+        held = float(resident.sum(-1).to(torch.float64).mean())
+        return Compressed(Pages(k_min, k_max, resident, p.page_size, n_ctx), held,
+                          held * 2 * d * KV_ELEM_BYTES + meta, meta, resident=resident)
+
+    def attend(self, state: Pages, q, q_pos, k, v):
+        n_q, m, d = q.shape
+        n_kv, n_ctx = state.resident.shape
+        g = n_q // n_kv
+        budget = self.params.token_budget // self.params.page_size
+        outs, logds, rows = [], [], []
+        read = torch.zeros(n_kv, n_ctx, dtype=torch.bool, device=q.device)
+        for sl in row_chunks(n_q, m, k.shape[1]):
+            qc, pc = q[:, sl], q_pos[sl]
+            pages = select(qc, pc, state, budget)  # (n_kv, mc, n_ctx)
+            fetched = pages & ~state.resident[:, None]
+            read |= fetched.any(1)
+            keep = (pages | state.resident[:, None]).repeat_interleave(g, 0)
+            log_w = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(
+                ~keep, float("-inf"))
+            o, ld = weighted_attention(qc, pc, k, v, log_w)
+            outs.append(o)
+            logds.append(ld)
+            tokens = fetched.sum(-1).repeat_interleave(g, 0).to(q.dtype)
+            rows.append({"fetch": tokens > 0, "fetched_tokens": tokens,
+                         "kvhead_fetch": tokens > 0})
+        stats = {key: torch.cat([r[key] for r in rows], 1) for key in rows[0]}
+        stats["log_denominator"] = torch.cat(logds, 1)
+        return torch.cat(outs, 1), stats, Reads(read)
+
+    def decide_kernel(self, device, model, context, seed=0):
+        from kvsim.policies.quest.bench import QuestBench
+        return QuestBench(device, model, context, seed, self.params)
+
+    def decode_cost(self, stats):
+        """The fetch is ``token_budget`` tokens of K and V per KV head and step (fewer where
+        the context is shorter: the simulator caps every term at the context); sink and local
+        stay in HBM with the page bounds (a share: two keys per page)."""
+        p = self.params
+        meta = 1.0 / p.page_size  # 2 fp16 keys per page of page_size K+V pairs
+        kept = float(p.sink + p.local)
+        return DecodeCost(resident_frac=meta, hbm_read_frac=meta, host_read_frac=0.0,
+                          host_frac=1.0, overlap=False, copies_per_layer=1.0, path="gather",
+                          staging_layers=1, decide_bytes_per_token=2 * stats["head_dim"]
+                          * META_BYTES / p.page_size, meta_frac=meta, decide_kernel=self.name,
+                          resident_tokens=kept, hbm_read_tokens=kept + p.token_budget,
+                          host_read_tokens=float(p.token_budget))
+
+    def provenance(self, stats):
+        return (f"Quest's fetch is {self.params.token_budget} tokens per KV head and step by "
+                f"definition (charged as a fixed count at any context); the trace measures its "
+                f"error")

@@ -1,0 +1,44 @@
+"""StreamingLLM (Xiao et al., 2024): the first ``sink`` tokens (attention sinks) and the last
+``local`` tokens of the context stay in HBM, exact; the rest are dropped. Fixed token counts,
+whatever the context: charged as such, not as a share of the trace it was measured on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvsim.contract import DecodeCost
+from kvsim.errors import KvsimError
+from kvsim.policies.base import MaskPolicy
+from kvsim.policies.registry import register
+
+
+@dataclass
+class StreamingParams:
+    sink: int = field(default=4, metadata={"kind": int, "help": "first tokens always kept"})
+    local: int = field(default=1020, metadata={"kind": int, "help": "last tokens always kept"})
+
+    def validate(self) -> None:
+        if min(self.sink, self.local) < 0 or self.sink + self.local < 1:
+            raise KvsimError(f"streamingllm keeps sink + local >= 1 tokens; got {self.sink} + "
+                             f"{self.local}")
+
+
+@register
+class StreamingLLM(MaskPolicy):
+    name = "streamingllm"
+    Params = StreamingParams
+    needs_attention = True
+    summary = "attention sinks + a recent window in HBM (fixed token counts); the rest dropped"
+
+    def keep(self, k):
+        pos = torch.arange(k.shape[1], device=k.device)
+        return ((pos < self.params.sink) | (pos >= k.shape[1] - self.params.local)).expand(
+            k.shape[:2])
+
+    def decode_cost(self, stats):
+        kept = float(self.params.sink + self.params.local)
+        return DecodeCost(resident_frac=0.0, hbm_read_frac=0.0, host_read_frac=0.0,
+                          host_frac=0.0, overlap=False, resident_tokens=kept,
+                          hbm_read_tokens=kept)
