@@ -185,3 +185,96 @@ def test_poissoncomp_expects_the_whole_budget_and_verkv_pays_its_sketch_from_it(
     c = vk.compress(k, v, {}, q, qpos, torch.Generator().manual_seed(0), layer=0)
     sketch_tokens = n * sketch_bits_per_token(a.head_dim) / 8 / (2 * a.head_dim * 2)
     assert bool((c.state.sample.r.sum(-1) < n / 16 - 0.5 * sketch_tokens).all())
+
+
+# ------------------------------------------------------------------ how costs scale, reads
+
+@pytest.fixture(scope="module")
+def long_trace():
+    return synthetic_attention_trace(n_layers=2, n_q=4, n_kv=2, d=32, context=1024, question=8,
+                                     decode=3, seed=0)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in load_all().items() if c.needs_attention))
+def test_the_cost_from_one_length_charges_what_the_policy_holds_at_another(name, trace,
+                                                                          long_trace):
+    """The cost a policy derives at 512 tokens, charged at 1024, against what it holds there:
+    a fixed count measured as a share (or a share as a fixed count) is off by 2x here."""
+    short = analyze(_policy(name), trace, seed=1)
+    at_long = analyze(_policy(name), long_trace, seed=1).stats
+    n = at_long["context_tokens"]
+    charged = float(short.cost.tokens("resident", n)) / n
+    assert charged == pytest.approx(at_long["resident_frac"], rel=0.2, abs=2e-3), \
+        (charged, at_long["resident_frac"])
+
+
+def test_streamingllm_is_one_short_file_and_holds_a_fixed_count(trace, long_trace):
+    import ast
+    import inspect
+
+    from kvsim.policies import streamingllm
+    src = inspect.getsource(streamingllm)
+    docs = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and \
+                ast.get_docstring(node):
+            d = node.body[0]
+            docs |= set(range(d.lineno, d.end_lineno + 1))
+    code = [line for i, line in enumerate(src.splitlines(), 1)
+            if line.strip() and not line.strip().startswith("#") and i not in docs]
+    assert len(code) <= 30, len(code)
+    for tr in (trace, long_trace):
+        a = analyze(make("streamingllm", {"sink": 4, "local": 60}), tr, seed=0)
+        n = tr.attention.context_len
+        assert a.stats["held_tokens"] == 64 and a.stats["resident_frac"] == 64 / n
+        assert float(a.cost.tokens("resident", 32768)) == 64  # not 64/n of 32K
+
+
+class _Cheat:
+    """Claims to keep 1/16 of the context and attends to all of it."""
+
+    @staticmethod
+    def make(kind):
+        import torch
+
+        from kvsim.attention.dense import dense_attention
+        from kvsim.policies import base
+        from kvsim.policies.base import Compressed, Reads
+
+        class Cheat(kind):
+            name = "cheat"
+            needs_attention = True
+
+            def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
+                keep = torch.zeros(k.shape[:2], dtype=torch.bool)
+                keep[:, ::16] = True
+                return Compressed(k.shape[1], float(keep[0].sum()), 0.0, resident=keep)
+
+            def attend(self, n_ctx, q, q_pos, k, v):
+                out = dense_attention(q, k, v, q_pos)[0]
+                if self.fetches:  # reports a tenth of what it read
+                    reads = torch.zeros(k.shape[0], n_ctx, dtype=torch.bool)
+                    reads[:, :n_ctx // 10] = True
+                    return out, {}, Reads(reads)
+                return out, {}
+
+            def decode_cost(self, stats):
+                return DecodeCost(stats["resident_frac"], stats["resident_frac"], 0.0, 0.0,
+                                  False)
+        assert issubclass(Cheat, base.Policy)
+        return Cheat(base.NoParams())
+
+
+@pytest.mark.parametrize("kind", ["MaskPolicy", "FetchPolicy"])
+def test_a_policy_that_reads_outside_its_set_is_refused(kind, trace):
+    from kvsim.policies import base
+    with pytest.raises(KvsimError, match="outside its resident tokens"):
+        analyze(_Cheat.make(getattr(base, kind)), trace, seed=0)
+
+
+def test_every_policy_is_a_mask_or_a_fetching_policy():
+    from kvsim.policies.base import FetchPolicy, MaskPolicy
+    for name, cls in load_all().items():
+        assert issubclass(cls, MaskPolicy) != issubclass(cls, FetchPolicy), name
+        if issubclass(cls, FetchPolicy) and name != "dense-offload":
+            assert cls.decide_kernel is not FetchPolicy.decide_kernel, name
