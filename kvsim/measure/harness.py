@@ -113,24 +113,12 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
             t_dense.append(min(td))
         passes = [("question", qq, qpos)] if qq.shape[1] else []
         passes += [("decode", qd[:, j:j + 1], dpos[j:j + 1]) for j in range(qd.shape[1])]
+        check = verify == "all" or (verify == "first" and la is a.layers[0])
         for phase, q, pos in passes:
-            out, st = traffic.attend(policy, c, q, pos, k, v,
-                                     verify=verify == "all" or (verify == "first"
-                                                                and la is a.layers[0]))
-            ref, ref_logd = dense_attention(q.to(torch.float64), k.to(torch.float64),
-                                            v.to(torch.float64), pos)
-            rec = dict(st)
-            gap = (out.to(torch.float64) - ref).norm(dim=-1)
-            rec["output_rel_err"] = gap / ref.norm(dim=-1).clamp_min(1e-300)
-            if "value_range_norm" in st:  # what an output certificate bounds (VerKV)
-                rec["output_range_err"] = gap / st["value_range_norm"].to(torch.float64)
-            if "log_denominator" in st:
-                den = (st["log_denominator"].to(torch.float64) - ref_logd).exp() - 1
-                rec["denominator_rel_err"] = den.abs()
-                by_layer.setdefault(int(la.layer), []).append(den.abs().reshape(-1))
-            if "log_denominator_own" in st:  # the decision's own fetch set (the spec's count)
-                own = (st["log_denominator_own"].to(torch.float64) - ref_logd).exp() - 1
-                rec["denominator_rel_err_own"] = own.abs()
+            rec = _compared(policy, c, q, pos, k, v, check)
+            if "denominator_rel_err" in rec:
+                by_layer.setdefault(int(la.layer), []).append(
+                    rec["denominator_rel_err"].reshape(-1))
             calls.add(phase, rec, n_ctx)
     stats = calls.summary(eps, getattr(policy.params, "eps_output", None))
     if eps is not None and by_layer:  # the same decisions, per layer (spec: per decision)
@@ -142,6 +130,29 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
               "head_dim": a.head_dim, **kept(policy, compressed, n_ctx, a.head_dim)}
     if policy.notes:
         stats["notes"] = sorted(policy.notes)
+    _check_finite(policy, stats)
+    return stats, _timings(compressed, t_comp, t_dense, n_ctx)
+
+
+def _compared(policy, c, q, pos, k, v, verify: bool) -> dict:
+    """One ``attend`` call's statistics, with its errors against float64 dense attention."""
+    out, st = traffic.attend(policy, c, q, pos, k, v, verify=verify)
+    f64 = torch.float64
+    ref, ref_logd = dense_attention(q.to(f64), k.to(f64), v.to(f64), pos)
+    rec = dict(st)
+    gap = (out.to(f64) - ref).norm(dim=-1)
+    rec["output_rel_err"] = gap / ref.norm(dim=-1).clamp_min(1e-300)
+    if "value_range_norm" in st:  # what an output certificate bounds (VerKV)
+        rec["output_range_err"] = gap / st["value_range_norm"].to(f64)
+    if "log_denominator" in st:
+        rec["denominator_rel_err"] = ((st["log_denominator"].to(f64) - ref_logd).exp() - 1).abs()
+    if "log_denominator_own" in st:  # the decision's own fetch set (the spec's count)
+        own = (st["log_denominator_own"].to(f64) - ref_logd).exp() - 1
+        rec["denominator_rel_err_own"] = own.abs()
+    return rec
+
+
+def _check_finite(policy, stats: dict) -> None:
     bad = sorted(f"{part}.{k}" if part else k for part, d in
                  [("", stats)] + [(p, stats[p]) for p in ("question", "decode", "overall")
                                   if isinstance(stats.get(p), dict)]
@@ -150,7 +161,6 @@ def run(policy, trace: Trace, seed: int = 0, dtype: torch.dtype = torch.float64,
         raise KvsimError(f"policy {policy.name} on this trace gives non-finite statistics "
                          f"({', '.join(bad[:4])}{'...' if len(bad) > 4 else ''}): the trace's "
                          f"tensors are out of range for it")
-    return stats, _timings(compressed, t_comp, t_dense, n_ctx)
 
 
 def _timings(compressed, t_comp: list, t_dense: list, n_ctx: int) -> dict:
