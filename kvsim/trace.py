@@ -203,105 +203,123 @@ def _from_arrays(meta: dict, arrays: dict[str, np.ndarray]) -> Trace:
     return Trace(meta, hardware, attention)
 
 
-def _validate(meta: dict, arrays: dict[str, np.ndarray], where: str) -> None:
-    def fail(msg: str):
-        raise KvsimError(f"{where}: {msg}")
+class _Check:
+    """Checks of a trace's arrays, each failing with one line that names the file."""
 
-    def need(key: str, ndim: int, kind: str) -> np.ndarray:
-        if key not in arrays:
-            fail(f"missing array {key!r}")
-        arr = arrays[key]
+    def __init__(self, arrays: dict[str, np.ndarray], where: str):
+        self.arrays, self.where = arrays, where
+
+    def fail(self, msg: str):
+        raise KvsimError(f"{self.where}: {msg}")
+
+    def need(self, key: str, ndim: int, kind: str) -> np.ndarray:
+        if key not in self.arrays:
+            self.fail(f"missing array {key!r}")
+        arr = self.arrays[key]
         if arr.ndim != ndim:
-            fail(f"{key} has {arr.ndim} dimensions, expected {ndim}")
+            self.fail(f"{key} has {arr.ndim} dimensions, expected {ndim}")
         if kind == "float" and arr.dtype.type not in FLOAT_DTYPES:
-            fail(f"{key} has dtype {arr.dtype}, expected float16/32/64")
+            self.fail(f"{key} has dtype {arr.dtype}, expected float16/32/64")
         if kind == "int" and not np.issubdtype(arr.dtype, np.integer):
-            fail(f"{key} has dtype {arr.dtype}, expected integers")
+            self.fail(f"{key} has dtype {arr.dtype}, expected integers")
         if kind == "number" and not (np.issubdtype(arr.dtype, np.number)
                                      or arr.dtype == np.bool_):
-            fail(f"{key} has dtype {arr.dtype}, expected numbers")
+            self.fail(f"{key} has dtype {arr.dtype}, expected numbers")
         if kind in ("float", "number") and np.issubdtype(arr.dtype, np.floating) \
                 and not np.isfinite(arr).all():
-            fail(f"{key} holds NaN or Inf values")
+            self.fail(f"{key} holds NaN or Inf values")
         return arr
 
+
+def _validate(meta: dict, arrays: dict[str, np.ndarray], where: str) -> None:
+    c = _Check(arrays, where)
     if "hardware" not in meta and "attention" not in meta:
-        fail("the trace has neither a hardware nor an attention section")
+        c.fail("the trace has neither a hardware nor an attention section")
     if "hardware" in meta:
-        h = meta["hardware"]
-        if not isinstance(h, dict) or not isinstance(h.get("tables"), dict) \
-                or not isinstance(h.get("device"), dict):
-            fail("meta.hardware must hold 'device' and 'tables'")
-        for t, spec in h["tables"].items():
-            if not isinstance(spec, dict) or not isinstance(spec.get("columns", []), list):
-                fail(f"hardware table {t!r}: its spec must be an object with a 'columns' list")
-            cols = spec.get("columns") or []
-            if not cols:
-                fail(f"hardware table {t!r} has no columns")
-            lengths = {need(f"hw/{t}/{c}", 1, "number").shape[0] for c in cols}
-            if len(lengths) != 1:
-                fail(f"hardware table {t!r} has columns of different lengths {sorted(lengths)}")
-            if lengths == {0}:
-                fail(f"hardware table {t!r} is empty")
+        _validate_hardware(meta["hardware"], c)
     if "attention" in meta:
-        a = meta["attention"]
-        if not isinstance(a, dict) or not a.get("layers"):
-            fail("meta.attention must list at least one layer")
-        for key in ("context_len", "rope", "scores"):
-            if key not in a:
-                fail(f"meta.attention lacks {key!r}")
-        layers = a["layers"]
-        if not isinstance(layers, list) or not all(type(l) is int and l >= 0 for l in layers):
-            fail(f"meta.attention.layers must be a list of layer numbers, got {layers!r}")
-        if len(set(layers)) != len(layers):
-            fail(f"meta.attention.layers lists a layer twice: {layers}")
-        if type(a["context_len"]) is not int:
-            fail(f"context_len must be a whole number of tokens, got {a['context_len']!r}")
-        if not isinstance(a["rope"], dict):
-            fail(f"meta.attention.rope must be an object (theta, type, ...), got "
-                 f"{a['rope']!r}")
-        if not isinstance(a["scores"], list) or not all(isinstance(x, str) for x in a["scores"]):
-            fail(f"meta.attention.scores must be a list of scorer names, got {a['scores']!r}")
-        qpos = need("attn/question_pos", 1, "int")
-        dpos = need("attn/decode_pos", 1, "int")
-        shape0 = None
-        for l in a["layers"]:
-            p = f"attn/L{l}"
-            k, v = need(f"{p}/k", 3, "float"), need(f"{p}/v", 3, "float")
-            qq, qd = need(f"{p}/q_question", 3, "float"), need(f"{p}/q_decode", 3, "float")
-            n_kv, n, d = k.shape
-            if not (n_kv and n and d):
-                fail(f"{p}/k has shape {k.shape}: KV heads, tokens and head dim must be > 0")
-            if not qq.shape[0]:
-                fail(f"{p}/q_question has no query heads")
-            if not (qq.shape[1] or qd.shape[1]):
-                fail(f"{p} has no query rows (neither question nor decode)")
-            if max(float(np.abs(x).max(initial=0.0)) for x in (k, v, qq, qd)) > MAX_ABS:
-                fail(f"{p} holds values beyond {MAX_ABS:g} in magnitude: attention logits "
-                     f"would overflow")
-            if v.shape != k.shape:
-                fail(f"{p}/v has shape {v.shape}, keys have {k.shape}")
-            for name, q, pos in (("q_question", qq, qpos), ("q_decode", qd, dpos)):
-                if q.shape[2] != d:
-                    fail(f"{p}/{name} has head dim {q.shape[2]}, keys have {d}")
-                if q.shape[1] != pos.shape[0]:
-                    fail(f"{p}/{name} has {q.shape[1]} rows but {pos.shape[0]} positions")
-                if q.shape[0] % n_kv:
-                    fail(f"{p}/{name} has {q.shape[0]} query heads, not a multiple of "
-                         f"{n_kv} KV heads")
-            if qq.shape[0] != qd.shape[0]:
-                fail(f"{p}: question and decode queries differ in head count")
-            shape = (k.shape, qq.shape[0])
-            if shape0 is not None and shape != shape0:
-                fail(f"{p}: shapes differ from the first captured layer")
-            shape0 = shape
-            for s in a["scores"]:
-                key = f"{p}/score/{s}"
-                if key in arrays and need(key, 2, "float").shape != (n_kv, n):
-                    fail(f"{key} has shape {arrays[key].shape}, expected {(n_kv, n)}")
-        n = shape0[0][1]
-        if not 0 < a["context_len"] <= n:
-            fail(f"context_len {a['context_len']} outside 1..{n} tokens")
-        for name, pos in (("question_pos", qpos), ("decode_pos", dpos)):
-            if pos.size and (pos.min() < 0 or pos.max() >= n):
-                fail(f"attn/{name} has positions outside 0..{n - 1}")
+        _validate_attention(meta["attention"], c)
+
+
+def _validate_hardware(h, c: _Check) -> None:
+    if not isinstance(h, dict) or not isinstance(h.get("tables"), dict) \
+            or not isinstance(h.get("device"), dict):
+        c.fail("meta.hardware must hold 'device' and 'tables'")
+    for t, spec in h["tables"].items():
+        if not isinstance(spec, dict) or not isinstance(spec.get("columns", []), list):
+            c.fail(f"hardware table {t!r}: its spec must be an object with a 'columns' list")
+        cols = spec.get("columns") or []
+        if not cols:
+            c.fail(f"hardware table {t!r} has no columns")
+        lengths = {c.need(f"hw/{t}/{col}", 1, "number").shape[0] for col in cols}
+        if len(lengths) != 1:
+            c.fail(f"hardware table {t!r} has columns of different lengths {sorted(lengths)}")
+        if lengths == {0}:
+            c.fail(f"hardware table {t!r} is empty")
+
+
+def _validate_attention(a, c: _Check) -> None:
+    fail = c.fail
+    if not isinstance(a, dict) or not a.get("layers"):
+        fail("meta.attention must list at least one layer")
+    for key in ("context_len", "rope", "scores"):
+        if key not in a:
+            fail(f"meta.attention lacks {key!r}")
+    layers = a["layers"]
+    if not isinstance(layers, list) or not all(type(l) is int and l >= 0 for l in layers):
+        fail(f"meta.attention.layers must be a list of layer numbers, got {layers!r}")
+    if len(set(layers)) != len(layers):
+        fail(f"meta.attention.layers lists a layer twice: {layers}")
+    if type(a["context_len"]) is not int:
+        fail(f"context_len must be a whole number of tokens, got {a['context_len']!r}")
+    if not isinstance(a["rope"], dict):
+        fail(f"meta.attention.rope must be an object (theta, type, ...), got {a['rope']!r}")
+    if not isinstance(a["scores"], list) or not all(isinstance(x, str) for x in a["scores"]):
+        fail(f"meta.attention.scores must be a list of scorer names, got {a['scores']!r}")
+    qpos = c.need("attn/question_pos", 1, "int")
+    dpos = c.need("attn/decode_pos", 1, "int")
+    shape0 = None
+    for l in a["layers"]:
+        shape = _validate_layer(f"attn/L{l}", a["scores"], qpos, dpos, c)
+        if shape0 is not None and shape != shape0:
+            fail(f"attn/L{l}: shapes differ from the first captured layer")
+        shape0 = shape
+    n = shape0[0][1]
+    if not 0 < a["context_len"] <= n:
+        fail(f"context_len {a['context_len']} outside 1..{n} tokens")
+    for name, pos in (("question_pos", qpos), ("decode_pos", dpos)):
+        if pos.size and (pos.min() < 0 or pos.max() >= n):
+            fail(f"attn/{name} has positions outside 0..{n - 1}")
+
+
+def _validate_layer(p: str, scores: list, qpos, dpos, c: _Check) -> tuple:
+    """One captured layer's arrays; returns its shape (keys, query heads)."""
+    fail = c.fail
+    k, v = c.need(f"{p}/k", 3, "float"), c.need(f"{p}/v", 3, "float")
+    qq, qd = c.need(f"{p}/q_question", 3, "float"), c.need(f"{p}/q_decode", 3, "float")
+    n_kv, n, d = k.shape
+    if not (n_kv and n and d):
+        fail(f"{p}/k has shape {k.shape}: KV heads, tokens and head dim must be > 0")
+    if not qq.shape[0]:
+        fail(f"{p}/q_question has no query heads")
+    if not (qq.shape[1] or qd.shape[1]):
+        fail(f"{p} has no query rows (neither question nor decode)")
+    if max(float(np.abs(x).max(initial=0.0)) for x in (k, v, qq, qd)) > MAX_ABS:
+        fail(f"{p} holds values beyond {MAX_ABS:g} in magnitude: attention logits would "
+             f"overflow")
+    if v.shape != k.shape:
+        fail(f"{p}/v has shape {v.shape}, keys have {k.shape}")
+    for name, q, pos in (("q_question", qq, qpos), ("q_decode", qd, dpos)):
+        if q.shape[2] != d:
+            fail(f"{p}/{name} has head dim {q.shape[2]}, keys have {d}")
+        if q.shape[1] != pos.shape[0]:
+            fail(f"{p}/{name} has {q.shape[1]} rows but {pos.shape[0]} positions")
+        if q.shape[0] % n_kv:
+            fail(f"{p}/{name} has {q.shape[0]} query heads, not a multiple of {n_kv} KV heads")
+    if qq.shape[0] != qd.shape[0]:
+        fail(f"{p}: question and decode queries differ in head count")
+    for s in scores:
+        key = f"{p}/score/{s}"
+        if key in c.arrays and c.need(key, 2, "float").shape != (n_kv, n):
+            fail(f"{key} has shape {c.arrays[key].shape}, expected {(n_kv, n)}")
+    return k.shape, qq.shape[0]
