@@ -87,7 +87,7 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
                 t3 = time.perf_counter()
                 g = generate(model, codec, pre, q_ids, max_new, policy=pol,
                              seed=seed * 100003 + i * 101 + j)
-                outs.append((s, g, time.perf_counter() - t3))
+                outs.append((s, pol, g, time.perf_counter() - t3))
                 bar.update(1)
                 done += 1
         except Exception as e:  # one prompt failing is reported, not fatal
@@ -96,46 +96,14 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
             bar.update(1 + len(policies) - done)
             continue
         dense_scores.append(row["scores"])
-        for s, g, secs in outs:
-            r = res[s.label]
-            r["scores"].append(score(g.text, p.answers, p.match))
-            r["seconds"] += secs
-            r["forwards"] += g.forwards
-            for (layer, m, st), ph in zip(g.stats, g.phases):
-                r["calls"].add(ph, st, pre.n_ctx)
-            r["held"].append(kept(pol, g.compressed, pre.n_ctx, lm.info["head_dim"]))
-            if len(r["examples"]) < 3:
-                r["examples"].append({"prompt": p.id, "answers": p.answers, "dense": d.text,
-                                      "policy": g.text})
+        for s, pol, g, secs in outs:
+            _record(res[s.label], pol, g, secs, p, d.text, pre.n_ctx, lm.info["head_dim"])
     bar.close()
     n = len(dense_scores)
     if not n and failures:
         raise KvsimError(f"every prompt failed; the first: {failures[0]['error']}")
     dense_acc = sum(dense_scores) / n if n else float("nan")
-    results = []
-    for s, pol in policies:
-        r = res[s.label]
-        acc = sum(r["scores"]) / n if n else float("nan")
-        stats = r["calls"].summary(getattr(pol.params, "eps", None))
-        stats |= _mean_dicts(r["held"])
-        results.append({
-            "policy": s.label, "name": s.name, "options": s.options,
-            "accuracy": acc, "dense_accuracy": dense_acc,
-            "relative_accuracy": acc / dense_acc if dense_acc and not math.isnan(dense_acc)
-            else None,
-            "kv_read_frac": stats["kv_read_frac"],
-            "question_kv_read_frac": stats.get("question", {}).get("kv_read_frac"),
-            "decode_kv_read_frac": stats.get("decode", {}).get("kv_read_frac"),
-            "overall_kv_read_frac": stats.get("overall", {}).get("kv_read_frac"),
-            "kv_read_source": "measured: the policy's attend statistics (kvsim.measure.stats: "
-                              "kv_read_frac of decode steps; overall_ per forward pass, question "
-                              "pass and decode steps alike; the same names as kvsim replay's)",
-            "n": n,
-            "stats": stats,
-            "seconds_per_prompt": r["seconds"] / n if n else None,
-            "seconds_per_forward": r["seconds"] / r["forwards"] if r["forwards"] else None,
-            "examples": r["examples"],
-        })
+    results = [_result(s, pol, res[s.label], n, dense_acc) for s, pol in policies]
     warnings = []
     if max_pos and tokens and max(tokens) > max_pos:
         warnings.append(f"prompts reach {max(tokens)} tokens, past the model's "
@@ -147,6 +115,46 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
                    "dense_s_per_prompt": t_dense / n if n else None,
                    "model_load_s": lm.load_s},
         "kvzip_scores": want_kvzip, "oracle_scores": want_oracle, "warnings": warnings,
+    }
+
+
+def _record(r: dict, pol, g, secs: float, p: Prompt, dense_text: str, n_ctx: int,
+            head_dim: int) -> None:
+    """Add one prompt's generation through ``pol`` to its policy's running record ``r``."""
+    r["scores"].append(score(g.text, p.answers, p.match))
+    r["seconds"] += secs
+    r["forwards"] += g.forwards
+    for (_layer, _rows, st), ph in zip(g.stats, g.phases, strict=True):
+        r["calls"].add(ph, st, n_ctx)
+    r["held"].append(kept(pol, g.compressed, n_ctx, head_dim))
+    if len(r["examples"]) < 3:
+        r["examples"].append({"prompt": p.id, "answers": p.answers, "dense": dense_text,
+                              "policy": g.text})
+
+
+def _result(s, pol, r: dict, n: int, dense_acc: float) -> dict:
+    """One policy's accuracy and statistics over the prompts that ran."""
+    acc = sum(r["scores"]) / n if n else float("nan")
+    stats = r["calls"].summary(getattr(pol.params, "eps", None))
+    stats |= _mean_dicts(r["held"])
+    return {
+        "policy": s.label, "name": s.name, "options": s.options,
+        "accuracy": acc, "dense_accuracy": dense_acc,
+        "relative_accuracy": acc / dense_acc if dense_acc and not math.isnan(dense_acc)
+        else None,
+        "kv_read_frac": stats["kv_read_frac"],
+        "question_kv_read_frac": stats.get("question", {}).get("kv_read_frac"),
+        "decode_kv_read_frac": stats.get("decode", {}).get("kv_read_frac"),
+        "overall_kv_read_frac": stats.get("overall", {}).get("kv_read_frac"),
+        "kv_read_source": "measured: what the policy kept and read in each attend call "
+                          "(kvsim.measure.traffic; kv_read_frac of decode steps; overall_ per "
+                          "forward pass, question pass and decode steps alike; the same names "
+                          "as kvsim replay's)",
+        "n": n,
+        "stats": stats,
+        "seconds_per_prompt": r["seconds"] / n if n else None,
+        "seconds_per_forward": r["seconds"] / r["forwards"] if r["forwards"] else None,
+        "examples": r["examples"],
     }
 
 
