@@ -5,27 +5,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import textwrap
 
 from kvsim.policies import ALIASES, load_all
-from kvsim.policies.spec import convert, kind
+from kvsim.policies.spec import clashes, convert, flag, kind
 
 
-def _fields():
-    """(field, {policy: its default}) for every option of every registered policy."""
+def _options(policies: dict[str, type]) -> dict[str, tuple[dataclasses.Field, dict]]:
+    """name -> (its field, {policy: its default}) for every option of ``policies``; a name that
+    means two things among them is a RuntimeError (a policy's bug, caught by the tests)."""
+    bad = clashes(policies)
+    if bad:
+        raise RuntimeError("; ".join(bad))
     seen: dict[str, tuple[dataclasses.Field, dict]] = {}
-    for name, cls in sorted(load_all().items()):
+    for name, cls in sorted(policies.items()):
         for f in dataclasses.fields(cls.Params):
             seen.setdefault(f.name, (f, {}))[1][name] = f.default
-    return seen.values()
+    return seen
+
+
+def _default_text(default) -> str:
+    return "no default" if default is dataclasses.MISSING else \
+        "default: see above" if default is None else f"default {default!r}" if default == "" \
+        else f"default {default}"
 
 
 def _defaults_text(owners: dict) -> str:
     """``[verkv, topk: default 16]`` or ``[varrate: default 5; verkv: default 16]``."""
     by_default: dict[str, list[str]] = {}
     for policy, default in owners.items():
-        key = "no default" if default is dataclasses.MISSING else \
-            "default: see above" if default is None else f"default {default}"
-        by_default.setdefault(key, []).append(policy)
+        by_default.setdefault(_default_text(default), []).append(policy)
     return "[" + "; ".join(f"{', '.join(ps)}: {d}" for d, ps in by_default.items()) + "]"
 
 
@@ -45,15 +54,48 @@ def policy_help() -> str:
             f"override the flags below; {aliases}). {names}")
 
 
-def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> None:
-    """One flag per policy option; with ``lists`` each takes comma-separated values to sweep."""
-    group = parser.add_argument_group(
-        "policy options", "each applies to the policies named in its help; defaults are the "
-                          "policy's" + ("; give comma-separated values to sweep" if lists else ""))
-    for f, owners in _fields():
+def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False,
+                     policies: dict[str, type] | None = None) -> None:
+    """One flag per policy option (``policies``: every registered one); with ``lists`` each
+    takes comma-separated values to sweep. Options that policies of more than one ``Params``
+    take form the shared group, each naming who takes it with their defaults; the others sit
+    in one group per ``Params`` class, titled with the policies that use it."""
+    policies = load_all() if policies is None else policies
+    options = _options(policies)
+    classes: dict[type, list[str]] = {}
+    for name, cls in sorted(policies.items()):
+        classes.setdefault(cls.Params, []).append(name)
+    where = {n: {policies[p].Params for p in owners} for n, (_, owners) in options.items()}
+    shared = [n for n in options if len(where[n]) > 1]
+    if shared:
+        _add(parser.add_argument_group("shared policy options", _wrap(
+            "one meaning and one check in every policy that takes one; each names the "
+            "policies that take it, with their defaults" +
+            ("; give comma-separated values to sweep" if lists else ""))),
+             options, shared, True, lists)
+    for cls, owners in classes.items():
+        own = [n for n in options if where[n] == {cls}]
+        also = [flag(n) for n in shared if cls in where[n]]
+        if own or also:
+            who, takes = ", ".join(owners), "take" if len(owners) > 1 else "takes"
+            desc = f"{who} {takes} {'these and' if own else 'only'} the shared " \
+                   f"{', '.join(also)}" if also else ""
+            _add(parser.add_argument_group(f"{who} options", _wrap(desc)), options, own, False,
+                 lists)
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, 90)
+
+
+def _add(group, options: dict, names: list[str], shared: bool, lists: bool) -> None:
+    for name in names:
+        f, owners = options[name]
         k = kind(f)
-        helptext = f"{f.metadata.get('help', '')} {_defaults_text(owners)}"
-        kw = {"default": None, "dest": f"opt_{f.name}", "help": helptext}
+        defaults = _defaults_text(owners) if shared else \
+            f"[{_default_text(next(iter(owners.values())))}]"
+        kw = {"default": None, "dest": f"opt_{name}",
+              "help": f"{f.metadata.get('help', '')} {defaults}"}
         if lists:
             kw["type"] = lambda text, k=k: parse_list(k, text)
             kw["metavar"] = "V[,V...]"
@@ -64,8 +106,8 @@ def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> No
             if "choices" in f.metadata:
                 kw["choices"] = f.metadata["choices"]
             else:
-                kw["metavar"] = f.name.upper()
-        group.add_argument("--" + f.name.replace("_", "-"), **kw)
+                kw["metavar"] = name.upper()
+        group.add_argument(flag(name), **kw)
 
 
 def policy_options(args: argparse.Namespace) -> dict:

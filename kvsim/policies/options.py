@@ -1,78 +1,112 @@
-"""Options the attention-path policies share: same name, type, default and meaning in every
-policy that takes one, validated by one function; and the budget rule they share."""
+"""Options the policies share and the budget rule they share.
+
+A shared option has one name, help, kind and check in every policy that takes it (each policy
+gives its own default): a policy declares it with :func:`shared` (or one of the ``*_field``
+helpers), never with a field of its own. :func:`check_common` runs those checks, and the choices
+check of every option, for every policy (``kvsim.policies.spec.params`` calls it)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import field
+from collections.abc import Callable
+from dataclasses import field, fields
 from typing import NamedTuple
 
 from kvsim.errors import KvsimError
 
 SCORERS = ("snapkv", "kvzip", "oracle")  # implemented in kvsim.policies.scorers
-
-
-def compression_field():
-    return field(default=16.0, metadata={
-        "help": "GPU budget as a fraction of the full cache: 1/compression (8, 16, 32 = 8x..32x)"})
-
-
-def eps_field(note: str = ""):
-    return field(default=0.05, metadata={
-        "help": "tolerance eps on the relative error of the attention denominator" + note})
-
-
-def delta_field():
-    return field(default=0.1, metadata={
-        "help": "failure probability delta of the Bernstein certificate, in (0, 1)"})
-
-
-def scorer_field():
-    return field(default="snapkv", metadata={
-        "help": "token scores: snapkv (last 64 question queries, pooled), kvzip (the trace's "
-                "scores), oracle (the future attention: an upper bound)", "choices": list(SCORERS)})
-
-
 EDGE_DEFAULT = 64  # sink and local tokens when not given, shrunk to fit a short context
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(v) -> bool:
+    return v is None or (_finite(v) and int(v) == v and v >= 0)
+
+
+class Shared(NamedTuple):
+    """A shared option: its one help, its kind and choices, and its one check (``must`` says
+    what the check requires, in the error line)."""
+    help: str
+    kind: type
+    ok: Callable[[object], bool]
+    must: str
+    choices: tuple = ()
+
+
+_EDGE = (f"(a policy with a budget and no value given: {EDGE_DEFAULT}, or a quarter of the "
+         f"budget where that does not fit, with a warning)")
+SHARED = {
+    "compression": Shared(
+        "budget: 1/compression of the full 16-bit KV cache (8, 16, 32 = 8x..32x smaller; 1 = "
+        "all of it)", float, lambda v: _finite(v) and v >= 1,
+        "be >= 1 (the budget is 1/compression of the cache)"),
+    "eps": Shared(
+        "tolerance eps on the relative error of the attention denominator: policies that "
+        "fetch do so until their certificate is below it; those that never fetch only report "
+        "the share of decisions whose true error exceeds it", float,
+        lambda v: _finite(v) and v > 0, "be > 0"),
+    "delta": Shared(
+        "failure probability delta of the Bernstein certificate, in (0, 1)", float,
+        lambda v: _finite(v) and 0 < v < 1, "lie strictly between 0 and 1"),
+    "scorer": Shared(
+        "token scores: snapkv (last 64 question queries, pooled), kvzip (the trace's scores), "
+        "oracle (the future attention: an upper bound)", str, lambda v: v in SCORERS,
+        f"be one of {', '.join(SCORERS)}", SCORERS),
+    "sink": Shared(f"first tokens always kept (attention sinks) {_EDGE}", int, _whole,
+                   "be a whole number >= 0"),
+    "local": Shared(f"last context tokens always kept {_EDGE}", int, _whole,
+                    "be a whole number >= 0"),
+}
+
+
+def shared(name: str, default):
+    """The dataclass field of the shared option ``name`` with a policy's ``default``."""
+    s = SHARED[name]
+    meta = {"help": s.help, "kind": s.kind}
+    if s.choices:
+        meta["choices"] = list(s.choices)
+    return field(default=default, metadata=meta)
+
+
+def compression_field(default: float = 16.0):
+    return shared("compression", default)
+
+
+def eps_field():
+    return shared("eps", 0.05)
+
+
+def delta_field():
+    return shared("delta", 0.1)
+
+
+def scorer_field():
+    return shared("scorer", "snapkv")
+
+
 def sink_field():
-    return field(default=None, metadata={
-        "kind": int, "help": f"first tokens always kept (attention sinks) [default: {EDGE_DEFAULT}, or a "
-                f"quarter of the budget where that does not fit, with a warning]"})
+    return shared("sink", None)
 
 
 def local_field():
-    return field(default=None, metadata={
-        "kind": int, "help": f"last context tokens always kept [default: {EDGE_DEFAULT}, or a quarter of "
-                f"the budget where that does not fit, with a warning]"})
+    return shared("local", None)
 
 
 def check_common(p) -> None:
-    """Validate the shared options a Params instance has; one clear KvsimError line."""
-    if hasattr(p, "compression") and not (isinstance(p.compression, (int, float))
-                                          and math.isfinite(p.compression) and p.compression >= 1):
-        raise KvsimError(f"--compression must be >= 1 (the budget is 1/compression of the "
-                         f"cache); got {p.compression}")
-    if hasattr(p, "eps") and not (math.isfinite(p.eps) and p.eps > 0):
-        raise KvsimError(f"--eps must be > 0; got {p.eps}")
-    if hasattr(p, "delta") and not (0 < p.delta < 1):
-        raise KvsimError(f"--delta must lie strictly between 0 and 1; got {p.delta}")
-    for name in ("sink", "local"):
-        v = getattr(p, name, None)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                              or not math.isfinite(v) or int(v) != v or v < 0):
-            raise KvsimError(f"--{name} must be a whole number >= 0; got {getattr(p, name)}")
-    if hasattr(p, "scorer") and p.scorer not in SCORERS:
-        raise KvsimError(f"--scorer must be one of {', '.join(SCORERS)}; got {p.scorer!r}")
-
-
-def check_choices(p, **allowed: tuple) -> None:
-    """Each named option of ``p`` must be one of its allowed values."""
-    for name, values in allowed.items():
-        if getattr(p, name) not in values:
-            raise KvsimError(f"--{name.replace('_', '-')} must be one of {', '.join(values)}; "
-                             f"got {getattr(p, name)!r}")
+    """Validate the shared options a Params instance has (the same check for every policy) and
+    every option's declared choices; one clear KvsimError line."""
+    for f in fields(p):
+        v = getattr(p, f.name)
+        s = SHARED.get(f.name)
+        if s is not None and not s.ok(v):
+            raise KvsimError(f"--{f.name} must {s.must}; got {v!r}")
+        choices = f.metadata.get("choices")
+        if choices and v not in choices:
+            raise KvsimError(f"--{f.name.replace('_', '-')} must be one of "
+                             f"{', '.join(map(str, choices))}; got {v!r}")
 
 
 class Budget(NamedTuple):

@@ -23,14 +23,10 @@ from kvsim.policies.scorers import context_scores, scoring_work
 @dataclass
 class NoFetchParams:
     compression: float = O.compression_field()
-    eps: float = O.eps_field(" (only reported: the share of decisions whose true error exceeds "
-                             "it; these policies never fetch)")
+    eps: float = O.eps_field()
     scorer: str = O.scorer_field()
     sink: int = O.sink_field()
     local: int = O.local_field()
-
-    def validate(self) -> None:
-        O.check_common(self)
 
 
 class ScoredPolicy(MaskPolicy):

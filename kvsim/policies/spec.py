@@ -14,6 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from kvsim.errors import KvsimError
+from kvsim.policies.options import SHARED, check_common
 from kvsim.policies.registry import resolve
 
 TRUE, FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -42,6 +43,26 @@ def kind(f: dataclasses.Field) -> type:
     return type(f.default) if f.default not in (dataclasses.MISSING, None) else str
 
 
+def clashes(policies: dict[str, type]) -> list[str]:
+    """Every option name that means two things among ``policies``' Params: a shared option
+    (:data:`~kvsim.policies.options.SHARED`) whose help, kind or choices are not the shared
+    definition's, or a name that two policies define each with a field of its own."""
+    out, first = [], {}
+    for name, cls in sorted(policies.items()):
+        for f in dataclasses.fields(cls.Params):
+            s = SHARED.get(f.name)
+            if s is not None:
+                if (f.metadata.get("help"), kind(f), tuple(f.metadata.get("choices", ()))) != \
+                        (s.help, s.kind, s.choices):
+                    out.append(f"{flag(f.name)} of {name} is not the shared definition: "
+                               f"declare it with kvsim.policies.options.shared")
+            elif first.setdefault(f.name, (name, f))[1] is not f:
+                out.append(f"{flag(f.name)} is defined by both {first[f.name][0]} and {name}: "
+                           f"give one a distinct name, or make it one shared option "
+                           f"(kvsim.policies.options.SHARED)")
+    return out
+
+
 def convert(kind_: type, text: str):
     """``text`` as a value of ``kind_`` (bools: true/false/1/0/yes/no); ValueError otherwise."""
     text = text.strip()
@@ -68,7 +89,9 @@ def params(cls, options: dict):
         raise KvsimError(f"{', '.join(flag(f) for f in foreign)} does not apply to policy "
                          f"{cls.name} (it takes {accepted})")
     p = cls.Params(**options)
-    p.validate()
+    check_common(p)
+    if hasattr(p, "validate"):
+        p.validate()
     return p
 
 

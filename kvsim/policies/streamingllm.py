@@ -4,25 +4,25 @@ whatever the context: charged as such, not as a share of the trace it was measur
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvsim.contract import DecodeCost
 from kvsim.errors import KvsimError
+from kvsim.policies import options as O
 from kvsim.policies.base import MaskPolicy
 from kvsim.policies.registry import register
 
 
 @dataclass
 class StreamingParams:
-    sink: int = field(default=4, metadata={"kind": int, "help": "first tokens always kept"})
-    local: int = field(default=1020, metadata={"kind": int, "help": "last tokens always kept"})
+    sink: int = O.shared("sink", 4)
+    local: int = O.shared("local", 1020)
 
     def validate(self) -> None:
-        if min(self.sink, self.local) < 0 or self.sink + self.local < 1:
-            raise KvsimError(f"streamingllm keeps sink + local >= 1 tokens; got {self.sink} + "
-                             f"{self.local}")
+        if self.sink + self.local < 1:  # each is a whole number >= 0 (the shared check)
+            raise KvsimError("streamingllm keeps sink + local >= 1 tokens; got none")
 
 
 @register

@@ -24,6 +24,7 @@ import torch
 from kvsim.attention.weighted import row_chunks, weighted_attention
 from kvsim.contract import DecodeCost
 from kvsim.errors import KvsimError
+from kvsim.policies import options as O
 from kvsim.policies.base import KV_ELEM_BYTES, Compressed, FetchPolicy, Reads
 from kvsim.policies.registry import register
 
@@ -37,15 +38,15 @@ class QuestParams:
     token_budget: int = field(default=1024, metadata={
         "kind": int, "help": "context tokens each KV head reads per step (whole pages: the "
                              "best token_budget / page_size), whatever the context"})
-    sink: int = field(default=4, metadata={"kind": int, "help": "first tokens always kept"})
-    local: int = field(default=4, metadata={"kind": int, "help": "last tokens always kept"})
+    sink: int = O.shared("sink", 4)
+    local: int = O.shared("local", 4)
 
     def validate(self) -> None:
-        for name in ("page_size", "token_budget", "sink", "local"):
+        for name in ("page_size", "token_budget"):
             v = getattr(self, name)
-            if int(v) != v or v < (1 if name in ("page_size", "token_budget") else 0):
-                raise KvsimError(f"--{name.replace('_', '-')} must be a whole number >= "
-                                 f"{1 if name in ('page_size', 'token_budget') else 0}; got {v}")
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and int(v) == v and v >= 1):
+                raise KvsimError(f"--{name.replace('_', '-')} must be a whole number >= 1; "
+                                 f"got {v}")
         if self.token_budget < self.page_size:
             raise KvsimError(f"--token-budget ({self.token_budget}) holds no page of "
                              f"--page-size {self.page_size}")

@@ -25,6 +25,7 @@ from kvsim.attention.dense import dense_attention
 from kvsim.attention.rope import rope_from_meta
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import KvsimError
+from kvsim.policies import options as O
 from kvsim.policies.base import Compressed, MaskPolicy
 from kvsim.policies.registry import register
 from kvsim.policies.varrate import codec as vc
@@ -37,12 +38,11 @@ META_PARTS = ("scales", "anchor_ids", "ranks")  # stored bytes: neither tokens n
 
 @dataclass
 class VarRateParams:
-    compression: float = field(default=5.0, metadata={
-        "help": "budget as 1/compression of the full cache (varrate/flat: kappa at 16-bit "
-                "coefficients, default 5 = 20%%; lower --coef-bits shrinks it further)"})
+    compression: float = O.compression_field(5.0)  # kappa = 1/compression, in coefficients
     coef_bits: int = field(default=16, metadata={
-        "help": "bits per kept coefficient (16 = fp16; 8/4/3 = group quantization with fp16 "
-                "scale and zero per group)", "choices": list(vc.BITS)})
+        "help": "bits per kept coefficient (16 = fp16: the bytes fill the --compression budget; "
+                "8/4/3 = group quantization with fp16 scale and zero per group: the same "
+                "coefficients in fewer bytes)", "choices": list(vc.BITS)})
     group_size: int = field(default=32, metadata={
         "help": "coefficients per quantization group (consecutive coefficients of one token)"})
     quant_axis: str = field(default="channel", metadata={
@@ -71,10 +71,6 @@ class VarRateParams:
         "help": "salience observation window: last queries used (w_obs)"})
 
     def validate(self) -> None:
-        if not self.compression > 1.0:
-            raise KvsimError(f"--compression {self.compression} must be > 1")
-        if self.coef_bits not in vc.BITS:
-            raise KvsimError(f"--coef-bits {self.coef_bits} not in {vc.BITS}")
         for name in ("group_size", "stride", "anchors_c", "obs_window"):
             if getattr(self, name) < 1:
                 raise KvsimError(f"--{name.replace('_', '-')} must be >= 1")
@@ -82,10 +78,6 @@ class VarRateParams:
             raise KvsimError("--r-min, --rank-cap and --window must be >= 0")
         if self.rank_cap and self.r_min > self.rank_cap:
             raise KvsimError(f"--r-min {self.r_min} exceeds --rank-cap {self.rank_cap}")
-        if self.quant_axis not in ("channel", "token"):
-            raise KvsimError("--quant-axis is channel|token")
-        if self.setting not in ("aware", "agnostic") or self.mode not in ("reconstruct", "fused"):
-            raise KvsimError("--setting is aware|agnostic and --mode reconstruct|fused")
 
 
 @dataclass

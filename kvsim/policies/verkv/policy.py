@@ -81,7 +81,7 @@ R_BYTES = 2  # fp16 inclusion probability per context token
 @dataclass
 class VerKVParams:
     compression: float = O.compression_field()
-    eps: float = O.eps_field(": fetch until the certificate is below it")
+    eps: float = O.eps_field()
     delta: float = O.delta_field()
     sketch: str = field(default="2bit", metadata={
         "help": "weights the certificate plans with: 2bit (the paper's key sketch + a shortlist "
@@ -113,9 +113,6 @@ class VerKVParams:
         "choices": list(VARIANTS)})
 
     def validate(self) -> None:
-        O.check_common(self)
-        O.check_choices(self, sketch=SKETCHES, shrinkage=SHRINKAGES, variant=VARIANTS,
-                        pass_plan=PASS_PLANS)
         if self.eps_output is not None and not (isinstance(self.eps_output, (int, float))
                                                 and math.isfinite(self.eps_output)
                                                 and self.eps_output > 0):
