@@ -362,8 +362,8 @@ class CostModel:
     def check_decide_range(self, context: float) -> None:
         """Record an extrapolation when a plan decides beyond the contexts a profile measured
         (for each decide kernel the simulation asked for)."""
-        for kernel in sorted(self.decided):
-            table, lo, hi = self.decide_ranges.get(kernel, ("", context, context))
+        for kernel in sorted(self.decided & set(self.decide_ranges)):
+            table, lo, hi = self.decide_ranges[kernel]
             if not lo <= context <= hi:
                 self.extrapolations.add(f"{table}: context {context:.0f}, measured "
                                         f"{lo:.0f}..{hi:.0f} (linear model)")
