@@ -24,9 +24,10 @@ from profiler.identity import device_identity
 from profiler.link import GiB, KiB, MiB, sizes
 from profiler.nvml import Nvml, Sampler
 
+# tables every profile must hold; each decide kernel handed in adds its kernel_decide_<policy>,
+# at the contexts its policy's budget fits
 CONSUMED = ("link_h2d_pinned", "link_d2h_pinned", "link_gather_gpu", "kernel_decode_attn",
-            "kernel_gemm")  # and kernel_decide_<policy> per decide kernel handed in, where its
-# contexts fit the policy's budget
+            "kernel_gemm")
 
 
 @dataclass(frozen=True)
