@@ -25,14 +25,17 @@ working set larger than the last-level cache, as each layer of a real step has i
   host, then one copy (with pack and copy times);
 * ``kernel_decode_attn`` (context, batch, tokens, seconds): one layer's decode attention for the
   model's head shape, ``tokens = batch x context``; ``kernel_gemm`` (batch, seconds): one layer's
-  projections and gated MLP; ``kernel_lm_head``; ``kernel_decide`` (context, batch, seconds,
-  fetched_frac): a policy's decide step for one layer, ``seconds`` for ONE call that decides
-  the whole batch of ``batch`` requests (their layers stacked along the head axis: ``batch x
-  kv_heads`` KV heads, ``batch x q_heads`` query heads, as a batched decide runs them), and
-  ``fetched_frac`` the mean share of the context it fetched per KV head; a grid of contexts x
-  batches (GPU: 4K..32K x 1, 2, 4, 8, ``--quick`` 4K, 16K x 1, 2, 4; CPU: 4K..16K x 1, 2, 4,
-  ``--quick`` 4K, 8K x 1, 2). The caller hands the kernel in (``kvsim profile`` gives VerKV's, whose ``stack(B)`` adds
-  B - 1 synthetic requests generated once per context, in worker processes when large);
+  projections and gated MLP; ``kernel_lm_head``; ``kernel_decide_<policy>`` (context, batch,
+  seconds, fetched_frac), one table per policy that decides per step what to fetch: its decide
+  step for one layer, ``seconds`` for ONE call that decides the whole batch of ``batch``
+  requests (their layers stacked along the head axis: ``batch x kv_heads`` KV heads, ``batch x
+  q_heads`` query heads, as a batched decide runs them), and ``fetched_frac`` the mean share of
+  the context it fetched per KV head; a grid of contexts x batches (GPU: 4K..32K x 1, 2, 4, 8,
+  ``--quick`` 4K, 16K x 1, 2, 4; CPU: 4K..16K x 1, 2, 4, ``--quick`` 4K, 8K x 1, 2). The caller
+  hands the kernels in (``kvsim profile`` gives every registered policy's ``decide_kernel``, or
+  those of ``--policies``; VerKV's ``stack(B)`` adds B - 1 synthetic requests generated once per
+  context, in worker processes when large). Profiles made before the tables were kept per
+  policy hold one ``kernel_decide`` table, VerKV's, and are read as such;
   ``kernel_matmul``, ``mem_gemv``, ``mem_copy``: throughput and bandwidth references;
 * ``nvml`` (t, sweep, one column per supported field): link generation/width, PCIe rx/tx,
   clocks, power, memory, temperature, utilisation; unsupported fields are listed in ``missing``.
@@ -41,9 +44,9 @@ working set larger than the last-level cache, as each layer of a real step has i
 (best square matmul), alpha/beta fits of every link table (``fit``), the model shape and dtype,
 and every sweep a lack of memory cut short (``shrunk``). The simulator reads
 ``link_h2d_pinned``, ``link_d2h_pinned``, ``link_gather_gpu``, ``kernel_decode_attn``,
-``kernel_gemm``, ``kernel_decide`` and those three extras (``kvsim.hw.costs``).
+``kernel_gemm``, every ``kernel_decide_<policy>`` and those three extras (``kvsim.hw.costs``).
 
-``kvsim profile`` prints the decide table (context x batch -> ms per layer) after the run.
+``kvsim profile`` prints each decide table (context x batch -> ms per layer) after the run.
 ``profiler/gpu_session.sh`` runs profile + validate + the CUDA tests on a GPU machine in one
 session (see its header; ``DRY_RUN=1`` runs its plumbing on the CPU).
 

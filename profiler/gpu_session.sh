@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check of issues 5 and 11 in one session, under 9 minutes on an H100/H200:
 #   1. kvsim profile --gpu 0 --model qwen3-4b   (full sweeps, NVML sampled; --quick on a retry);
-#      its kernel_decide table times VerKV's decide at contexts 4K..32K x batches 1, 2, 4, 8
+#      its kernel_decide_<policy> tables time every fetching policy's decide (VerKV's, Quest's,
+#      ...) at contexts 4K..32K x batches 1, 2, 4, 8
 #   2. kvsim validate --gpu 0 --profile ...     (real decode loops of a 36-layer Qwen3-4B-shaped
-#      stack: dense-resident, dense-offload, verkv at 4K/16K/32K x batch 1/4/8; MAPE; a smaller
-#      grid of 12 configurations when the profile left less time)
+#      stack: dense-resident, dense-offload and every fetching policy at 4K/16K/32K x batch
+#      1/4/8; MAPE; a smaller grid of 2 contexts x 2 batches when the profile left less time)
 #   3. the CUDA tests (pytest -m gpu), if time is left and pytest is there
-#   4. summary.txt, printed last: the profile, the validation table, the decide-kernel table
+#   4. summary.txt, printed last: the profile, the validation table, the decide-kernel tables
 #
 # How to run it on the device machine (its own Python 3.12 + CUDA torch, no network, no simpy):
 #   here, once (network):   bash profiler/fetch_wheels.sh      (simpy + pytest wheels -> wheels/)
@@ -129,7 +130,7 @@ else
     || { say "gpu_session: this torch has no CUDA (run with DRY_RUN=1 to test without a GPU)"; \
          exit 1; }
   DEV=(--gpu 0) MODEL=(--model qwen3-4b) QUICK=() VAL_GRID=()
-  VAL_SMALL=(--contexts 4096,16384 --batches 1,8)  # 3 policies x 2 x 2 = 12 configurations
+  VAL_SMALL=(--contexts 4096,16384 --batches 1,8)  # 4 configurations per policy
   NVML=()
   "$PY" -c "import pynvml; pynvml.nvmlInit()" 2>/dev/null || NVML=(--no-nvml)
   NAME=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0).lower().replace(' ', '-'))" \
@@ -148,7 +149,7 @@ cat "$OUT/profile.log"
 if [ $RC -ne 0 ] && [ "$DRY" != 1 ]; then
   echo "full profile failed (exit $RC) or timed out after ${SECONDS}s; retrying with --quick" \
     | tee -a "$OUT/profile.log"
-  T2=$(( $(left) - 150 ))  # the validation then runs its 12-configuration grid
+  T2=$(( $(left) - 150 ))  # the validation then runs its smaller grid
   [ "$T2" -gt 150 ] && T2=150
   [ "$T2" -gt 30 ] && timeout "$T2" "${KV[@]}" profile "${DEV[@]}" "${MODEL[@]}" --quick \
     --out "$TRACE" --force "${NVML[@]}" --no-progress 2>&1 | tee -a "$OUT/profile.log"
@@ -179,7 +180,7 @@ else
   echo "skipped: ${SECONDS}s used" | tee "$OUT/pytest-gpu.log"
 fi
 
-# ---- 4. summary: the profile, the validation table, the decide-kernel table ----------------
+# ---- 4. summary: the profile, the validation table, the decide-kernel tables ---------------
 "$PY" - "$TRACE" "$OUT/validate.json" >"$OUT/summary.txt" 2>&1 <<'EOF'
 import json, sys
 from kvsim import trace as tracefile
@@ -215,8 +216,8 @@ else:
     for n in r["notes"]:
         print("note:", n)
 print()
-print("== decide kernel (profile table kernel_decide)")
-print("\n".join(decide_lines(hw)) or "no kernel_decide table in the profile")
+print("== decide kernels (profile tables kernel_decide_<policy>)")
+print("\n".join(decide_lines(hw)) or "no decide table in the profile")
 EOF
 echo "session done in ${SECONDS}s" >>"$OUT/summary.txt"
 echo "==================== summary.txt ===================="

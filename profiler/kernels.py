@@ -303,20 +303,18 @@ def _decide_kernel(be: Backend, m: ModelSpec, n: int, B: int, seed: int, bench, 
 
 
 def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], batches: list[int], progress,
-                 seed=0, bench=None, keep: dict | None = None) -> tuple[dict, list[str]]:
-    """kernel_decide: a policy's decide step for one layer vs context x batch; ``seconds`` is
-    one call that decides all ``batch`` requests together.
+                 bench, table: str, seed=0, keep: dict | None = None) -> tuple[dict, list[str]]:
+    """The table ``table``: one policy's decide step for one layer vs context x batch;
+    ``seconds`` is one call that decides all ``batch`` requests together.
 
     ``bench(device, model, context, seed)`` builds the kernel for one request (an object with
     ``plan()``, the timed call, and ``fetched_frac``); the caller hands it in (``kvsim profile``
-    gives VerKV's, ``kvsim.policies.verkv.bench``), so the profiler times it without depending
+    gives each fetching policy's ``decide_kernel``), so the profiler times it without depending
     on policies. A batch of ``B`` is one layer with ``B`` times the heads (the requests stacked
     along the head axis): the kernel's ``stack(B)`` if it has one, else ``bench`` called with
     that head shape. Batches run largest first at each context; one that runs out of memory is
     recorded in ``shrunk`` and the smaller ones are still measured. ``keep``: a dict that holds
     the kernels between calls (rounds), so each is generated once."""
-    if bench is None:
-        return {}, ["kernel_decide (no decide kernel was given to time)"]
     points, missing = [], []
     evict = be.evictor()
     cap = max(batches)  # batches above an out-of-memory point are not tried again
@@ -332,7 +330,7 @@ def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], batches: list[i
                     # KV and activations pass through the caches between two decide calls
                     t = be.time(vk.plan, warmup=2, repeats=10, target_s=0.1, before=evict)
                 except KvsimError as e:  # e.g. the policy's budget does not fit this context
-                    missing.append(f"kernel_decide at context {n}: {e}")
+                    missing.append(f"{table} at context {n}: {e}")
                     break
                 except Exception as e:  # noqa: BLE001
                     if not is_oom(e):
@@ -340,8 +338,8 @@ def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], batches: list[i
                     vk = None
                     be.free()
                     cap = min(cap, B - 1)
-                    be.shrunk.append(f"kernel_decide: out of memory at context {n}, batch {B};"
-                                     f" batches above {cap} skipped from there")
+                    be.shrunk.append(f"{table}: out of memory at context {n}, batch {B}; "
+                                     f"batches above {cap} skipped from there")
                 else:
                     points.append((n, B, t, vk.fetched_frac))
                 del vk
@@ -353,10 +351,10 @@ def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], batches: list[i
             if cap < min(batches):
                 break
     if not points:
-        return {}, missing + ["kernel_decide (no context could be measured)"]
+        return {}, missing + [f"{table} (no context could be measured)"]
     points.sort()
     cols = list(zip(*points))
-    return {"kernel_decide": {"context": np.array(cols[0], np.int64),
-                              "batch": np.array(cols[1], np.int64),
-                              "seconds": np.array(cols[2], np.float64),
-                              "fetched_frac": np.array(cols[3], np.float64)}}, missing
+    return {table: {"context": np.array(cols[0], np.int64),
+                    "batch": np.array(cols[1], np.int64),
+                    "seconds": np.array(cols[2], np.float64),
+                    "fetched_frac": np.array(cols[3], np.float64)}}, missing

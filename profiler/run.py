@@ -15,6 +15,7 @@ from kvsim import trace as tracefile
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.catalog import ModelSpec
+from kvsim.hw.costs import DECIDE_TABLE, decide_tables
 from kvsim.hw.fit import fit_alpha_beta
 from kvsim.io import check_destination
 from profiler import kernels, link
@@ -23,8 +24,10 @@ from profiler.identity import device_identity
 from profiler.link import GiB, KiB, MiB, sizes
 from profiler.nvml import Nvml, Sampler
 
+# tables every profile must hold; each decide kernel handed in adds its kernel_decide_<policy>,
+# at the contexts its policy's budget fits
 CONSUMED = ("link_h2d_pinned", "link_d2h_pinned", "link_gather_gpu", "kernel_decode_attn",
-            "kernel_gemm")  # kernel_decide too, when its contexts fit VerKV's budget
+            "kernel_gemm")
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,13 @@ class Plan:
     decide_contexts: list = ()
     decide_batches: list = (1,)  # requests decided together in one call (stacked heads)
 
-    def points(self) -> int:
+    def points(self, decide_kernels: int) -> int:
         attn = sum(1 for n in self.contexts for b in self.batches if n * b <= self.max_tokens)
         gathers = len(self.gather_totals) * (len(link.ROW_SIZES) + 1)
         return (4 * len(self.link_sizes) + len(self.bidir_sizes) + 5 + gathers + attn
                 + len(self.gemm_batches) + len(self.head_batches) + len(self.mem_sizes)
-                + len(self.mm_sizes) + len(self.decide_contexts) * len(self.decide_batches))
+                + len(self.mm_sizes)
+                + decide_kernels * len(self.decide_contexts) * len(self.decide_batches))
 
 
 def plan_for(kind: str, quick: bool) -> Plan:
@@ -104,11 +108,12 @@ def profile(out: str | os.PathLike, gpu: int | None = None, device: str | None =
             model: str | ModelSpec | None = None, quick: bool = False, force: bool = False,
             nvml: bool = True, threads: int | None = None, seed: int = 0,
             progress: bool = True, plan: Plan | None = None,
-            rounds: int | None = None, decide=None) -> tracefile.Trace:
+            rounds: int | None = None, decide: dict | None = None) -> tracefile.Trace:
     """Run every sweep and save the trace atomically at ``out``; return it.
 
-    ``decide(device, model, context, seed)``: a policy's decide kernel to time for the table
-    ``kernel_decide`` (``kvsim profile`` gives VerKV's); without it the table is missing.
+    ``decide``: policy name -> its decide kernel ``(device, model, context, seed) -> bench``, each
+    timed into the table ``kernel_decide_<policy>`` (``kvsim profile`` gives every fetching
+    policy's); without any, no decide table.
 
     ``rounds``: the kernel and link sweeps run this many times, interleaved, and each point keeps
     its median over rounds (default 3 on the CPU, where other processes share the cores; 1 on a
@@ -187,11 +192,13 @@ def _median_rounds(runs: list[dict]) -> dict:
 
 
 def _sweeps(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, missing: list[str],
-            show: bool, seed: int, rounds: int = 1, decide=None) -> tuple[dict, dict]:
-    bar = tqdm(total=plan.points() * rounds, desc=f"profile {be.kind}", unit="pt",
+            show: bool, seed: int, rounds: int = 1, decide: dict | None = None
+            ) -> tuple[dict, dict]:
+    decide = decide or {}
+    bar = tqdm(total=plan.points(len(decide)) * rounds, desc=f"profile {be.kind}", unit="pt",
                disable=None if show else True, leave=False)
     runs, gmiss, extras, timing = [], [], [], {}
-    keep = {} if rounds > 1 else None  # decide kernels, built once for all rounds
+    keep = {} if rounds > 1 else None  # per policy, its decide kernels built once for all rounds
     try:
         for r in range(rounds):
             t, x, gm = _one_round(be, m, plan, sampler, bar, seed, r, timing, decide, keep)
@@ -209,10 +216,11 @@ def _sweeps(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, missing: li
 
 
 def _one_round(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, bar, seed: int, r: int,
-               timing: dict, decide=None, keep: dict | None = None
+               timing: dict, decide: dict, keep: dict | None = None
                ) -> tuple[dict, dict, list[str]]:
     """One pass over every sweep; random index sets change with the round ``r``, the synthetic
-    VerKV layer does not (its fetched_frac column must agree across rounds)."""
+    layers the decide kernels decide on do not (their fetched_frac column must agree across
+    rounds)."""
     tables: dict = {}
     missing: list[str] = []
     step = lambda: bar.update(1)  # noqa: E731
@@ -251,14 +259,19 @@ def _one_round(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, bar, see
         be, plan.mem_sizes, plan.mm_sizes, step, seed))
     tables |= roof
     be.free()
-    if plan.decide_contexts:
-        d, dmiss = run("kernel_decide", lambda: kernels.sweep_decide(
-            be, m, plan.decide_contexts, plan.decide_batches, step, seed, decide, keep))
+    if not decide or not plan.decide_contexts:
+        why = "no decide contexts in this sweep plan" if decide else \
+            "no decide kernel was given to time"
+        missing.append(f"{DECIDE_TABLE.format('<policy>')} ({why})")
+        return tables, extra, missing
+    for name, bench in decide.items():
+        table = DECIDE_TABLE.format(name)
+        kept = keep.setdefault(name, {}) if keep is not None else None
+        d, dmiss = run(table, lambda: kernels.sweep_decide(
+            be, m, plan.decide_contexts, plan.decide_batches, step, bench, table, seed, kept))
         tables |= d
         missing += dmiss
         be.free()
-    else:
-        missing.append("kernel_decide (no decide contexts in this sweep plan)")
     return tables, extra, missing
 
 
@@ -314,14 +327,14 @@ def _units(tables: dict) -> dict:
              "link_copy_latency": {"seconds": "s for `copies` back-to-back copies"},
              "kernel_decode_attn": {"seconds": "s per layer (whole batch)"},
              "kernel_gemm": {"seconds": "s per layer: norms, QKV, O, gated MLP"},
-             "kernel_decide": {"batch": "requests decided together in one call (their heads "
-                                        "stacked)",
-                               "seconds": "s per layer for the whole batch (one decode row "
-                                          "per request)",
-                               "fetched_frac": "mean share of the context the decision "
-                                               "fetched per KV head"},
              "mem_copy": {"bytes": "bytes read + written"},
              "mem_gemv": {"bytes": "matrix bytes read"}}
+    for table in decide_tables(tables).values():
+        notes[table] = {"batch": "requests decided together in one call (their heads stacked)",
+                        "seconds": "s per layer for the whole batch (one decode row per "
+                                   "request)",
+                        "fetched_frac": "mean share of the context the decision fetched per "
+                                        "KV head"}
     for t, cols in notes.items():
         if t in out:
             out[t] |= cols
@@ -329,12 +342,21 @@ def _units(tables: dict) -> dict:
 
 
 def decide_lines(hw) -> list[str]:
-    """The ``kernel_decide`` table as text: context x batch -> ms per layer for the whole batch
-    (and the fetched share of the context); [] when the profile has none. A table without a
-    ``batch`` column (an older profile) is batch 1."""
-    t = hw.tables.get("kernel_decide") if hw is not None else None
-    if not t or not len(t.get("context", ())):
+    """Each decide table (``kernel_decide_<policy>``, or an older profile's ``kernel_decide``) as
+    text: context x batch -> ms per layer for the whole batch (and the fetched share of the
+    context); [] when the profile has none. A table without a ``batch`` column (an older
+    profile) is batch 1."""
+    if hw is None:
         return []
+    out = []
+    for kernel, name in decide_tables(hw.tables).items():
+        t = hw.tables[name]
+        if len(t.get("context", ())):
+            out += _decide_table_lines(kernel, name, t)
+    return out
+
+
+def _decide_table_lines(kernel: str, name: str, t: dict) -> list[str]:
     ctx = np.asarray(t["context"], np.int64)
     bat = np.asarray(t["batch"], np.int64) if "batch" in t else np.ones_like(ctx)
     sec = np.asarray(t["seconds"], np.float64)
@@ -343,8 +365,8 @@ def decide_lines(hw) -> list[str]:
     cell = {(int(n), int(b)): (s, f) for n, b, s, f in zip(ctx, bat, sec, frac)}
     bs = sorted(set(bat.tolist()))
     w = 16
-    out = [("kernel_decide: one layer's decide for the whole batch, ms (fetched share of the "
-            "context)"),
+    out = [(f"{name}: {kernel}'s decide for one layer and the whole batch, ms (fetched share of "
+            "the context)"),
            f"  {'context':>8s}" + "".join(f"{f'B={b}':>{w}s}" for b in bs)]
     for n in sorted(set(ctx.tolist())):
         row = []

@@ -2,8 +2,8 @@
 Python that lacks simpy, as the device machine does: a real venv whose only packages are this
 interpreter's minus simpy. The session must install simpy from the wheels folder (built here by
 profiler/fetch_wheels.sh) into its own target dir and end with summary.txt holding the profile,
-the validation table and the decide-kernel table; without the wheels it must stop at once with
-one line naming simpy."""
+the validation table and a decide-kernel table per fetching policy; without the wheels it must
+stop at once with one line naming simpy."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kvsim import trace as tracefile
+from kvsim.validate import default_policies, fetching_policies
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSION = ROOT / "profiler" / "gpu_session.sh"
@@ -110,24 +111,30 @@ def test_dry_run_installs_simpy_from_the_wheels_and_ends_with_the_three_tables(
     parts = summary.split("\n== ")
     assert [p.split("\n")[0] for p in parts] == [
         "== profile: " + str(out / "cpu-dry.npz"), "validation (kvsim validate)",
-        "decide kernel (profile table kernel_decide)"]
-    # the validation table: every policy at the small grid, and the MAPE line
+        "decide kernels (profile tables kernel_decide_<policy>)"]
+    # the validation table: every default policy (the dense baselines and every fetching
+    # policy) at the small grid, and the MAPE line
+    policies = default_policies()
     val = parts[1]
-    rows = [line.split() for line in val.splitlines()
-            if line.split()[:1] in (["dense-resident"], ["dense-offload"], ["verkv"])]
-    assert {(r[0], r[1], r[2]) for r in rows} == {
-        (p, "4096", b) for p in ("dense-resident", "dense-offload", "verkv") for b in "12"}
-    assert re.search(r"MAPE [0-9.]+% over 6 configurations", val)
-    # the decide table: context x batch -> ms per layer, as in the trace
-    dec = tracefile.load(out / "cpu-dry.npz").hardware.tables["kernel_decide"]
+    rows = [line.split() for line in val.splitlines() if line.split()[:1] and
+            line.split()[0] in policies]
+    assert {(r[0], r[1], r[2]) for r in rows} == {(p, "4096", b) for p in policies for b in "12"}
+    assert re.search(rf"MAPE [0-9.]+% over {2 * len(policies)} configurations", val)
+    # a decide table per fetching policy: context x batch -> ms per layer, as in the trace
+    tables = tracefile.load(out / "cpu-dry.npz").hardware.tables
     lines = parts[2].splitlines()
-    assert lines[2].split() == ["context", "B=1", "B=2"]
-    for n, row in zip([4096, 8192], lines[3:5], strict=True):
-        cells = row.split()
-        assert cells[0] == str(n)
-        for b, ms in zip([1, 2], cells[1::2], strict=True):
-            sel = (dec["context"] == n) & (dec["batch"] == b)
-            assert float(ms) == pytest.approx(dec["seconds"][sel][0] * 1e3, abs=1e-3)
+    assert fetching_policies()
+    for kernel in fetching_policies():
+        dec = tables[f"kernel_decide_{kernel}"]
+        head = next(i for i, line in enumerate(lines)
+                    if line.startswith(f"kernel_decide_{kernel}:"))
+        assert lines[head + 1].split() == ["context", "B=1", "B=2"]
+        for n, row in zip([4096, 8192], lines[head + 2:head + 4], strict=True):
+            cells = row.split()
+            assert cells[0] == str(n)
+            for b, ms in zip([1, 2], cells[1::2], strict=True):
+                sel = (dec["context"] == n) & (dec["batch"] == b)
+                assert float(ms) == pytest.approx(dec["seconds"][sel][0] * 1e3, abs=1e-3)
     assert summary.rstrip().splitlines()[-1].startswith("session done in")
     assert r.stdout.rstrip().endswith(summary.rstrip())  # printed last
 

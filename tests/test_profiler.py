@@ -36,7 +36,7 @@ def cpu_trace(tmp_path_factory):
     out = tmp_path_factory.mktemp("prof") / "cpu.npz"
     # the decide kernel is handed in, as kvsim profile does: the profiler imports no policy
     profile(out, device="cpu", plan=TINY, rounds=1, progress=False,
-            decide=make("verkv").decide_kernel)
+            decide={"verkv": make("verkv").decide_kernel})
     return out
 
 
@@ -69,7 +69,7 @@ def test_cpu_profile_is_a_valid_trace_the_cost_model_consumes(cpu_trace):
     assert hw.extra["model"]["name"] == "smollm2-135m" and hw.extra["model"]["dtype_bytes"] == 4
     assert any(m.startswith("nvml") for m in hw.missing)
     assert "nvml" not in hw.tables  # nothing to sample on the CPU
-    dec = hw.tables["kernel_decide"]
+    dec = hw.tables["kernel_decide_verkv"]
     assert set(dec) == {"context", "batch", "seconds", "fetched_frac"}
     assert dec["context"].dtype == np.int64 and dec["batch"].dtype == np.int64
     assert dec["seconds"].dtype == np.float64 and dec["fetched_frac"].dtype == np.float64
@@ -83,10 +83,11 @@ def test_cpu_profile_is_a_valid_trace_the_cost_model_consumes(cpu_trace):
     # batch 2 is that request and another, decided in one stacked call
     assert dec["fetched_frac"][1] == pytest.approx(one.stack(2).fetched_frac)
     assert dec["fetched_frac"][1] != pytest.approx(dec["fetched_frac"][0])
-    assert "whole batch" in hw.units["kernel_decide"]["seconds"]
-    assert hw.units["kernel_decide"]["batch"].startswith("requests")
+    assert "whole batch" in hw.units["kernel_decide_verkv"]["seconds"]
+    assert hw.units["kernel_decide_verkv"]["batch"].startswith("requests")
     cm = CostModel.from_hardware(hw)
-    assert "kernel_decide" in cm.provenance["decide"]  # the measured table, not an estimate
+    # the measured table, not an estimate
+    assert cm.provenance["decide.verkv"].startswith("fit to measured table kernel_decide_verkv (")
     assert cm.link_time(1 * MiB, "h2d") > 0
     assert cm.link_time(64 * KiB, "gather") > 0
     measured = float(np.median(att["seconds"][att["tokens"] == 256]))  # (128, 2) and (256, 1)
@@ -101,10 +102,10 @@ def test_cli_cpu_quick_profile_and_no_overwrite(tmp_path, capsys):
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "wrote" in printed
-    dec = tracefile.load(out).hardware.tables["kernel_decide"]
-    # the summary shows the decide table: context x batch -> ms per layer
+    dec = tracefile.load(out).hardware.tables["kernel_decide_verkv"]
+    # the summary shows each decide table: context x batch -> ms per layer
     lines = printed.splitlines()
-    head = next(i for i, line in enumerate(lines) if "kernel_decide" in line)
+    head = next(i for i, line in enumerate(lines) if "kernel_decide_verkv:" in line)
     assert lines[head + 1].split() == ["context", "B=1", "B=2"]
     for n, row in zip([4096, 8192], lines[head + 2:head + 4]):
         cells = row.split()
@@ -277,7 +278,7 @@ def test_out_of_memory_shrinks_and_is_recorded(tmp_path, monkeypatch):
     assert att["tokens"].max() < TINY.max_tokens  # the 512-token points were dropped ...
     assert any("measured up to" in s for s in shrunk if s.startswith("kernel_decode_attn"))
     assert any(s.startswith("mem_gemv") for s in shrunk)  # ... and said so
-    assert any(m.startswith("kernel_decide (no decide kernel") for m in hw.missing)
+    assert any(m.startswith("kernel_decide_<policy> (no decide kernel") for m in hw.missing)
     CostModel.from_hardware(hw)  # still consumable
 
 
@@ -370,8 +371,8 @@ def test_sweep_decide_without_stack_uses_the_stacked_head_shape_and_survives_oom
         return _Kernel()
     ticks = []
     tables, missing = kernels.sweep_decide(be, m, [4096, 8192], [1, 2, 4], lambda: ticks.append(1),
-                                           bench=bench)
-    t = tables["kernel_decide"]
+                                           bench, "kernel_decide_x")
+    t = tables["kernel_decide_x"]
     got = list(zip(t["context"].tolist(), t["batch"].tolist()))
     assert got == [(4096, 1), (4096, 2), (4096, 4), (8192, 1), (8192, 2)]
     assert (4096, 4 * m.q_heads, 4 * m.kv_heads) in calls and (4096, 2 * m.q_heads,
@@ -382,11 +383,12 @@ def test_sweep_decide_without_stack_uses_the_stacked_head_shape_and_survives_oom
     assert (t["fetched_frac"] == 0.25).all()
 
 
-def test_decide_lines_reads_a_table_without_batch_as_batch_1():
+def test_decide_lines_reads_an_older_profiles_table_as_verkvs_and_without_batch_as_batch_1():
     hw = types.SimpleNamespace(tables={"kernel_decide": {
         "context": np.array([4096, 8192]), "seconds": np.array([1e-3, 2.5e-3]),
         "fetched_frac": np.array([0.5, 0.25])}})
     lines = prun.decide_lines(hw)
+    assert lines[0].startswith("kernel_decide: verkv's decide")
     assert lines[1].split() == ["context", "B=1"]
     assert lines[2].split() == ["4096", "1.000", "(50.0%)"]
     assert lines[3].split() == ["8192", "2.500", "(25.0%)"]

@@ -10,6 +10,9 @@ from conftest import run_cli
 
 from kvsim.policies import load_all
 from kvsim.replay import ReplayConfig, run_replay
+from kvsim.validate import fetching_policies
+
+FETCHING = fetching_policies()  # those with a decide kernel: a decide span in every layer
 
 
 @pytest.mark.parametrize("policy", ["dense-offload", "dense-resident"])
@@ -146,7 +149,8 @@ def test_every_policy_timeline_matches_the_engine(synthetic_path, tmp_path, poli
     prefill = [e for e in ev if e["name"].startswith("prefill")][0]
     step_ms = (end - prefill["ts"] - prefill["dur"]) / 1e3 / 3
     assert step_ms == pytest.approx(r["tpot_ms"], rel=1e-6)
-    assert any(e["name"].endswith("decide") for e in ev) == (policy == "verkv")
+    assert any(e["name"].endswith("decide") for e in ev) == (policy in FETCHING)
+    assert r["policy_cost"]["decide_kernel"] == (policy if policy in FETCHING else "")
 
 
 def test_chunked_prefill_timeline_shows_mixed_steps_without_overlap(attn_trace, tmp_path):

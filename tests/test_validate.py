@@ -32,7 +32,7 @@ SMALL = dict(contexts=[256], batches=[1, 2], layers=2, steps=2, warmup=1, rounds
 def cpu_profile(tmp_path_factory):
     out = tmp_path_factory.mktemp("val") / "cpu.npz"
     profile(out, device="cpu", plan=TINY, rounds=1, progress=False,
-            decide=make("verkv").decide_kernel)
+            decide=V.decide_kernels(["verkv"]))
     return out
 
 

@@ -19,9 +19,12 @@ step), throughput_tok_s, output_len (default 128), use (fit | check: predicted, 
 source, certainty, note. Lines starting with # are comments.
 
 Every measured value of the fit rows is fitted (bounded least squares on relative error, scipy).
-Free by default: what the rows can tell apart (see kvsim.fit.solve); --free and --fix change
-that. Printed per row: the fitted error and the leave-one-out error (the row predicted by a fit
-of the others); check rows are predicted only.
+Parameters: step_overhead_ms, hbm_efficiency, flop_efficiency, link.<h2d|d2h|gather>.gbps and
+.launch_us, and for each policy in the rows that decides per step what to fetch
+decide.<policy>.per_layer_us, .per_ktoken_us, .per_kfetched_us, .serial_share. Free by default:
+what the rows can tell apart (see kvsim.fit.solve); --free and --fix change that. Printed per
+row: the fitted error and the leave-one-out error (the row predicted by a fit of the others);
+check rows are predicted only.
 """
 
 

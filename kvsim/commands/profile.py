@@ -15,6 +15,8 @@ def add_parser(sub) -> None:
                "  kvsim profile --gpu 0 --model qwen3-4b --out traces/h200-qwen3-4b.npz  "
                "(2-4 min)\n"
                "  kvsim profile --device cpu --quick --out cpu.npz\n"
+               "  kvsim profile --device cpu --quick --policies verkv --out cpu.npz  "
+               "(one decide kernel)\n"
                "  kvsim replay traces/h200-qwen3-4b.npz --policy dense-offload    "
                "(plan on what it measured)")
     p.add_argument("--gpu", type=int, default=None, metavar="N", help="CUDA device index")
@@ -32,20 +34,41 @@ def add_parser(sub) -> None:
     p.add_argument("--rounds", type=int, default=None,
                    help="repeat the sweeps and keep each point's median (default 3 on the CPU, "
                         "1 on a GPU)")
+    p.add_argument("--policies", default=None, metavar="NAME[,NAME...]",
+                   help="time these policies' decide kernels, each into its table "
+                        "kernel_decide_<policy> [default: every policy with a decide kernel]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
+def _decide_kernels(text: str | None) -> dict:
+    """Policy name -> decide kernel to time: those ``text`` names, or every fetching policy."""
+    from kvsim.errors import KvsimError
+    from kvsim.policies import resolve
+    from kvsim.validate import decide_kernels, fetching_policies
+    fetching = fetching_policies()
+    if text is None:
+        return decide_kernels(fetching)
+    names = [resolve(n.strip()).name for n in text.split(",") if n.strip()]
+    if not names:
+        raise KvsimError("--policies is empty")
+    for n in names:
+        if n not in fetching:
+            raise KvsimError(f"--policies: {n} has no decide kernel to time (policies with one: "
+                             f"{', '.join(fetching)})")
+    return decide_kernels(names)
+
+
 def run(args) -> int:
-    from kvsim.policies import make
     from profiler.run import decide_lines, profile
     if args.gpu is None and args.device is None:
         args.gpu = 0
+    decide = _decide_kernels(args.policies)  # refused before any measuring
     tr = profile(args.out, gpu=args.gpu, device=args.device, model=args.model, quick=args.quick,
                  force=args.force, nvml=not args.no_nvml, threads=args.threads, seed=args.seed,
                  progress=not args.no_progress, rounds=args.rounds,
-                 decide=make("verkv").decide_kernel)
+                 decide=decide)
     hw = tr.hardware
     fit = hw.extra.get("fit", {})
     h2d = fit.get("link_h2d_pinned", {})

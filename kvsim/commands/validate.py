@@ -48,11 +48,11 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="layers of the validation stack (default: the model's on a GPU, at "
                         "most 12 on the CPU)")
-    p.add_argument("--policies", default="dense-resident,dense-offload,verkv",
-                   metavar="SPEC[,SPEC...]",
+    p.add_argument("--policies", default=None, metavar="SPEC[,SPEC...]",
                    help="any registered policies, NAME[:KEY=VALUE...] each; those that run on "
                         "attention skip (with a note) contexts their budget does not fit "
-                        "[default: dense-resident,dense-offload,verkv]")
+                        "[default: dense-resident, dense-offload and every policy with a decide "
+                        "kernel]")
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per config")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=None,
@@ -73,7 +73,8 @@ def run(args) -> int:
         raise KvsimError(f"--layers must be positive, got {args.layers}")
     res = validate(profile=args.profile, gpu=args.gpu, device=args.device,
                    contexts=args.contexts, batches=args.batches, layers=args.layers,
-                   policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+                   policies=tuple(p.strip() for p in args.policies.split(",") if p.strip())
+                   if args.policies is not None else None,
                    steps=args.steps, warmup=args.warmup, threads=args.threads,
                    save_profile=args.save_profile, seed=args.seed, rounds=args.rounds,
                    progress=not args.no_progress and not args.json)

@@ -2,17 +2,20 @@
 fit rows; which parameters are free follows from what the rows can tell apart, and each point's
 leave-one-out error says how well the others predict it.
 
-Parameters (``PARAMS``): engine fields and the four numbers of VerKV's decide model. Free by
-default when the rows identify them (:func:`identified`):
+Parameters (:func:`parameters`): engine fields (``PARAMS``) and the four numbers of the decide
+model of each policy that decides per step what to fetch, named after the policy's decide kernel
+(``decide.<kernel>.<number>``, for each kernel the rows hold). Free by default when the rows
+identify them (:func:`identified`):
 
 * ``step_overhead_ms``: always;
 * ``hbm_efficiency``: with resident rows at two or more KV sizes per step (at one size it
   trades one-for-one against the overhead);
 * ``link.<path>.gbps``: with rows of a policy that moves KV over that path;
-* ``decide.verkv``: ``per_ktoken_us`` with VerKV rows; ``per_kfetched_us`` with VerKV rows at two
-  or more fetch fractions and a measured ``fetch_ms`` (without one, the fetch and this term both
-  grow with the fetched bytes and only their sum is seen); ``serial_share`` at two or more batch
-  sizes; ``per_layer_us`` at two or more contexts.
+* ``decide.<kernel>`` (e.g. ``decide.verkv``): ``per_ktoken_us`` with rows of that kernel's
+  policy; ``per_kfetched_us`` with its rows at two or more fetch fractions and a measured
+  ``fetch_ms`` (without one, the fetch and this term both grow with the fetched bytes and only
+  their sum is seen); ``serial_share`` at two or more batch sizes; ``per_layer_us`` at two or
+  more contexts.
 
 ``free``/``fixed`` (``--free``, ``--fix``) change the set.
 """
@@ -37,11 +40,27 @@ PARAMS = {
     "flop_efficiency": (0.05, 1.0),
     **{f"link.{p}.gbps": (0.05, 2e3) for p in ("h2d", "d2h", "gather")},
     **{f"link.{p}.launch_us": (0.0, 1e4) for p in ("h2d", "d2h", "gather")},
-    "decide.verkv.per_layer_us": (0.0, 1e6),
-    "decide.verkv.per_ktoken_us": (0.0, 1e6),
-    "decide.verkv.per_kfetched_us": (0.0, 1e7),
-    "decide.verkv.serial_share": (0.0, 1.0),
 }
+# a decide model's numbers: name -> (lower, upper bound, start value)
+DECIDE_PARAMS = {"per_layer_us": (0.0, 1e6, 0.0), "per_ktoken_us": (0.0, 1e6, 20.0),
+                 "per_kfetched_us": (0.0, 1e7, 0.0), "serial_share": (0.0, 1.0, 0.5)}
+
+
+def decide_kernels(points: list[Point], pred: Predictor) -> list[str]:
+    """The decide kernels of the points' policies (those that decide per step what to fetch)."""
+    return sorted({pred.cost(p).decide_kernel for p in points} - {""})
+
+
+def parameters(kernels: list[str]) -> list[str]:
+    """Every parameter a fit over policies with these decide kernels has."""
+    return list(PARAMS) + [f"decide.{k}.{f}" for k in kernels for f in DECIDE_PARAMS]
+
+
+def bounds(name: str) -> tuple[float, float]:
+    """A parameter's (lower, upper) bound."""
+    if name.startswith("decide."):
+        return DECIDE_PARAMS[name.rsplit(".", 1)[1]][:2]
+    return PARAMS[name]
 
 
 def identified(points: list[Point], pred: Predictor) -> list[str]:
@@ -56,41 +75,45 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
         out.append("hbm_efficiency")
     paths = {costs[id(p)].path for p in points if costs[id(p)].host_read_frac > 0}
     out += [f"link.{p}.gbps" for p in ("h2d", "gather") if p in paths]
-    vk = [p for p in points if costs[id(p)].decide_kernel == "verkv"]
-    if vk:
-        reads = {round(costs[id(p)].host_read_frac, 6) for p in vk}
-        out += ["decide.verkv.per_layer_us"] if len({p.context for p in vk}) >= 2 else []
-        out += ["decide.verkv.per_ktoken_us"]
-        timed = any("fetch_ms" in p.measured for p in vk)  # else fetch and c trade one-for-one
-        out += ["decide.verkv.per_kfetched_us"] if len(reads) >= 2 and timed else []
-        out += ["decide.verkv.serial_share"] if len({p.batch for p in vk}) >= 2 else []
+    for kernel in decide_kernels(points, pred):
+        rows = [p for p in points if costs[id(p)].decide_kernel == kernel]
+        reads = {round(costs[id(p)].host_read_frac, 6) for p in rows}
+        name = f"decide.{kernel}."
+        out += [name + "per_layer_us"] if len({p.context for p in rows}) >= 2 else []
+        out += [name + "per_ktoken_us"]
+        timed = any("fetch_ms" in p.measured for p in rows)  # else fetch and c trade one-for-one
+        out += [name + "per_kfetched_us"] if len(reads) >= 2 and timed else []
+        out += [name + "serial_share"] if len({p.batch for p in rows}) >= 2 else []
     return out
 
 
-def start_values(gpu: str) -> dict:
+def start_values(gpu: str, kernels: list[str]) -> dict:
     """Where the search starts: the catalog's roofline figures of the fitted GPU."""
     g = catalog.gpu(gpu)
     return {"step_overhead_ms": 0.5, "hbm_efficiency": HBM_EFFICIENCY,
             "flop_efficiency": FLOP_EFFICIENCY, "link.h2d.gbps": g.h2d_gbps,
             "link.d2h.gbps": g.h2d_gbps, "link.gather.gbps": g.h2d_gbps * GATHER_EFFICIENCY,
             **{f"link.{p}.launch_us": g.copy_alpha_us for p in ("h2d", "d2h", "gather")},
-            "decide.verkv.per_layer_us": 0.0, "decide.verkv.per_ktoken_us": 20.0,
-            "decide.verkv.per_kfetched_us": 0.0, "decide.verkv.serial_share": 0.5}
+            **{f"decide.{k}.{f}": start for k in kernels
+               for f, (_, _, start) in DECIDE_PARAMS.items()}}
 
 
 def make_engine(base: Engine, values: dict, source: str, note: str, gpu: str,
                 model: str) -> Engine:
-    """``base`` with ``values`` (PARAMS names) set, each with ``source`` and ``note``."""
+    """``base`` with ``values`` (names of :func:`parameters`) set, each with ``source`` and
+    ``note``."""
     fields = dict(base.fields)
-    decide = {k[len("decide.verkv."):]: v for k, v in values.items()
-              if k.startswith("decide.verkv.")}
+    decide: dict[str, dict] = {}  # kernel -> its decide model's numbers given here
     for k, v in values.items():
-        if not k.startswith("decide."):
+        if k.startswith("decide."):
+            kernel, number = k[len("decide."):].rsplit(".", 1)
+            decide.setdefault(kernel, {})[number] = float(v)
+        else:
             fields[k] = Value(float(v), source, note)
-    if decide:
-        old = base.decide("verkv") or DecideModel(serial_share=1.0)
-        dm = dataclasses.replace(old, **{k: float(v) for k, v in decide.items()})
-        fields["decide.verkv"] = Value(dataclasses.asdict(dm), source, note)
+    for kernel, numbers in decide.items():
+        old = base.decide(kernel) or DecideModel(serial_share=1.0)
+        dm = dataclasses.replace(old, **numbers)
+        fields[f"decide.{kernel}"] = Value(dataclasses.asdict(dm), source, note)
     return dataclasses.replace(base, fields=fields, fitted_on={"gpu": gpu, "model": model})
 
 
@@ -120,8 +143,8 @@ def solve(points: list[Point], pred: Predictor, base: Engine, free: list[str],
     if n_values < len(free):
         raise KvsimError(f"{n_values} measured value(s) cannot fit {len(free)} free parameters "
                          f"({', '.join(free)}); add points or fix some (--fix NAME=VALUE)")
-    lo = np.array([PARAMS[k][0] for k in free])
-    hi = np.array([PARAMS[k][1] for k in free])
+    lo = np.array([bounds(k)[0] for k in free])
+    hi = np.array([bounds(k)[1] for k in free])
     x0 = np.clip([start[k] for k in free], lo + 1e-9 * (hi - lo), hi - 1e-9 * (hi - lo))
     res = least_squares(lambda x: _residuals(points, pred, base, free, x, gpu, model), x0,
                         bounds=(lo, hi), x_scale="jac", method="trf", xtol=1e-10, ftol=1e-10)
@@ -133,12 +156,14 @@ def fit(points: list[Point], pred: Predictor, base: Engine, free: list[str] | No
         fixed: dict | None = None, name: str = "fitted", description: str = "",
         origin: str = "", progress: bool = False) -> Fit:
     fixed = dict(fixed or {})
-    for k in list(fixed) + list(free or []):
-        if k not in PARAMS:
-            raise KvsimError(f"unknown parameter {k!r}; parameters: {', '.join(PARAMS)}")
     rows = [p for p in points if p.use == "fit"]
     if not rows:
         raise KvsimError("no rows to fit (every row has use=check)")
+    kernels = decide_kernels(rows, pred)
+    known = parameters(kernels)
+    for k in list(fixed) + list(free or []):
+        if k not in known:
+            raise KvsimError(f"unknown parameter {k!r}; parameters: {', '.join(known)}")
     gpus = [p.gpu for p in rows]
     gpu = max(set(gpus), key=gpus.count)
     model = max({p.model for p in rows}, key=[p.model for p in rows].count)
@@ -146,7 +171,7 @@ def fit(points: list[Point], pred: Predictor, base: Engine, free: list[str] | No
         if fixed else base
     chosen = free if free is not None else identified(rows, pred)
     chosen = [k for k in chosen if k not in fixed]
-    start = start_values(gpu)
+    start = start_values(gpu, kernels)
     values, rms = solve(rows, pred, base, chosen, start, gpu, model)
     note = (f"kvsim fit {origin}: {len(rows)} points, {sum(len(p.measured) for p in rows)} "
             f"measured values, RMS relative error {100 * rms:.2f}%").replace("  ", " ")

@@ -1,4 +1,5 @@
-"""Cost functions of one GPU: host-link transfers, HBM-bound kernels, GEMMs, the VerKV decide step.
+"""Cost functions of one GPU: host-link transfers, HBM-bound kernels, GEMMs, each fetching policy's
+decide step.
 
 Built from a catalog spec (roofline with efficiency factors) or, when a trace carries a measured
 hardware section, from its tables: measured points are interpolated (log-log, piecewise linear);
@@ -28,6 +29,22 @@ HBM_EFFICIENCY = 0.85  # achievable / spec HBM bandwidth (design note, public me
 FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-size GEMMs
 GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA (design note)
 ALLREDUCE_US = 10.0  # per all-reduce launch and synchronisation (assumed; see set_tp)
+
+DECIDE_TABLE = "kernel_decide_{}"  # a fetching policy's measured decide step, by policy name
+# profiles made before decide tables were kept per policy hold one table, which timed VerKV's
+LEGACY_DECIDE_TABLE, LEGACY_DECIDE_KERNEL = "kernel_decide", "verkv"
+DECIDE_ESTIMATE = "estimate: four passes over the sketch and per-token state at achievable HBM " \
+    "bandwidth"
+
+
+def decide_tables(tables: dict) -> dict[str, str]:
+    """Decide kernel -> the name of its measured table among a hardware section's ``tables``:
+    ``kernel_decide_<policy>``, or an older profile's ``kernel_decide`` (VerKV's)."""
+    prefix = DECIDE_TABLE.format("")
+    out = {name[len(prefix):]: name for name in sorted(tables) if name.startswith(prefix)}
+    if LEGACY_DECIDE_TABLE in tables:
+        out.setdefault(LEGACY_DECIDE_KERNEL, LEGACY_DECIDE_TABLE)
+    return out
 
 
 @dataclass
@@ -98,7 +115,10 @@ class CostModel:
         self.launches = "per-sequence"  # a layer's copies: one launch per sequence, or batched
         self.fetch = "policy"  # overlap or serial fetch: as the policy says, or forced
         self.decide_models: dict[str, DecideModel] = {}  # per decide kernel (engine or table)
-        self.decide_range: tuple[float, float] | None = None  # contexts the table measured
+        # per decide kernel with a measured table: (table, lowest and highest context measured)
+        self.decide_ranges: dict[str, tuple[str, float, float]] = {}
+        self.decide_override_us: float | None = None  # what-if: every decide step, us per layer
+        self.decided: set[str] = set()  # the decide kernels the simulation asked for
         self.tp, self.peer_bw = 1, 0.0  # tensor parallelism (set_tp)
 
     # ------------------------------------------------------------------------ construction
@@ -124,8 +144,7 @@ class CostModel:
             "link_gather": links["gather"].source,
             "decode_attention": "roofline: KV bytes / achievable HBM bandwidth",
             "gemm": "roofline: max(FLOPs / achievable compute, weight bytes / achievable HBM)",
-            "decide": "estimate: four passes over the sketch and per-token state at achievable "
-                      "HBM bandwidth (no engine decide model, no profiled kernel_decide table)",
+            "decide": f"{DECIDE_ESTIMATE} (no engine decide model, no profiled decide table)",
         }
         cm = cls(g.name, g.hbm_gib * GiB, g.hbm_gbps * GB * HBM_EFFICIENCY,
                  g.bf16_tflops * 1e12 * FLOP_EFFICIENCY, links, prov)
@@ -138,8 +157,9 @@ class CostModel:
 
         Tables used when present: ``link_h2d_pinned``, ``link_d2h_pinned``, ``link_gather_gpu``
         (bytes, seconds), ``kernel_decode_attn`` (tokens, seconds), ``kernel_gemm`` (batch,
-        seconds), ``kernel_decide`` (context, batch (1 if absent), seconds, fetched_frac: fitted by
-        :meth:`DecideModel.fit_table`). Capacity, HBM bandwidth and compute come from
+        seconds), ``kernel_decide_<policy>`` (context, batch (1 if absent), seconds, fetched_frac:
+        fitted by :meth:`DecideModel.fit_table`, one decide model per policy; an older profile's
+        ``kernel_decide`` is VerKV's). Capacity, HBM bandwidth and compute come from
         ``hw.extra`` (measured) or, failing that, from ``base`` (a catalog spec).
         """
         dev = hw.device.get("name", "measured device")
@@ -186,19 +206,22 @@ class CostModel:
             if t is not None:
                 setattr(cm, attr, Curve(table, t[xcol], t["seconds"], cm.extrapolations))
                 cm.provenance[what] = f"measured table {table}: {where}"
-        t = hw.tables.get("kernel_decide")
-        if t is not None:
+        for kernel, table in decide_tables(hw.tables).items():
+            t = hw.tables[table]
             ctx = np.asarray(t["context"], float)
             batch = np.asarray(t["batch"], float) if "batch" in t else np.ones_like(ctx)
             frac = np.asarray(t["fetched_frac"], float) if "fetched_frac" in t else \
                 np.zeros_like(ctx)
             dm, worst = DecideModel.fit_table(ctx, batch, t["seconds"], frac)
-            cm.decide_models["verkv"] = dm
-            cm.decide_range = (float(ctx.min()), float(ctx.max()))
-            cm.provenance["decide"] = (
-                f"fit to measured table kernel_decide ({len(ctx)} points, contexts "
+            cm.decide_models[kernel] = dm
+            cm.decide_ranges[kernel] = (table, float(ctx.min()), float(ctx.max()))
+            legacy = (f" (the single decide table of an older profile, which timed "
+                      f"{kernel}'s decide)" if table == LEGACY_DECIDE_TABLE else "")
+            cm.provenance[f"decide.{kernel}"] = (
+                f"fit to measured table {table}{legacy} ({len(ctx)} points, contexts "
                 f"{ctx.min():.0f}..{ctx.max():.0f}, batches {batch.min():.0f}..{batch.max():.0f};"
                 f" worst error {100 * worst:.1f}%): {dm.describe()}: {where}")
+        cm.summarize_decide()
         return cm
 
     def apply(self, engine: Engine) -> "CostModel":
@@ -263,7 +286,9 @@ class CostModel:
         for key in engine.fields:
             if key.startswith("decide."):
                 self.decide_models[key[7:]] = engine.decide(key[7:])
-                prov["decide"] = f"engine {engine.name}: {engine.fields[key].describe()}"
+                prov[key] = f"engine {engine.name}: {engine.fields[key].describe()}"
+        self.decide_override_us = engine.get("decide_layer_us")
+        self.summarize_decide()
         if fitted and fitted != self.gpu_name:
             prov["engine"] += (f"; fitted on {fitted}: per-step overhead and decide times "
                                f"applied to {self.gpu_name} unscaled")
@@ -299,22 +324,49 @@ class CostModel:
         return np.maximum(2.0 * p * np.asarray(batch, float) / self.flops,
                           p * m.dtype_bytes / self.hbm_bw)
 
+    def summarize_decide(self) -> None:
+        """``provenance["decide"]`` before a policy asks for its decide model: which policies
+        have one of their own (``decide.<policy>``) and what the others get."""
+        if self.decide_override_us is not None:
+            self.provenance["decide"] = ("every policy's decide step: "
+                                         f"{self.provenance['engine.decide_layer_us']}")
+        elif self.decide_models:
+            self.provenance["decide"] = (
+                f"models of their own for {', '.join(sorted(self.decide_models))} "
+                f"(decide.<policy>); any other policy: {DECIDE_ESTIMATE}")
+
     def decide_model(self, kernel: str, m: ModelSpec, work_per_token: float) -> DecideModel:
-        """The decide cost of a policy's kernel: the engine's or the profile's model, else an
+        """The decide cost of a policy's kernel: a what-if override (``decide_layer_us``, keeping
+        the engine's serial share for the kernel), the engine's or the profile's model, else an
         HBM-bound estimate: the decide pass reads ``work_per_token`` bytes per context token and
         KV head (the sketch and the per-token state) about four times (score, select, sort,
-        suffix scan), request after request."""
+        suffix scan), request after request. Says which in ``provenance["decide.<kernel>"]``
+        and, for the policy being planned, ``provenance["decide"]``."""
+        self.decided.add(kernel)
+        key = f"decide.{kernel}"
         dm = self.decide_models.get(kernel)
-        if dm is not None:
-            return dm
-        return DecideModel(per_ktoken_us=4e9 * m.kv_heads * work_per_token / self.hbm_bw)
+        if self.decide_override_us is not None:
+            engine_dm = self.engine.decide(kernel)
+            dm = DecideModel(per_layer_us=self.decide_override_us,
+                             serial_share=engine_dm.serial_share if engine_dm else 1.0)
+            over = self.engine.fields["decide_layer_us"]
+            self.provenance[key] = (f"engine {self.engine.name}: {dm.describe()} ({over.source}"
+                                    f"{': ' + over.note if over.note else ''})")
+        elif dm is None:
+            dm = DecideModel(per_ktoken_us=4e9 * m.kv_heads * work_per_token / self.hbm_bw)
+            self.provenance[key] = (f"{DECIDE_ESTIMATE} (no engine decide model and no profiled "
+                                    f"{DECIDE_TABLE.format(kernel)} table)")
+        self.provenance["decide"] = self.provenance[key]
+        return dm
 
     def check_decide_range(self, context: float) -> None:
-        """Record an extrapolation when a plan decides beyond the contexts a profile measured."""
-        lo_hi = self.decide_range
-        if lo_hi and not lo_hi[0] <= context <= lo_hi[1]:
-            self.extrapolations.add(f"kernel_decide: context {context:.0f}, measured "
-                                    f"{lo_hi[0]:.0f}..{lo_hi[1]:.0f} (linear model)")
+        """Record an extrapolation when a plan decides beyond the contexts a profile measured
+        (for each decide kernel the simulation asked for)."""
+        for kernel in sorted(self.decided & set(self.decide_ranges)):
+            table, lo, hi = self.decide_ranges[kernel]
+            if not lo <= context <= hi:
+                self.extrapolations.add(f"{table}: context {context:.0f}, measured "
+                                        f"{lo:.0f}..{hi:.0f} (linear model)")
 
     def set_tp(self, tp: int, shared_link: bool = False) -> "CostModel":
         """One GPU of a tensor-parallel group of ``tp``: the group's all-reduces priced on the

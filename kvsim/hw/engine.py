@@ -128,6 +128,8 @@ FIELDS = {
     **{f"link.{p}.gbps": (_positive, "GB/s > 0") for p in PATHS},
     **{f"link.{p}.launch_us": (_nonneg, "microseconds >= 0 per launch") for p in PATHS},
     "link_gbps": (_positive, "GB/s > 0 (a what-if: every path, gather keeping its ratio)"),
+    "decide_layer_us": (_nonneg, "microseconds >= 0 per request and layer (a what-if: the "
+                                 "decide step of whichever policy is planned)"),
 }
 
 
@@ -155,8 +157,8 @@ class Engine:
     def with_overrides(self, **over) -> "Engine":
         """A copy with what-if values (source ``override``): ``step_overhead_ms``,
         ``link_gbps`` (every path; the gather path keeps its ratio to H2D), ``decide_ms`` (per
-        request and decode step, all layers: replaces every decide model, keeping its serial
-        share; needs ``layers``)."""
+        request and decode step, all layers: the field ``decide_layer_us``, which replaces the
+        decide model of the policy being planned, keeping its serial share; needs ``layers``)."""
         fields = dict(self.fields)
         layers = over.pop("layers", None)
         if over.get("step_overhead_ms") is not None:
@@ -170,11 +172,8 @@ class Engine:
             d = float(over["decide_ms"])
             if not _nonneg(d) or not layers:
                 raise KvsimError(f"--decide-ms must be >= 0, got {d:g}")
-            kernels = [k for k in fields if k.startswith("decide.")] or ["decide.verkv"]
-            for k in kernels:
-                s = fields[k].value["serial_share"] if k in fields else 1.0
-                fields[k] = Value(dataclasses.asdict(DecideModel(d * 1e3 / layers, 0, 0, s)),
-                                  "override", f"--decide-ms {d:g} per request and step")
+            fields["decide_layer_us"] = Value(d * 1e3 / layers, "override",
+                                              f"--decide-ms {d:g} per request and step")
         return dataclasses.replace(self, fields=fields)
 
     # ------------------------------------------------------------------------------ files

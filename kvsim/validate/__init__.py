@@ -8,9 +8,10 @@ cost, for any registered policy:
   attends over the share of the KV it keeps in device memory;
 * an overlapped one (``dense-offload``): every layer's share streams from host memory (pinned on
   CUDA) into two staging buffers, double buffered, one copy per sequence for K and one for V;
-* one that decides per step what to fetch (``verkv``): per layer the policy's real decide kernel
-  for the whole batch in one call (``DecideBench.stack``: synthetic attention layers of the model's
-  head shape, one per sequence, as the profile's ``kernel_decide`` table times it), per sequence a
+* one that decides per step what to fetch (``verkv``, any policy with a decide kernel): per layer
+  the policy's real decide kernel for the whole batch in one call (``stack``: synthetic attention
+  layers of the model's head shape, one per sequence, as the profile's ``kernel_decide_<policy>``
+  table times it), per sequence a
   real gather of its fetched K and V rows from that layer's host KV (a device gather over pinned
   memory on CUDA),
   attention over the resident sample + fetched rows with the policy's reweighting. The shortlisted
@@ -40,16 +41,36 @@ from kvsim import trace as tracefile
 from kvsim.errors import KvsimError
 from kvsim.hw.catalog import ModelSpec
 from kvsim.model.synthetic import synthetic_attention_trace
-from kvsim.policies import make, parse
+from kvsim.policies import load_all, make, parse
+from kvsim.policies.base import Policy
 from kvsim.replay import ReplayConfig, analyze, run_replay
 from kvsim.validate import loops
 from profiler.backend import Backend, is_oom, make_backend
 
-POLICIES = ("dense-resident", "dense-offload", "verkv")  # the default set
+BASELINES = ("dense-resident", "dense-offload")  # validated by default, with fetching_policies()
 SIM_OUTPUT_LEN = 8
 CPU_LAYERS = 12  # default depth of the CPU validation stack
 ATTENTION_DEFAULT_MAX_CONTEXT = 16384  # synthetic layer + float64 analysis take minutes beyond
 QUESTION_ROWS = 4  # rows of the synthetic layer's question pass (its observation window)
+
+
+def fetching_policies() -> list[str]:
+    """The registered policies that decide per step what to fetch: those with a decide kernel of
+    their own (their class overrides :meth:`Policy.decide_kernel`)."""
+    return sorted(name for name, cls in load_all().items()
+                  if cls.decide_kernel is not Policy.decide_kernel)
+
+
+def decide_kernels(names) -> dict:
+    """Policy name -> its decide kernel with default options (as :func:`profiler.run.profile`
+    takes them), for those of ``names`` that have one."""
+    fetching = fetching_policies()
+    return {n: make(n).decide_kernel for n in dict.fromkeys(names) if n in fetching}
+
+
+def default_policies() -> tuple[str, ...]:
+    """What validate checks by default: the dense baselines and every fetching policy."""
+    return BASELINES + tuple(fetching_policies())
 
 
 def _loadavg() -> list[float] | None:
@@ -141,7 +162,7 @@ def validate(profile: str | Path | None = None, gpu: int | None = None,
              seed: int = 0, progress: bool = True, rounds: int | None = None) -> dict:
     t_start = time.perf_counter()
     notes = []
-    specs, _ = parse(list(policies or POLICIES))  # any registered policy, checked before work
+    specs, _ = parse(list(policies or default_policies()))  # checked before any work
     if device == "cpu" and threads is None:
         threads = 1  # as in the CPU profile: one core computes, the copy thread uses another
     with tempfile.TemporaryDirectory(prefix="kvsim-validate-") as tmp:
@@ -151,7 +172,7 @@ def validate(profile: str | Path | None = None, gpu: int | None = None,
             profile = Path(save_profile or Path(tmp) / "profile.npz")
             shown = save_profile or "a temporary file (deleted)"
             run_profile(profile, gpu=gpu, device=device, quick=True, threads=threads,
-                        progress=progress, seed=seed, decide=make("verkv").decide_kernel)
+                        progress=progress, seed=seed, decide=decide_kernels(s.name for s in specs))
             notes.append(f"profiled first (--quick) into {shown}")
         out = _validate(Path(profile), gpu, device, contexts, batches, layers, specs, steps,
                         warmup, threads, seed, progress, notes, rounds, Path(tmp))
