@@ -15,9 +15,10 @@ from kvsim.hw.catalog import model
 from kvsim.hw.costs import CostModel, costs_for
 from kvsim.hw.engine import DecideModel
 from kvsim.policies import load_all, registry
-from kvsim.policies.base import Policy
+from kvsim.policies.base import FetchPolicy
 from kvsim.replay import ReplayConfig, run_replay
-from kvsim.validate import decide_kernels, default_policies, fetching_policies
+from kvsim.policies.registry import deciding
+from kvsim.validate import decide_kernels, default_policies
 from profiler import run as prun
 from profiler.link import KiB, MiB
 from profiler.run import Plan
@@ -46,7 +47,7 @@ class FakeBench:
         return FakeBench(self.context, batch)
 
 
-class FakeFetch(Policy):
+class FakeFetch(FetchPolicy):
     name = FAKE
     summary = "a test's fetching policy: an eighth of the cache fetched per step"
 
@@ -57,6 +58,9 @@ class FakeFetch(Policy):
 
     def definition_stats(self):
         return {"kv_read_frac": 0.125, "output_rel_err_mean": 0.0}
+
+    def attend(self, state, q, q_pos, k, v):  # needs no trace: never called
+        raise NotImplementedError
 
     def decide_kernel(self, device, model, context, seed=0):
         return FakeBench(context)
@@ -80,16 +84,16 @@ def two_tables(fake, tmp_path, monkeypatch, capsys):
 
 
 def test_fetching_policies_come_from_the_registry(fake):
-    assert FAKE in fetching_policies() and "verkv" in fetching_policies()
-    assert "dense-offload" not in fetching_policies()
-    assert default_policies() == ("dense-resident", "dense-offload", *fetching_policies())
+    assert FAKE in deciding() and "verkv" in deciding()
+    assert "dense-offload" not in deciding()
+    assert default_policies() == ("dense-resident", "dense-offload", *deciding())
     assert set(decide_kernels(["dense-resident", FAKE])) == {FAKE}
 
 
 def test_the_profiler_times_each_fetching_policy_into_its_own_table(two_tables):
     out, printed = two_tables
     hw = tracefile.load(out).hardware
-    for kernel in fetching_policies():
+    for kernel in deciding():
         t = hw.tables[f"kernel_decide_{kernel}"]
         assert list(zip(t["context"].tolist(), t["batch"].tolist())) == [
             (4096, 1), (4096, 2), (8192, 1), (8192, 2)]
@@ -132,7 +136,7 @@ def test_an_older_profiles_single_table_is_verkvs_and_says_so(two_tables):
     hw = tracefile.load(two_tables[0]).hardware
     hw.tables["kernel_decide"] = hw.tables.pop("kernel_decide_verkv")
     cm = CostModel.from_hardware(hw)
-    assert set(cm.decide_models) == {"verkv", FAKE}
+    assert set(cm.decide_models) == set(deciding()) >= {"verkv", FAKE}
     assert cm.provenance["decide.verkv"].startswith(
         "fit to measured table kernel_decide (the single decide table of an older profile, "
         "which timed verkv's decide)")

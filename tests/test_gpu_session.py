@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from kvsim import trace as tracefile
-from kvsim.validate import default_policies, fetching_policies
+from kvsim.policies.registry import deciding
+from kvsim.validate import default_policies
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSION = ROOT / "profiler" / "gpu_session.sh"
@@ -123,8 +124,8 @@ def test_dry_run_installs_simpy_from_the_wheels_and_ends_with_the_three_tables(
     # a decide table per fetching policy: context x batch -> ms per layer, as in the trace
     tables = tracefile.load(out / "cpu-dry.npz").hardware.tables
     lines = parts[2].splitlines()
-    assert fetching_policies()
-    for kernel in fetching_policies():
+    assert deciding()
+    for kernel in deciding():
         dec = tables[f"kernel_decide_{kernel}"]
         head = next(i for i, line in enumerate(lines)
                     if line.startswith(f"kernel_decide_{kernel}:"))

@@ -10,9 +10,9 @@ from conftest import run_cli
 
 from kvsim.policies import load_all
 from kvsim.replay import ReplayConfig, run_replay
-from kvsim.validate import fetching_policies
+from kvsim.policies.registry import deciding
 
-FETCHING = fetching_policies()  # those with a decide kernel: a decide span in every layer
+FETCHING = deciding()  # those with a decide kernel: a decide span in every layer
 
 
 @pytest.mark.parametrize("policy", ["dense-offload", "dense-resident"])

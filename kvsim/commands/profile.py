@@ -46,8 +46,9 @@ def _decide_kernels(text: str | None) -> dict:
     """Policy name -> decide kernel to time: those ``text`` names, or every fetching policy."""
     from kvsim.errors import KvsimError
     from kvsim.policies import resolve
-    from kvsim.validate import decide_kernels, fetching_policies
-    fetching = fetching_policies()
+    from kvsim.policies.registry import deciding
+    from kvsim.validate import decide_kernels
+    fetching = deciding()
     if text is None:
         return decide_kernels(fetching)
     names = [resolve(n.strip()).name for n in text.split(",") if n.strip()]

@@ -32,6 +32,14 @@ def load_all() -> dict[str, type]:
     return REGISTRY
 
 
+def deciding() -> list[str]:
+    """The policies that decide per step what to fetch: fetching policies with a decide kernel
+    of their own (dense offload fetches everything and decides nothing)."""
+    from kvsim.policies.base import FetchPolicy
+    return sorted(name for name, cls in load_all().items() if issubclass(cls, FetchPolicy)
+                  and cls.decide_kernel is not FetchPolicy.decide_kernel)
+
+
 def resolve(name: str) -> type:
     """The policy class registered as ``name`` (or an alias of it); one-line error otherwise."""
     registry = load_all()

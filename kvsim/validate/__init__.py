@@ -41,36 +41,29 @@ from kvsim import trace as tracefile
 from kvsim.errors import KvsimError
 from kvsim.hw.catalog import ModelSpec
 from kvsim.model.synthetic import synthetic_attention_trace
-from kvsim.policies import load_all, make, parse
-from kvsim.policies.base import Policy
+from kvsim.policies import make, parse
+from kvsim.policies.registry import deciding
 from kvsim.replay import ReplayConfig, analyze, run_replay
 from kvsim.validate import loops
 from profiler.backend import Backend, is_oom, make_backend
 
-BASELINES = ("dense-resident", "dense-offload")  # validated by default, with fetching_policies()
+BASELINES = ("dense-resident", "dense-offload")  # validated by default, with deciding()
 SIM_OUTPUT_LEN = 8
 CPU_LAYERS = 12  # default depth of the CPU validation stack
 ATTENTION_DEFAULT_MAX_CONTEXT = 16384  # synthetic layer + float64 analysis take minutes beyond
 QUESTION_ROWS = 4  # rows of the synthetic layer's question pass (its observation window)
 
 
-def fetching_policies() -> list[str]:
-    """The registered policies that decide per step what to fetch: those with a decide kernel of
-    their own (their class overrides :meth:`Policy.decide_kernel`)."""
-    return sorted(name for name, cls in load_all().items()
-                  if cls.decide_kernel is not Policy.decide_kernel)
-
-
 def decide_kernels(names) -> dict:
     """Policy name -> its decide kernel with default options (as :func:`profiler.run.profile`
     takes them), for those of ``names`` that have one."""
-    fetching = fetching_policies()
+    fetching = deciding()
     return {n: make(n).decide_kernel for n in dict.fromkeys(names) if n in fetching}
 
 
 def default_policies() -> tuple[str, ...]:
     """What validate checks by default: the dense baselines and every fetching policy."""
-    return BASELINES + tuple(fetching_policies())
+    return BASELINES + tuple(deciding())
 
 
 def _loadavg() -> list[float] | None:
@@ -122,8 +115,9 @@ def _case(spec, n: int, be: Backend, m: ModelSpec, hw, profile: Path, tmp: Path,
     policy = make(spec.name, spec.options)
     trace, kernel = profile, None
     if policy.needs_attention:
-        with torch.inference_mode():
-            kernel = policy.decide_kernel(be.device, m, n, seed)
+        if spec.name in deciding():
+            with torch.inference_mode():
+                kernel = policy.decide_kernel(be.device, m, n, seed)
         attn = kernel.trace.attention if kernel is not None else synthetic_attention_trace(
             n_layers=1, n_q=m.q_heads, n_kv=m.kv_heads, d=m.head_dim, context=n,
             question=QUESTION_ROWS, decode=1, seed=seed).attention

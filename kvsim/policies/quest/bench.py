@@ -29,6 +29,8 @@ class QuestBench:
         self.options = dataclasses.asdict(params) if params is not None else {}
         if attention is None:
             attention = synthetic_attention_trace(**_request_kwargs(m, n, seed)).attention
+        self.trace = T.Trace(T.new_meta("kvsim.policies.quest.bench", model="synthetic",
+                                        context=n, notes=attention.provenance), None, attention)
         la = attention.layers[0]
         self.kv_heads, self.q_heads = la.k.shape[0], la.q_question.shape[0]
         self.batch = self.kv_heads // m.kv_heads
