@@ -16,7 +16,8 @@ Forms near the 2-bit sketch's bytes per token and KV head plus one fp16 (11 byte
 * ``2bit+dropped``: the paper's 2-bit sketch (16 of 32 RoPE pairs, 2 bits, fp16 scale and zero per
   128 tokens) plus the fp16 norm of each key's dropped channels: e = |q_drop| |k_drop| + the
   quantisation error on the kept channels;
-* ``rank-r/b`` (r x b <= 64): the key's coefficients on a rank-r PCA basis quantised to b bits (min-max per 128
+* ``rank-r/b`` (r x b <= 64): the key's coefficients on a rank-r PCA basis quantised to b bits
+  (min-max per 128
   tokens, fp16 scale and zero), plus the fp16 norm of its residual: e = sum_j |(P^T q)_j| step_j/2
   + |q - P P^T q| |k - P c|.
 """

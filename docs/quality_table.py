@@ -8,7 +8,8 @@ and decode steps alike (decode steps alone in brackets), as measured by the poli
 statistics. For VarRate the cell gives the measured footprint instead (nothing is read from host
 memory). Reads the output of every kvsim version: ``overall_kv_read_frac``
 (``kv_read_frac_overall`` before 0.2) and ``stats["footprint_frac"]`` now; ``kv_read_frac``
-(then the per-pass mean) and per-key ``{"decode_per_call": ...}`` statistics in the files shipped in docs/eval-smollm2/.
+(then the per-pass mean) and per-key ``{"decode_per_call": ...}`` statistics in the files
+shipped in docs/eval-smollm2/.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class CaptureSet:
     def views(self, where: str = "capture set"):
         """(length index, question index, Trace) for every question of every length."""
         for j, ln in enumerate(self.lengths):
-            for i, a in enumerate(ln.asked):
+            for i, _asked in enumerate(ln.asked):
                 yield j, i, self.view(j, i, where)
 
     def view(self, j: int, i: int, where: str = "capture set") -> tr.Trace:

@@ -78,7 +78,8 @@ class DecodeCost:
 class PrefillWork:
     """A policy's own work after a context's prefill (scoring, sampling, sketching, coding), for
     one sequence of ``n`` context tokens on the planned model, all layers:
-    ``flops = flops_per_token * n + flops_per_token_sq * n**2``, ``hbm_bytes = bytes_per_token * n``,
+    ``flops = flops_per_token * n + flops_per_token_sq * n**2``,
+    ``hbm_bytes = bytes_per_token * n``,
     charged at the GPU's achievable rates (a roofline)."""
     flops_per_token: float = 0.0
     flops_per_token_sq: float = 0.0

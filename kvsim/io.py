@@ -7,13 +7,13 @@ import json
 import os
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 import numpy as np
 
 from kvsim.errors import KvsimError
-
 
 MAX_NPZ_BYTES = 16 * 2**30  # what a kvsim file may inflate to (a capture set is ~0.2 GiB)
 

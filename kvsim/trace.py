@@ -33,6 +33,21 @@ FLOAT_DTYPES = (np.float16, np.float32, np.float64)
 MAX_ABS = 1e4  # post-RoPE keys, values and queries of real models stay within ~1e3
 
 
+DECIDE_TABLE = "kernel_decide_{}"  # a fetching policy's measured decide step, by policy name
+# profiles made before decide tables were kept per policy hold one table, which timed VerKV's
+LEGACY_DECIDE_TABLE, LEGACY_DECIDE_KERNEL = "kernel_decide", "verkv"
+
+
+def decide_tables(tables: dict) -> dict[str, str]:
+    """Decide kernel -> the name of its measured table among a hardware section's ``tables``:
+    ``kernel_decide_<policy>``, or an older profile's ``kernel_decide`` (VerKV's)."""
+    prefix = DECIDE_TABLE.format("")
+    out = {name[len(prefix):]: name for name in sorted(tables) if name.startswith(prefix)}
+    if LEGACY_DECIDE_TABLE in tables:
+        out.setdefault(LEGACY_DECIDE_KERNEL, LEGACY_DECIDE_TABLE)
+    return out
+
+
 @dataclass
 class LayerAttention:
     layer: int
@@ -123,7 +138,7 @@ def new_meta(recorded_by: str, machine: dict | None = None, model: str | None = 
         "schema_version": SCHEMA_VERSION,
         "recorded_by": recorded_by,
         "kvsim_version": __version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine or {"host": platform.node(), "platform": platform.platform()},
         "model": model,
         "context": context,
@@ -194,7 +209,8 @@ def _from_arrays(meta: dict, arrays: dict[str, np.ndarray]) -> Trace:
         layers = []
         for l in a["layers"]:
             p = f"attn/L{l}"
-            scores = {s: arrays[f"{p}/score/{s}"] for s in a["scores"] if f"{p}/score/{s}" in arrays}
+            scores = {s: arrays[f"{p}/score/{s}"] for s in a["scores"]
+                      if f"{p}/score/{s}" in arrays}
             layers.append(LayerAttention(l, arrays[f"{p}/k"], arrays[f"{p}/v"],
                                          arrays[f"{p}/q_question"], arrays[f"{p}/q_decode"],
                                          scores))

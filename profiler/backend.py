@@ -159,7 +159,7 @@ class Backend:
                     self.shrunk.append(f"cache evictor: out of memory at "
                                        f"{self.flush_bytes >> 20} MiB; using {4 * n >> 10} KiB")
                 return lambda: buf.fill_(1.0)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if not is_oom(e):
                     raise
                 self.free()

@@ -124,7 +124,7 @@ def sweep_gemm(be: Backend, m: ModelSpec, batches: list[int], progress, seed=0) 
                 ts.append(be.time(_cycle([lambda W=W: one(W) for W in Ws]), warmup=n_sets,
                                   repeats=30, target_s=0.05, max_repeats=max(30, 2 * n_sets)))
                 xs.append(B)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if not is_oom(e):
                     raise
                 be.free()
@@ -154,7 +154,7 @@ def _kv_buffer(be: Backend, tokens: int, per_tok: int, what: str):
             if cap < tokens:
                 be.shrunk.append(f"{what}: out of memory at {tokens} KV tokens; using {cap}")
             return K, V, cap
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if not is_oom(e):
                 raise
             be.free()
@@ -236,7 +236,7 @@ def sweep_roofline(be: Backend, mem_sizes: list[int], mm_sizes: list[int], progr
                 A = be.alloc(rows * cols).uniform_(-1, 1).view(rows, cols)
                 x = torch.randn(cols, 1, generator=gen).to(be.device, be.dtype)
                 B = torch.empty_like(A)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if not is_oom(e):
                     raise
                 be.free()
@@ -247,7 +247,7 @@ def sweep_roofline(be: Backend, mem_sizes: list[int], mm_sizes: list[int], progr
             copy["seconds"].append(be.time(lambda: B.copy_(A), warmup=2, repeats=20,
                                            target_s=0.04))
             copy["bytes"].append(2 * A.numel() * esz)
-            del A, B
+            A = B = None  # frees them before the next size
             progress()
         mm = {"n": [], "seconds": [], "flops": []}
         for n in mm_sizes:
@@ -332,7 +332,7 @@ def sweep_decide(be: Backend, m: ModelSpec, contexts: list[int], batches: list[i
                 except KvsimError as e:  # e.g. the policy's budget does not fit this context
                     missing.append(f"{table} at context {n}: {e}")
                     break
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     if not is_oom(e):
                         raise
                     vk = None

@@ -15,9 +15,9 @@ from kvsim import trace as tracefile
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.catalog import ModelSpec
-from kvsim.hw.costs import DECIDE_TABLE, decide_tables
 from kvsim.hw.fit import fit_alpha_beta
 from kvsim.io import check_destination
+from kvsim.trace import DECIDE_TABLE, decide_tables
 from profiler import kernels, link
 from profiler.backend import Backend, make_backend
 from profiler.identity import device_identity
@@ -238,14 +238,14 @@ def _one_round(be: Backend, m: ModelSpec, plan: Plan, sampler: Sampler, bar, see
     tables |= run("link_copies", lambda: link.sweep_copies(be, buf, plan.link_sizes, step))
     tables |= run("link_bidir", lambda: link.sweep_bidir(be, buf, plan.bidir_sizes, step))
     tables |= run("link_latency", lambda: link.sweep_latency(be, buf, step))
-    del buf
+    buf = None  # frees the buffers
     be.free()
     pool = link.GatherPool(be, plan.gather_pool, max(plan.gather_totals))
     g, gmiss = run("link_gather", lambda: link.sweep_gathers(
         be, pool, plan.gather_totals, kv_row, step, seed + r))
     tables |= g
     missing += gmiss
-    del pool
+    pool = None
     be.free()
     tables |= run("kernel_decode_attn", lambda: kernels.sweep_attention(
         be, m, plan.contexts, plan.batches, plan.max_tokens, step, seed))

@@ -16,8 +16,8 @@ from kvsim.hw.costs import CostModel, costs_for
 from kvsim.hw.engine import DecideModel
 from kvsim.policies import load_all, registry
 from kvsim.policies.base import FetchPolicy
-from kvsim.replay import ReplayConfig, run_replay
 from kvsim.policies.registry import deciding
+from kvsim.replay import ReplayConfig, run_replay
 from kvsim.validate import decide_kernels, default_policies
 from profiler import run as prun
 from profiler.link import KiB, MiB

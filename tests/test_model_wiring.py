@@ -18,7 +18,7 @@ from kvsim.measure.evaluate import PolicySpec, evaluate  # noqa: E402
 from kvsim.model import (  # noqa: E402
     LoadedModel,
     model_info,
-    runner,  # noqa: E402
+    runner,
 )
 from kvsim.model.capture import capture  # noqa: E402
 from kvsim.model.hooks import install  # noqa: E402

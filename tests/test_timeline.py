@@ -9,8 +9,8 @@ import pytest
 from conftest import run_cli
 
 from kvsim.policies import load_all
-from kvsim.replay import ReplayConfig, run_replay
 from kvsim.policies.registry import deciding
+from kvsim.replay import ReplayConfig, run_replay
 
 FETCHING = deciding()  # those with a decide kernel: a decide span in every layer
 

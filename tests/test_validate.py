@@ -182,8 +182,8 @@ def test_prediction_is_the_batch_decoding_alone(cpu_profile):
 
     import numpy as np
 
-    from kvsim.hw.costs import costs_for
     from kvsim.hw.catalog import ModelSpec
+    from kvsim.hw.costs import costs_for
     from kvsim.sim.steps import StepCosts
     tr = tracefile.load(cpu_profile)
     m = dataclasses.replace(ModelSpec(**tr.hardware.extra["model"]), layers=2)

@@ -120,7 +120,7 @@ def test_kvfetch_output_coverage(kind):
 
 def test_bounded_shrinkage_matches_scipy():
     g = torch.Generator().manual_seed(5)
-    for trial in range(4):
+    for _ in range(4):
         n = 12
         w = torch.exp(2 * torch.randn(n, generator=g, dtype=F64))
         r = 0.02 + 0.9 * torch.rand(n, generator=g, dtype=F64)
@@ -154,7 +154,7 @@ def test_bounded_shrinkage_matches_scipy():
 
 def test_binary_shrinkage_is_best_prefix():
     g = torch.Generator().manual_seed(11)
-    for trial in range(30):
+    for _ in range(30):
         n = 9
         w = torch.exp(2 * torch.randn(n, generator=g, dtype=F64))
         r = 0.02 + 0.95 * torch.rand(n, generator=g, dtype=F64)

@@ -30,7 +30,7 @@ import numpy as np
 from kvsim.errors import KvsimError
 from kvsim.fit import Point, Predictor
 from kvsim.hw import catalog
-from kvsim.hw.costs import FLOP_EFFICIENCY, HBM_EFFICIENCY, GATHER_EFFICIENCY
+from kvsim.hw.costs import FLOP_EFFICIENCY, GATHER_EFFICIENCY, HBM_EFFICIENCY
 from kvsim.hw.engine import DecideModel, Engine, Value
 
 # name -> (lower, upper bound)

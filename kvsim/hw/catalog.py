@@ -36,7 +36,8 @@ class GPUSpec:
                 f"{self.bf16_tflops:.0f} bf16 TFLOP/s, {self.link} (H2D {self.h2d_gbps} GB/s)")
 
 
-_DESIGN = "kvsim design note (NVIDIA datasheets; nvbandwidth issue threads; vLLM KV-offloading blog)"
+_DESIGN = ("kvsim design note (NVIDIA datasheets; nvbandwidth issue threads; vLLM KV-offloading "
+           "blog)")
 GPUS: dict[str, GPUSpec] = {g.name: g for g in [
     GPUSpec("a100-40gb", 39.5, 1555, 312, "PCIe Gen4 x16", 31.5, 25.0, 5.0,
             f"NVIDIA A100 datasheet (40GB HBM2, 1,555 GB/s, 312 TFLOP/s bf16); {_DESIGN}",
@@ -198,7 +199,7 @@ class ModelSpec:
     def source(self) -> str:
         return f"config.json of {self.hf_id}" + (f" ({self.note})" if self.note else "")
 
-    def shard(self, tp: int) -> "ModelSpec":
+    def shard(self, tp: int) -> ModelSpec:
         """What one GPU of a tensor-parallel group of ``tp`` holds and computes, as vLLM shards:
         query heads, MLP (every expert's) width and vocabulary split ``tp`` ways; KV heads too,
         or replicated where there are fewer than ``tp`` of them (one per GPU)."""

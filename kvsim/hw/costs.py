@@ -22,6 +22,7 @@ from kvsim.hw.catalog import GB, GiB, GPUSpec, ModelSpec
 from kvsim.hw.engine import CATALOG_DEFAULT, ROOFLINE, DecideModel, Engine
 from kvsim.hw.engine import load as load_engine
 from kvsim.hw.fit import fit_alpha_beta
+from kvsim.trace import DECIDE_TABLE, LEGACY_DECIDE_TABLE, decide_tables
 
 DEFAULT_GPU = "h100-sxm"
 
@@ -30,21 +31,8 @@ FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-
 GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA (design note)
 ALLREDUCE_US = 10.0  # per all-reduce launch and synchronisation (assumed; see set_tp)
 
-DECIDE_TABLE = "kernel_decide_{}"  # a fetching policy's measured decide step, by policy name
-# profiles made before decide tables were kept per policy hold one table, which timed VerKV's
-LEGACY_DECIDE_TABLE, LEGACY_DECIDE_KERNEL = "kernel_decide", "verkv"
 DECIDE_ESTIMATE = "estimate: four passes over the sketch and per-token state at achievable HBM " \
     "bandwidth"
-
-
-def decide_tables(tables: dict) -> dict[str, str]:
-    """Decide kernel -> the name of its measured table among a hardware section's ``tables``:
-    ``kernel_decide_<policy>``, or an older profile's ``kernel_decide`` (VerKV's)."""
-    prefix = DECIDE_TABLE.format("")
-    out = {name[len(prefix):]: name for name in sorted(tables) if name.startswith(prefix)}
-    if LEGACY_DECIDE_TABLE in tables:
-        out.setdefault(LEGACY_DECIDE_KERNEL, LEGACY_DECIDE_TABLE)
-    return out
 
 
 @dataclass
@@ -123,7 +111,7 @@ class CostModel:
 
     # ------------------------------------------------------------------------ construction
     @classmethod
-    def from_spec(cls, g: GPUSpec) -> "CostModel":
+    def from_spec(cls, g: GPUSpec) -> CostModel:
         src = f"catalog {g.name}"
         h2d = LinkPath(g.copy_alpha_us * 1e-6, g.h2d_gbps * GB, src)
         links = {
@@ -152,7 +140,7 @@ class CostModel:
         return cm
 
     @classmethod
-    def from_hardware(cls, hw, base: GPUSpec | None = None) -> "CostModel":
+    def from_hardware(cls, hw, base: GPUSpec | None = None) -> CostModel:
         """Costs from a trace's measured hardware section (``kvsim profile``).
 
         Tables used when present: ``link_h2d_pinned``, ``link_d2h_pinned``, ``link_gather_gpu``
@@ -224,7 +212,7 @@ class CostModel:
         cm.summarize_decide()
         return cm
 
-    def apply(self, engine: Engine) -> "CostModel":
+    def apply(self, engine: Engine) -> CostModel:
         """Take an engine profile's fields over the hardware's (each one said in provenance)."""
         self.engine = engine
         prov = self.provenance
@@ -368,7 +356,7 @@ class CostModel:
                 self.extrapolations.add(f"{table}: context {context:.0f}, measured "
                                         f"{lo:.0f}..{hi:.0f} (linear model)")
 
-    def set_tp(self, tp: int, shared_link: bool = False) -> "CostModel":
+    def set_tp(self, tp: int, shared_link: bool = False) -> CostModel:
         """One GPU of a tensor-parallel group of ``tp``: the group's all-reduces priced on the
         catalog's peer link; with ``shared_link`` the group's GPUs share one host link."""
         self.tp = tp

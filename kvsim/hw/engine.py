@@ -77,7 +77,7 @@ class DecideModel:
                 f"{self.serial_share:.3g}")
 
     @classmethod
-    def fit_table(cls, context, batch, seconds, fetched_frac) -> tuple["DecideModel", float]:
+    def fit_table(cls, context, batch, seconds, fetched_frac) -> tuple[DecideModel, float]:
         """Fit to a measured ``kernel_decide`` table (per-layer seconds of a batch); returns the
         model and its largest relative error on the table. Non-negative least squares on relative
         error for (a, b, c) at each serial share of a grid."""
@@ -154,7 +154,7 @@ class Engine:
         v = self.fields.get(f"decide.{kernel}")
         return None if v is None else DecideModel(**v.value)
 
-    def with_overrides(self, **over) -> "Engine":
+    def with_overrides(self, **over) -> Engine:
         """A copy with what-if values (source ``override``): ``step_overhead_ms``,
         ``link_gbps`` (every path; the gather path keeps its ratio to H2D), ``decide_ms`` (per
         request and decode step, all layers: the field ``decide_layer_us``, which replaces the

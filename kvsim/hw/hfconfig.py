@@ -18,8 +18,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvsim.errors import KvsimError
+
+if TYPE_CHECKING:  # catalog imports this module: a runtime import would be circular
+    from kvsim.hw.catalog import ModelSpec
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
 MODELS_DIR = Path(__file__).resolve().parent / "models"
@@ -50,7 +54,7 @@ def _int(cfg: dict, key: str, where: str, default=None, positive=True) -> int:
     return int(v)
 
 
-def load(path: str | Path) -> "ModelSpec":
+def load(path: str | Path) -> ModelSpec:
     """The :class:`ModelSpec` of a ``config.json`` (or of a directory's)."""
     p = Path(path)
     if p.is_dir():
@@ -67,7 +71,7 @@ def load(path: str | Path) -> "ModelSpec":
     return parse(cfg, str(p))
 
 
-def parse(cfg: dict, where: str) -> "ModelSpec":
+def parse(cfg: dict, where: str) -> ModelSpec:
     """The shape a config's fields describe; an ``_kvsim`` entry (the catalog's own configs)
     names it and its source."""
     from kvsim.hw.catalog import ModelSpec

@@ -8,7 +8,8 @@ dense attention and the per-decision statistics go to the one aggregator
 
 An ``oracle`` score (attention mass of every question and decode row over the context) is added
 to the scores unless the trace has one. Bytes assume a 16-bit KV cache (2 bytes per element),
-whatever the trace's dtype (``kvsim.policies.base.KV_ELEM_BYTES``). Policies that ask for it (``times_compress``) have ``compress`` timed
+whatever the trace's dtype (``kvsim.policies.base.KV_ELEM_BYTES``). Policies that ask for it
+(``times_compress``) have ``compress`` timed
 against one layer's dense causal prefill attention on this machine; those timings are reported
 apart from the statistics, which the same seed reproduces exactly.
 """

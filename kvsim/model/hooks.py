@@ -21,7 +21,7 @@ from kvsim.attention.dense import logits
 from kvsim.measure import traffic
 
 ATTN_NAME = "kvsim"
-_active: "Controller | None" = None
+_active: Controller | None = None
 _registered = False
 
 

@@ -74,7 +74,7 @@ def nested_prompt(task: str, lengths: list[int], n_questions: int, seed: int,
         "Answer the question based on the given documents.\n"
     pieces, facts, total = [intro], [], count(intro)  # facts: (piece index, Question)
     people: set[str] = set()
-    for j, budget in enumerate(budgets):
+    for budget in budgets:
         at = sorted(rng.uniform(total, budget - 60) for _ in range(FACTS_PER_STRETCH))
         while True:
             fact = bool(at) and total >= at[0]

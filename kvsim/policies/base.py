@@ -95,7 +95,7 @@ class Policy(ABC):
         """Called once before ``compress`` with the model's RoPE settings and head size."""
         self.rope = dict(rope or {})
 
-    def check(self, trace) -> None:
+    def check(self, trace) -> None:  # noqa: B027  (optional: most policies run on any trace)
         """Before any work on ``trace``: a one-line error if this policy cannot run on it."""
 
     def compress(self, k: torch.Tensor, v: torch.Tensor, scores: dict[str, torch.Tensor],

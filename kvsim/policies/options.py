@@ -127,7 +127,7 @@ def check_budget(policy: str, n_ctx: int, compression: float, sink: int | None,
     need = 1.0 if need_sample else 0.0
     quarter = max(0, int((budget - sketch_tokens) // 4))
     s = EDGE_DEFAULT if sink is None else int(sink)
-    l = EDGE_DEFAULT if local is None else int(local)  # noqa: E741
+    l = EDGE_DEFAULT if local is None else int(local)
     note = ""
     if (sink is None or local is None) and (s + l > n_ctx or budget - s - l - sketch_tokens < need):
         s, l = (min(s, quarter) if sink is None else s), (min(l, quarter) if local is None else l)

@@ -226,7 +226,7 @@ def _stores(be, m, configs, cases) -> dict:
         try:
             with torch.inference_mode():
                 stores[where] = loops.KVStore(be, m, max_tok, where)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if not is_oom(e):
                 raise
             be.free()

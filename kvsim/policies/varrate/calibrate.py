@@ -127,7 +127,7 @@ def calibrate(paths: list[str], rank: int | None = None, stride: int = 16, c: in
         "codec": {"stride": stride, "anchors_c": c, "window": window},
         "residual_rows": {str(l): rows[l] for l in sorted(common)},
         "residual_energy": {str(l): float(torch.trace(grams[l])) for l in sorted(common)},
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     return Basis(meta, bases, svs)
 

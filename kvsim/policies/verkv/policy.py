@@ -65,10 +65,10 @@ from kvsim.policies.verkv.kvfetch import (
     reweighted_log_factor,
 )
 from kvsim.policies.verkv.sketch import (
+    NORM_BYTES,
     build_sketch,
     rope_pairs,
     sketch_bits_per_token,
-    NORM_BYTES,
     sketch_bytes,
 )
 
