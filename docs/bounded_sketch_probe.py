@@ -1,4 +1,4 @@
-"""How much a rigorous key sketch would force VerKV to fetch, before building one (issue 14).
+"""How much a rigorous key sketch would force VerKV to fetch, before building one.
 
     python docs/bounded_sketch_probe.py [--eps 0.05] [--length-index 3]
 

@@ -1,5 +1,5 @@
-"""A generated corpus of bad inputs (issue 16's classes): each gets exit status 2 and one line on
-stderr, never a traceback, a hang or a silent pass. Built from the tiny test trace at run time;
+"""A generated corpus of bad inputs (traces, flags, workloads, profiles): each gets exit
+status 2 and one line on stderr, never a traceback, a hang or a silent pass. Built from the tiny test trace at run time;
 nothing is stored."""
 
 import json

@@ -156,8 +156,8 @@ def test_registry_is_what_the_package_holds():
 
 def test_poissoncomp_expects_the_whole_budget_and_verkv_pays_its_sketch_from_it():
     """PoissonComp's expected kept count (sum of r, sink and local included) is the whole
-    n/compression; VerKV's is that less its sketch's share (spec point 6, as the PoissonComp
-    docstring explains)."""
+    n/compression; VerKV's is that less its sketch's share (the budget minus the sketch,
+    as the PoissonComp docstring explains)."""
     import torch
 
     from kvsim.attention.sampling import poisson_compress

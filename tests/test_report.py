@@ -1,5 +1,5 @@
 """kvsim plan's report: plain tick labels, linear axes for narrow data, one legend per figure, no
-empty panels, labelled bars, one HBM panel per GPU (issue 15, item 7), and a self-contained
+empty panels, labelled bars, one HBM panel per GPU, and a self-contained
 report.html whose results table sorts (checked in a headless browser where one is installed)."""
 
 import base64

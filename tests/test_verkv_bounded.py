@@ -1,4 +1,4 @@
-"""VerKV beyond the paper (issue 14): the bounded sketch, the output certificate and the shared
+"""VerKV beyond the paper: the bounded sketch, the output certificate and the shared
 plan of a forward pass's rows, each against an independent computation."""
 
 import math

@@ -5,7 +5,8 @@ tokens get ``r_i = min(1, c * tau_i)`` with ``c`` solved exactly so that
 ``sum_candidates r_i = sample_budget`` (expected kept count = sink + local + sample_budget);
 ``H = {r_i = 1}``, ``L = {0 < r_i < 1}``; an independent Bernoulli(r_i) draw per token of L
 gives the sample S. Every candidate has ``tau_i > 0`` (see :func:`kvsim.attention.scoring.to_tau`),
-hence ``r_i > 0``: no token silently leaves both H and L (spec point 1).
+hence ``r_i > 0``: no token silently leaves both H and L (every non-resident token must be
+samplable, or the estimator and the certificate would not see it).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
   question rows) smoothed by a length-5 average pool along the tokens; as in SnapKV, the window's
   softmax runs over every key it sees, its own (question) tokens included.
 * :func:`to_tau`: any score into (0, 1] with a floor, so that no token gets ``r_i = 0``
-  (spec point 1: a token with ``r_i = 0`` would silently leave the estimator and the certificate).
+  (a token with ``r_i = 0`` would silently leave the estimator and the certificate).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kvsim.attention.dense import logits
 
 SNAPKV_POOL = 5
-# tau floor relative to the mean tau of the candidates (spec point 1). With a kept fraction near
+# tau floor relative to the mean tau of the candidates (keeps every r_i > 0). With a kept fraction near
 # 1/16 this gives r_i >= ~6e-5: a floored token is almost never sampled, and binary shrinkage
 # gives it lambda_i = r_i, i.e. the certificate charges it as bias (fetch if it matters).
 TAU_FLOOR_REL = 1e-3

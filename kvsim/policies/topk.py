@@ -1,7 +1,8 @@
 """Query-agnostic top-k eviction at the same GPU budget (the KVzip / SnapKV family).
 
 Per layer and KV head it keeps exactly ``floor(n_ctx / compression)`` context tokens: the
-``sink`` first and ``local`` last tokens plus the highest-scoring others (spec point 6); the rest
+``sink`` first and ``local`` last tokens plus the highest-scoring others (the budget of the
+VerKV paper's baselines: exactly n/compression tokens, sink and local included); the rest
 are dropped, never fetched. Attention is exact over the kept tokens and the tokens after the
 context.
 """

@@ -1,7 +1,8 @@
 """VerKV per forward pass: sketch -> shortlist -> estimated weights -> shrinkage -> certificate ->
 fetch set (GQA union), then the reweighted attention.
 
-Two variants of what the certificate may look at (spec point 2):
+Two variants of what the certificate may look at (Theorem 2 needs lambda, the fetch order and
+k* to be independent of the sample):
 
 * ``independent`` (default): lambda, the order g, k* and the certificate's D come only from
   quantities that do not depend on which tokens were sampled: exact weights for H and for the
@@ -149,7 +150,7 @@ def pass_shortlist(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg:
     head, the ``cfg.shortlist`` candidates with the largest sketch log-weight relative to their
     row's largest planned logit (``s_i - max_j s_j``, a log-probability up to the row's
     normaliser), max over the group's query heads and the pass's rows (the spec's "over that
-    head's query rows"; spec point 4). Scored over ``chunks`` of rows (memory); returns indices
+    head's query rows", read as the max). Scored over ``chunks`` of rows (memory); returns indices
     (n_kv, k) and which are real candidates (fewer where there are fewer), or None without a
     sketch or a shortlist."""
     if layer.sketch is None or cfg.shortlist <= 0:

@@ -218,7 +218,7 @@ class VerKV(FetchPolicy):
                     "output_eps_hat_after": dec.out_after,
                     "value_range_norm": _range_norm(layer.v_range, v[:, n_ctx:], pc, n_ctx, g)}),
                 # the certificate's D over the true D: 1 with the perfect sketch; the 2-bit
-                # sketch's bias shows here (spec point 3)
+                # sketch's bias (it drops three quarters of the channels) shows here
                 "certificate_denominator_ratio": torch.exp(torch.log(dec.denom_est) + dec.shift
                                                            - true_logd),
             })

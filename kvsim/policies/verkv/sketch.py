@@ -9,9 +9,9 @@ KV head: ``c * 2 + c * 2 * 16 / 128`` bits for ``c = d / 4`` kept channels, i.e.
 
 Sketch logits: ``q`` restricted to the kept channels against the dequantized keys, scaled by
 ``1 / sqrt(d)`` like the exact logits. They drop three quarters of the channels, so they are
-biased, not only noisy (spec point 3); the certificate that uses them inherits that bias.
+biased, not only noisy; the certificate that uses them inherits that bias.
 
-The *bounded* sketch (issue 14) is the same sketch made rigorous, plus one fp16 per token: the
+The *bounded* sketch is the same sketch made rigorous, plus one fp16 per token: the
 norm of the key's dropped channels, rounded up. Zero points are rounded down and scales up to
 fp16, so every kept channel's dequantization error is at most half a step. For any query,
 
