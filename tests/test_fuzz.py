@@ -1,6 +1,6 @@
 """A generated corpus of bad inputs (traces, flags, workloads, profiles): each gets exit
-status 2 and one line on stderr, never a traceback, a hang or a silent pass. Built from the tiny test trace at run time;
-nothing is stored."""
+status 2 and one line on stderr, never a traceback, a hang or a silent pass. Built from the tiny
+test trace at run time; nothing is stored."""
 
 import json
 import os
