@@ -46,6 +46,9 @@ class DecodeCost:
             v = getattr(self, f"{t}_tokens")
             if not (v >= 0.0 and v < float("inf")):
                 raise ValueError(f"DecodeCost.{t}_tokens = {v} is not a token count >= 0")
+        if self.meta_frac > self.resident_frac + 1e-12:
+            raise ValueError(f"DecodeCost.meta_frac {self.meta_frac} exceeds resident_frac "
+                             f"{self.resident_frac}: metadata is part of the resident state")
 
     def tokens(self, term: str, n):
         """Tokens' worth of KV that ``term`` (one of ``TERMS``) charges a sequence of ``n``
@@ -60,8 +63,8 @@ class DecodeCost:
         return any(getattr(self, f"{t}_tokens") for t in TERMS)
 
     def scaling(self) -> dict[str, str]:
-        """How each term scales, in words, for reports: ``{"resident": "6.2% of n + 1020
-        tokens"}``."""
+        """How each term scales, in words, for reports: ``{"resident": "6.25% of the context +
+        8 tokens", ...}``."""
         out = {}
         for t in TERMS:
             f, k = getattr(self, f"{t}_frac"), getattr(self, f"{t}_tokens")
@@ -69,9 +72,6 @@ class DecodeCost:
                 ([f"{k:g} tokens"] if k else [])
             out[t] = " + ".join(parts) or "none"
         return out
-        if self.meta_frac > self.resident_frac + 1e-12:
-            raise ValueError(f"DecodeCost.meta_frac {self.meta_frac} exceeds resident_frac "
-                             f"{self.resident_frac}: metadata is part of the resident state")
 
 
 @dataclass(frozen=True)
