@@ -30,7 +30,7 @@ from itertools import pairwise
 import numpy as np
 
 from kvsim.sim import metrics, replicas
-from kvsim.sim.engine import ChunkLog, SimResult
+from kvsim.sim.records import ChunkLog, SimResult
 from kvsim.sim.metrics import Requests
 from kvsim.sim.workload import Workload
 

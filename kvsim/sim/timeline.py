@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsim.sim.engine import SimResult, Simulator
+from kvsim.sim.engine import Simulator
+from kvsim.sim.records import SimResult
 from kvsim.sim.pipeline import layer_starts, step_time
 
 GPU, LINK = 1, 2
