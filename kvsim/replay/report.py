@@ -195,6 +195,8 @@ def scheduler_words(cfg, s) -> str:
         text = f"chunked prefill, decodes first, {budget}"
     else:
         text = "prefill-first: admitted prompts prefill whole while decodes wait"
+    if s.admission_order != "arrival":
+        text += f"; waiting requests admitted {s.admission_order}"
     if s.admission == "reserve":
         return text + "; admission reserves each request's whole length (never preempted)"
     return text + f"; admission grows per token, preemption by {s.preemption}"
@@ -206,7 +208,7 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
     sim |= {"scheduler": scheduling.scheduler,
             "max_batched_tokens": scheduling.max_batched_tokens
             if scheduling.scheduler == "chunked" else None,
-            "admission": scheduling.admission,
+            "admission": scheduling.admission, "admission_order": scheduling.admission_order,
             "preemption": scheduling.preemption if scheduling.admission == "grow" else None}
     mem_report = memory(res, analysis.cost, model, mem, cfg.batch)
     prov = provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
@@ -221,7 +223,8 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
         **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
         **{f"{ps}_kv_read_frac": stats[ps]["kv_read_frac"] for ps in ("question", "overall")
            if "kv_read_frac" in (stats.get(ps) or {})},
-        "sim": sim, "memory": mem_report, "policy_cost": dataclasses.asdict(analysis.cost),
+        "sim": sim, "memory": mem_report,
+        "policy_cost": dataclasses.asdict(analysis.cost) | {"scaling": analysis.cost.scaling()},
         "policy_stats": stats, "policy_timings": analysis.timings,
         "provenance": prov, "warnings": warnings(cfg, tr, model, costs, cost_source, res, prov,
                                  analysis.cost, stats),
