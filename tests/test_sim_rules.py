@@ -73,7 +73,7 @@ def test_a_fixed_window_holds_the_same_hbm_at_every_context(context):
 
 def test_a_fixed_read_costs_the_same_at_every_context_and_a_share_does_not():
     window, share = sim_for(WINDOW), sim_for(QUARTER)
-    ctx = lambda n: np.array([float(n)])  # noqa: E731
+    ctx = lambda n: np.array([float(n)])
     w2, w32 = window.steps.decode(ctx(2048), 1)[0], window.steps.decode(ctx(32768), 1)[0]
     s2, s32 = share.steps.decode(ctx(2048), 1)[0], share.steps.decode(ctx(32768), 1)[0]
     assert w32[0] == pytest.approx(w2[0], rel=1e-12)  # 1,020 tokens read at both
@@ -85,7 +85,7 @@ def test_a_fixed_page_budget_moves_that_many_tokens_over_the_link():
     a short sequence moves all it has."""
     sim = sim_for(PAGES)
     c, L = sim.costs, M.layers
-    link = lambda tokens, seqs: L * float(c.link_time(KV / L * tokens, "h2d",  # noqa: E731
+    link = lambda tokens, seqs: L * float(c.link_time(KV / L * tokens, "h2d",
                                                       copies=c.copies(1.0, seqs)))
     assert sim.steps.decode(np.array([32768.0]), 1)[2][0] == pytest.approx(link(1024, 1))
     assert sim.steps.decode(np.array([32768.0, 600.0]), 1)[2][0] == pytest.approx(
@@ -100,7 +100,7 @@ def test_fixed_terms_charge_runs_as_their_steps():
     with short and long prompts agree with the step-by-step costs."""
     sim = sim_for(PAGES)
     held = np.array([700.0, 30000.0])
-    k, seconds, gpu, link = sim.steps.decode_run(2, float(held.sum()), 500, np.inf, held)
+    k, seconds, _, link = sim.steps.decode_run(2, float(held.sum()), 500, np.inf, held)
     steps = sim.steps.decode(held, 500)
     assert k == 500 and seconds == pytest.approx(steps[0].sum(), rel=1e-12)
     assert link == pytest.approx(steps[2].sum(), rel=1e-12)
@@ -108,3 +108,15 @@ def test_fixed_terms_charge_runs_as_their_steps():
                     None, "")
     res = sim.run(work)
     assert res.requests.count == 12 and res.chunks.link_busy > 0
+
+
+def test_a_fixed_host_term_is_written_once_per_sequence():
+    """Prefill chunks write to host memory what they add to the sequence's host term: a fixed
+    1,024 tokens fill with the first chunk, later chunks add nothing."""
+    steps = sim_for(DecodeCost(0.0, 0.0, 0.0, 0.0, False, host_tokens=1024)).steps
+    assert steps.written([0], [8192]) == 1024
+    assert steps.written([0, 8192], [600, 4096]) == 600
+    assert steps.host_bytes(8192, steps.written([0], [8192])) == 1024 * KV
+    one = steps.step(0, 0.0, 8192.0, 1e12, 1, [8192.0], written=1024.0)
+    assert one[2] == pytest.approx(steps.costs.link_time(
+        1024 * KV, "d2h", copies=2 * M.layers * steps.costs.copies(1.0, 1)))

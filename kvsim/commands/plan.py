@@ -77,15 +77,15 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from kvsim.commands._option_flags import changed_options, journal_key
     from kvsim.commands._policy_flags import policy_options
+    from kvsim.commands.replay import engine_options
     from kvsim.plan.executors import make_executor
     from kvsim.plan.planner import SUMMARY, plan
-    from kvsim.commands._option_flags import changed_options, journal_key
-    from kvsim.commands.replay import engine_options
-    from kvsim.sim.records import Deployment
-    from kvsim.sim.rules import Scheduling
     from kvsim.plan.slo import parse_limit
     from kvsim.plan.sweep import SweepSpec
+    from kvsim.sim.records import Deployment
+    from kvsim.sim.rules import Scheduling
     limits = [parse_limit(m, getattr(args, f"slo_{m}")) for m in ("tpot_ms", "ttft_ms", "e2e_s")
               if getattr(args, f"slo_{m}") is not None]
     spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context,

@@ -9,8 +9,8 @@ torch) load when a policy that needs attention is analysed.
 from __future__ import annotations
 
 import functools
-import math
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -26,8 +26,13 @@ from kvsim.replay import policy_source, report
 from kvsim.sim import timeline, workload
 from kvsim.sim.engine import Memory, Scheduling, Simulator, default_token_budget
 from kvsim.sim.metrics import Requests, window_of
-from kvsim.sim.records import (DEFAULT_HOST_GIB, DEFAULT_WORKSPACE_GIB, KV_DTYPES,
-                               WEIGHT_DTYPES, Deployment)
+from kvsim.sim.records import (
+    DEFAULT_HOST_GIB,
+    DEFAULT_WORKSPACE_GIB,
+    KV_DTYPES,
+    WEIGHT_DTYPES,
+    Deployment,
+)
 
 SLO_KEYS = ("tpot_ms", "ttft_ms", "e2e_s")
 
@@ -273,6 +278,7 @@ def with_kv_read(spec: PolicySpec, analysis: PolicyResult, frac: float) -> Polic
     """The analysis with the policy's KV read per step replaced by ``frac`` (a measured fetch
     fraction, or a what-if); the policy derives its decode cost from it as from its own."""
     import dataclasses
+
     from kvsim.policies import make
     stats = {**analysis.stats, "kv_read_frac": float(frac)}
     cost = make(spec.name, spec.options).decode_cost(stats)

@@ -23,12 +23,16 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvsim.sim.metrics import Requests
 from kvsim.sim.records import MAX_CHUNK, Chunks
 from kvsim.sim.rules import RULES
+
+if TYPE_CHECKING:
+    import simpy
 
 
 class Run:
@@ -39,7 +43,7 @@ class Run:
     SLOTS = ("arrival", "first_token", "admitted", "ctx", "prompt", "target", "prefilled",
              "left", "output", "held_hbm", "held_host", "order", "swap_host")
 
-    def __init__(self, sim, work, env: "simpy.Environment | None" = None, routed: bool = False,
+    def __init__(self, sim, work, env: simpy.Environment | None = None, routed: bool = False,
                  requests: Requests | None = None):
         self.sim, self.work, self.n = sim, work, work.n
         self.sched = sched = sim.scheduling
@@ -245,7 +249,8 @@ class Run:
         if len(plans) == 1:  # the common case, in scalars
             p = plans[0]
             one = sim.steps.step(D, p.decode_tokens, p.chunk_tokens, p.chunk_flops,
-                                 len(p.assign), p.done_lengths, p.read_tokens, p.fetch_tokens)
+                                 len(p.assign), p.done_lengths, p.read_tokens, p.fetch_tokens,
+                                 p.written_tokens)
             step, gpu, link, alone = (np.array([x]) for x in one)
         else:
             step, gpu, link, alone = sim.steps.run(

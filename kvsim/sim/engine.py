@@ -58,12 +58,12 @@ from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import CostModel
 from kvsim.sim import segments
 from kvsim.sim.metrics import Requests
-from kvsim.sim.records import (MAX_CHUNK, Chunk, ChunkLog, Memory, SimResult,  # noqa: F401
-                               default_token_budget)
+from kvsim.sim.records import MAX_CHUNK, Chunk, ChunkLog, Memory, SimResult, default_token_budget  # noqa: F401
 from kvsim.sim.rules import Scheduling
 from kvsim.sim.single import run_one
 from kvsim.sim.steps import KvBytes, StepCosts
 from kvsim.sim.workload import Workload
+
 
 @dataclass
 class Simulator:

@@ -111,6 +111,7 @@ class StepPlan(NamedTuple):
     work_bytes: float
     read_tokens: float | None = None  # the decodes' charged KV read (policies with fixed terms)
     fetch_tokens: float | None = None  # and their charged host-link read
+    written_tokens: float | None = None  # and the chunks' growth of the host-memory term
 
 
 @dataclass
@@ -122,13 +123,17 @@ class Chunks:
     done: np.ndarray  # prompts that finish (each emits a token)
     work_flops: np.ndarray  # the policy's prefill work for those prompts
     work_bytes: np.ndarray
+    written: np.ndarray | None = None  # tokens' worth of KV written to host memory, if not
+    # the policy's share of ``tokens`` (a fixed host term)
 
     @classmethod
     def of(cls, plans: list[StepPlan]) -> "Chunks":
-        col = lambda f: np.array([f(p) for p in plans], float)  # noqa: E731
+        col = lambda f: np.array([f(p) for p in plans], float)
         return cls(col(lambda p: p.chunk_tokens), col(lambda p: p.chunk_flops),
                    col(lambda p: len(p.assign)), col(lambda p: len(p.done)),
-                   col(lambda p: p.work_flops), col(lambda p: p.work_bytes))
+                   col(lambda p: p.work_flops), col(lambda p: p.work_bytes),
+                   None if plans[0].written_tokens is None else
+                   col(lambda p: p.written_tokens))
 
 
 @dataclass
@@ -205,7 +210,7 @@ class ChunkLog:
 
 @dataclass
 class SimResult:
-    requests: Requests  # the finished requests' metrics (kvsim.sim.metrics)
+    requests: object  # the finished requests' metrics (kvsim.sim.metrics.Requests)
     chunks: ChunkLog
     peak_hbm_bytes: float
     peak_host_bytes: float

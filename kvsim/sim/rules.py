@@ -104,12 +104,13 @@ class Chunked:
         plans: list[StepPlan] = []
         while queue and len(plans) < MAX_CHUNK:
             left = budget - D
-            assign, fin, ctok, cflops = [], [], 0, 0.0
+            assign, fin, ctok, cflops, prefixes = [], [], 0, 0.0, []
             for q in queue:
                 if left <= 0:
                     break
                 size = int(min(q[1], left))
                 assign.append((q[0], size))
+                prefixes.append(q[2])
                 cflops += m.attention_flops(float(size), float(q[2]))
                 ctok += size
                 left -= size
@@ -119,8 +120,9 @@ class Chunked:
                     fin.append(q[0])
             lengths = [float(run.target[i]) for i in fin]
             plans.append(StepPlan(D, tokens, ctok, cflops, assign, fin, lengths,
-                                  *_work(run, lengths),
-                                  *(costs.charged(held) if held is not None else ())))
+                                  *_work(run, lengths), *(costs.charged(held) + (
+                                      costs.written(prefixes, [n for _, n in assign]),)
+                                      if held is not None else ())))
             queue = [q for q in queue if q[1] > 0]
             tokens += D  # each decode appended a token
             if held is not None:
@@ -151,8 +153,11 @@ class PrefillFirst:
         assign = [(i, run.target[i] - run.prefilled[i]) for i in pf]
         flops = sum(m.attention_flops(float(n), float(run.prefilled[i])) for i, n in assign)
         lengths = [float(run.target[i]) for i in pf]
+        costs = run.sim.steps
+        written = costs.written([run.prefilled[i] for i in pf], [n for _, n in assign]) \
+            if costs.fixed else None
         return [StepPlan(0, 0.0, sum(n for _, n in assign), flops, assign, pf, lengths,
-                         *_work(run, lengths))]
+                         *_work(run, lengths), written_tokens=written)]
 
 
 # ------------------------------------------------------------------------------- admission

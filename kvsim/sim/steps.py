@@ -97,6 +97,7 @@ class StepCosts:
         self.overlap = c.overlap_for(p.overlap)
         self.fixed = p.fixed  # some term holds a fixed token count: charged per sequence
         self.fetches = p.host_read_frac > 0 or p.host_read_tokens > 0
+        self.writes = p.host_frac > 0 or p.host_tokens > 0  # prefilled KV goes to host memory
         self.overhead = c.step_overhead
         self.decide = c.decide_model(p.decide_kernel, m, p.decide_bytes_per_token) \
             if p.decide_bytes_per_token > 0 else None
@@ -114,16 +115,31 @@ class StepCosts:
             got = self._per_batch[B] = (float(c.gemm_time(B, m)), float(c.head_time(B, m)))
         return got
 
-    def host_bytes(self, tokens) -> np.ndarray:
-        """Bytes of KV the policy writes to host memory for ``tokens`` prompt tokens (its share;
-        a fixed host term is charged with the request's memory, not its prefill writes)."""
+    def host_bytes(self, tokens, written=None) -> np.ndarray:
+        """Bytes of KV the policy writes to host memory for ``tokens`` prompt tokens: its share,
+        or ``written`` tokens' worth (:meth:`written`) where the host term has a fixed count."""
+        if written is not None:
+            return self.model.kv_bytes_per_token * np.asarray(written, float)
         return self.policy.host_frac * self.model.kv_bytes_per_token * np.asarray(tokens, float)
 
-    def charged(self, held) -> tuple[float, float]:
-        """KV tokens read from HBM and over the link by decoding sequences holding ``held``
-        tokens each (an array), summed."""
+    def charged_steps(self, held, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """KV tokens read from HBM and over the link in each of the next ``k`` decode steps of
+        sequences holding ``held`` tokens each (each step adds one to every sequence), (k,)."""
+        n = np.asarray(held, float)[None, :] + np.arange(k, dtype=float)[:, None]
         p = self.policy
-        return float(p.tokens("hbm_read", held).sum()), float(p.tokens("host_read", held).sum())
+        return p.tokens("hbm_read", n).sum(1), p.tokens("host_read", n).sum(1)
+
+    def charged(self, held) -> tuple[float, float]:
+        """:meth:`charged_steps` of one step, in floats."""
+        read, fetch = self.charged_steps(held, 1)
+        return float(read[0]), float(fetch[0])
+
+    def written(self, prefixes, sizes) -> float:
+        """Tokens' worth of KV that chunks of ``sizes`` tokens after ``prefixes`` add to their
+        sequences' host-memory term (what a step writes to host memory)."""
+        a, b = np.asarray(prefixes, float), np.asarray(sizes, float)
+        p = self.policy
+        return float((p.tokens("host", a + b) - p.tokens("host", a)).sum())
 
     def charges_of(self, plans) -> tuple:
         """(KV read, link read) of each of a run of planned steps' decodes, (S,) each; None and
@@ -171,7 +187,7 @@ class StepCosts:
         each; decodes-alone is what the decode tokens of the step would take without chunks.
         Every step pays the engine's per-step overhead (time the GPU is not busy); ``read``,
         ``fetch``: as :meth:`layer_costs`."""
-        m, c, p = self.model, self.costs, self.policy
+        m, c = self.model, self.costs
         L, ovh = m.layers, self.overhead
         D = np.asarray(D, float)
         if D.any():
@@ -193,20 +209,20 @@ class StepCosts:
         emit = D + chunks.done
         extra = np.where(emit > 0, c.head_time(emit, m), 0.0) + np.maximum(
             chunks.work_flops / c.flops, chunks.work_bytes / c.hbm_bw)
-        write = c.link_time(self.host_bytes(chunks.tokens), "d2h",
+        write = c.link_time(self.host_bytes(chunks.tokens, chunks.written), "d2h",
                             copies=2 * L * c.copies(1.0, chunks.count)) \
-            if p.host_frac > 0 else np.zeros_like(layers)
+            if self.writes else np.zeros_like(layers)
         return (np.maximum(layers + extra, write) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
 
     def step(self, D: int, tokens: float, chunk_tokens: float, attn_flops: float, count: int,
-             done, read: float | None = None,
-             fetch: float | None = None) -> tuple[float, float, float, float]:
+             done, read: float | None = None, fetch: float | None = None,
+             written: float | None = None) -> tuple[float, float, float, float]:
         """:meth:`run` for one step, in scalars (the engine's hot path: most runs of prefill
         steps are one step long): ``D`` decodes holding ``tokens`` KV tokens, ``count`` chunks
         of ``chunk_tokens`` tokens in all with ``attn_flops`` of attention, ``done``: the
         lengths of the prompts that finish (a sequence of floats); ``read``, ``fetch``: as
-        :meth:`layer_costs`. ``tests/test_serving.py`` holds the two equal."""
+        :meth:`layer_costs`; ``written``: as :meth:`host_bytes`. ``tests/test_serving.py`` holds the two equal."""
         m, c, p = self.model, self.costs, self.policy
         L, work, ovh = m.layers, self.prefill_work, self.overhead
         gemm_d = attn = link = decide = alone = 0.0
@@ -244,9 +260,9 @@ class StepCosts:
         extra = (self.per_batch(emit)[1] if emit else 0.0) + (sum(
             max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
             if work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token else 0.0)
-        write = float(c.link_time(self.host_bytes(chunk_tokens), "d2h",
+        write = float(c.link_time(self.host_bytes(chunk_tokens, written), "d2h",
                                   copies=2 * L * c.copies(1.0, count))) \
-            if p.host_frac > 0 and count else 0.0
+            if self.writes and count else 0.0
         return (max(layers + extra, write) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
 
@@ -258,11 +274,7 @@ class StepCosts:
 
     def _decode(self, B: int, tokens: float, k: int, held: np.ndarray | None = None):
         L, j = self.model.layers, np.arange(k, dtype=float)
-        read = fetch = None
-        if held is not None:  # each sequence charged on its own, step by step
-            n = np.asarray(held, float)[None, :] + j[:, None]
-            p = self.policy
-            read, fetch = (p.tokens(t, n).sum(1) for t in ("hbm_read", "host_read"))
+        read, fetch = (None, None) if held is None else self.charged_steps(held, k)
         compute, decide, link = self.layer_costs(B, tokens + B * j, read, fetch)
         head = self.per_batch(B)[1]
         return (step_time(compute, decide, link, L, self.overlap) + head + self.overhead,
