@@ -51,6 +51,7 @@ class Run:
         self.scheduler_rule, self.admission, self.preemption = (
             rules["scheduler"], rules["admission"], rules["preemption"])
         self.growing = self.admission.grows  # memory held grows per token
+        self.fixed = sim.steps.fixed  # the policy charges each sequence on its own
         if env is None:
             import simpy  # (loaded only to simulate: importing the simulator stays light)
             env = simpy.Environment()
@@ -214,13 +215,18 @@ class Run:
         seats = self.seats()
         if seats <= 0:
             return
-        tokens, hbm, host = self.admission.tokens, self.sim.hbm_one, self.sim.host_one
+        kv, grow = self.sim.kv, self.growing  # grow: HBM for the tokens to prefill, else all
         free_hbm, free_host = self.free_hbm(), self.cap_host - self.used_host
         now = self.env.now
         while self.waiting and seats > 0:  # scalars: usually one or a few
             i = self.waiting[0]
-            h = hbm(tokens(self, i))
-            o = 0 if self.held_host[i] else host(self.prompt[i] + self.output[i])
+            whole = self.prompt[i] + self.output[i]
+            n = self.target[i] if grow else whole
+            if kv.fixed:
+                h, o = int(kv.hbm_need(n)), 0 if self.held_host[i] else int(kv.host_need(whole))
+            else:  # (in scalars: the hot path)
+                h = math.ceil(kv.hbm_per_token * float(n))
+                o = 0 if self.held_host[i] else math.ceil(kv.host_per_token * float(whole))
             if h > free_hbm or o > free_host:
                 break
             self.waiting.popleft()
@@ -240,52 +246,62 @@ class Run:
         The run ends with the prefills, at a decode's completion, at the step after the next
         arrival, or after one step when memory grows per token (grow admission)."""
         sim, rule = self.sim, self.scheduler_rule
-        if rule.decodes_while_prefilling:
+        if rule.decodes_while_prefilling and self.growing:
             while self.admission.fit(self, 1) < 1:
                 yield from self.preemption.preempt(self)
                 self.pull()  # a swap-out took time
         plans = rule.plan(self, single=self.growing)
-        D = plans[0].decodes
+        D, t0 = plans[0].decodes, self.env.now
         if len(plans) == 1:  # the common case, in scalars
             p = plans[0]
-            one = sim.steps.step(D, p.decode_tokens, p.chunk_tokens, p.chunk_flops,
-                                 len(p.assign), p.done_lengths, p.read_tokens, p.fetch_tokens,
-                                 p.written_tokens)
-            step, gpu, link, alone = (np.array([x]) for x in one)
+            step, gpu, link, alone = sim.steps.step(
+                D, p.decode_tokens, p.chunk_tokens, p.chunk_flops, len(p.assign),
+                p.done_lengths, p.read_tokens, p.fetch_tokens, p.written_tokens)
+            sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill",
+                           None, p.chunk_tokens, alone)
+            ends, k = [step], 1
+            yield self.env.timeout(step)
         else:
             step, gpu, link, alone = sim.steps.run(
                 np.array([p.decodes for p in plans], float),
                 np.array([p.decode_tokens for p in plans], float), Chunks.of(plans),
                 *sim.steps.charges_of(plans))
-        ends = np.cumsum(step)
-        k = len(plans)
-        until = self.until_next_arrival()
-        if until < np.inf:
-            k = min(k, int(np.searchsorted(ends, until)) + 1)
-        t0 = self.env.now
-        for j in range(k):
-            Dj = plans[j].decodes
-            sim.chunks.add(t0 + (ends[j - 1] if j else 0.0), float(step[j]), 1 if Dj else 0,
-                           Dj, float(gpu[j]), float(link[j]), "mixed" if Dj else "prefill",
-                           None, plans[j].chunk_tokens, float(alone[j]))
-        yield self.env.timeout(float(ends[k - 1]))
+            ends = np.cumsum(step)
+            k = len(plans)
+            until = self.until_next_arrival()
+            if until < np.inf:
+                k = min(k, int(np.searchsorted(ends, until)) + 1)
+            for j in range(k):
+                Dj = plans[j].decodes
+                sim.chunks.add(t0 + (ends[j - 1] if j else 0.0), float(step[j]),
+                               1 if Dj else 0, Dj, float(gpu[j]), float(link[j]),
+                               "mixed" if Dj else "prefill", None, plans[j].chunk_tokens,
+                               float(alone[j]))
+            yield self.env.timeout(float(ends[k - 1]))
         if D:
-            self.admission.grow(self, k)
+            if self.growing:
+                self.admission.grow(self, k)
             self.clock += k
-        for p in plans[:k]:
+        prefilled, first, ctx, left, joining = (self.prefilled, self.first_token, self.ctx,
+                                                self.left, [])
+        for j in range(k):
+            p = plans[j]
             for i, size in p.assign:
-                self.prefilled[i] += size
-        fin = [(i, j) for j in range(k) for i in plans[j].done]
-        if fin:  # each emitted at the end of its step, then decoded k - 1 - j more
-            done_ids = {i for i, _ in fin}
-            self.prefilling = [i for i in self.prefilling if i not in done_ids]
-            for i, j in fin:
-                if math.isnan(self.first_token[i]):
-                    self.first_token[i] = t0 + ends[j]
-                    self.ctx[i] = self.prompt[i]
-                self.ctx[i] += k - j
-                self.left[i] -= k - j
-            self.join([i for i, _ in fin])
+                prefilled[i] += size
+            for i in p.done:  # emitted at the end of step j, then decoded k - 1 - j more
+                if math.isnan(first[i]):
+                    first[i] = t0 + ends[j]
+                    ctx[i] = self.prompt[i]
+                ctx[i] += k - j
+                left[i] -= k - j
+                joining.append(i)
+        if joining:
+            if len(joining) == len(self.prefilling):
+                self.prefilling = []  # (the common case)
+            else:
+                gone = set(joining)
+                self.prefilling = [i for i in self.prefilling if i not in gone]
+            self.join(joining)
 
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
@@ -298,12 +314,13 @@ class Run:
         B = len(self.running)
         k, seconds, gpu_s, link_s = self.sim.steps.decode_run(
             B, self.batch_tokens(), k, self.until_next_arrival(),
-            self.batch()[1] if self.sim.steps.fixed else None)
+            self.batch()[1] if self.fixed else None)
         log = self.sim.chunks
         log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode",
                 self.batch()[1] if log.keeping else None)
         yield self.env.timeout(seconds)
-        self.admission.grow(self, k)
+        if self.growing:
+            self.admission.grow(self, k)
         self.clock += k
 
     # ------------------------------------------------------------------------ preemption

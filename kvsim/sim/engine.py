@@ -83,9 +83,8 @@ class Simulator:
             self.scheduling = dataclasses.replace(self.scheduling, max_batched_tokens=(
                 default_token_budget(self.costs.gpu_name, self.costs.hbm_bytes)))
         self.steps = StepCosts(self.model, self.costs, self.policy, self.prefill_work)
-        kv = KvBytes(self.model, self.policy)  # what a request of n tokens holds
-        self.hbm_need, self.host_need, self.hbm_one, self.host_one = (
-            kv.hbm_need, kv.host_need, kv.hbm_one, kv.host_one)
+        self.kv = KvBytes(self.model, self.policy)  # what a request of n tokens holds
+        self.hbm_need, self.host_need = self.kv.hbm_need, self.kv.host_need
 
     def capacity(self) -> tuple[int, int]:
         """Whole bytes of HBM left for KV state, and of host memory."""

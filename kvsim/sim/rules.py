@@ -79,10 +79,35 @@ class ShortestPromptFirst:
 # ------------------------------------------------------------------------------ schedulers
 def _work(run, lengths: list[float]) -> tuple[float, float]:
     """The policy's prefill work (FLOPs, bytes) for prompts of these lengths."""
-    w = run.sim.prefill_work
-    if not (w.flops_per_token or w.flops_per_token_sq or w.bytes_per_token):
+    if not run.sim.steps.works:
         return 0.0, 0.0
+    w = run.sim.prefill_work
     return sum(w.flops(x) for x in lengths), sum(w.bytes(x) for x in lengths)
+
+
+def _whole(run, decodes: int) -> StepPlan:
+    """One step in which every prompt prefills the rest of itself, beside a decode token of
+    each of the running batch's ``decodes`` sequences (all of them, or none)."""
+    sim, pf = run.sim, list(run.prefilling)
+    costs, m = sim.steps, sim.model
+    if len(pf) == 1:  # the common step, in scalars
+        i = pf[0]
+        done = run.prefilled[i]
+        tokens = run.target[i] - done
+        assign, lengths = [(i, tokens)], [float(run.target[i])]
+        flops = m.attention_flops(float(tokens), float(done))
+    else:
+        assign = [(i, run.target[i] - run.prefilled[i]) for i in pf]
+        flops = sum(m.attention_flops(float(n), float(run.prefilled[i])) for i, n in assign)
+        lengths, tokens = [float(run.target[i]) for i in pf], sum([n for _, n in assign])
+    work = _work(run, lengths) if costs.works else (0.0, 0.0)
+    if not costs.fixed:
+        return StepPlan(decodes, run.batch_tokens() if decodes else 0.0, tokens, flops, assign,
+                        pf, lengths, *work)
+    charges = (costs.charged(run.batch()[1]) if decodes else (0.0, 0.0)) + (
+        costs.written([run.prefilled[i] for i in pf], [n for _, n in assign]),)
+    return StepPlan(decodes, run.batch_tokens() if decodes else 0.0, tokens, flops, assign, pf,
+                    lengths, *work, *charges)
 
 
 @rule("scheduler", "chunked")
@@ -94,10 +119,14 @@ class Chunked:
     def plan(self, run, single: bool) -> list[StepPlan]:
         """The next steps, in scalars, up to the next completion, at most ``MAX_CHUNK``, one
         if ``single``."""
-        m, budget = run.sim.model, run.sched.max_batched_tokens
+        m, budget, D = run.sim.model, run.sched.max_batched_tokens, len(run.running)
+        if not single:
+            whole = _whole(run, D)
+            if whole.chunk_tokens <= budget - D:
+                return [whole]  # it all fits in one step (the common case)
         queue = [[i, run.target[i] - run.prefilled[i], run.prefilled[i]]
                  for i in run.prefilling]
-        D, tokens = len(run.running), run.batch_tokens()
+        tokens = run.batch_tokens()
         min_left = run.soonest() if D else None
         costs = run.sim.steps
         held = run.batch()[1] if costs.fixed else None  # the decodes' tokens, one by one
@@ -149,15 +178,7 @@ class PrefillFirst:
     decodes_while_prefilling = False
 
     def plan(self, run, single: bool) -> list[StepPlan]:
-        m, pf = run.sim.model, list(run.prefilling)
-        assign = [(i, run.target[i] - run.prefilled[i]) for i in pf]
-        flops = sum(m.attention_flops(float(n), float(run.prefilled[i])) for i, n in assign)
-        lengths = [float(run.target[i]) for i in pf]
-        costs = run.sim.steps
-        written = costs.written([run.prefilled[i] for i in pf], [n for _, n in assign]) \
-            if costs.fixed else None
-        return [StepPlan(0, 0.0, sum(n for _, n in assign), flops, assign, pf, lengths,
-                         *_work(run, lengths), written_tokens=written)]
+        return [_whole(run, 0)]
 
 
 # ------------------------------------------------------------------------------- admission
@@ -165,10 +186,6 @@ class PrefillFirst:
 class Reserve:
     """HBM for a request's whole length (prompt + output) from admission on: never preempted."""
     grows = False
-
-    def tokens(self, run, i: int) -> int:
-        """Tokens whose HBM request ``i`` takes when admitted."""
-        return run.prompt[i] + run.output[i]
 
     def fit(self, run, k: int) -> int:
         return k
@@ -181,9 +198,6 @@ class Reserve:
 class Grow:
     """vLLM's: HBM for the tokens to prefill at admission, and a token more per decode step."""
     grows = True
-
-    def tokens(self, run, i: int) -> int:
-        return run.target[i]
 
     def fit(self, run, k: int) -> int:
         """How many of the running batch's next ``k`` decode steps fit in HBM."""

@@ -49,7 +49,9 @@ def _step_time(compute: float, decide: float, link: float, layers: int, overlap:
 class KvBytes:
     """Whole bytes a request of ``n`` tokens holds: in HBM its resident state plus the staging
     of its transfers (``staging_layers`` of the KV it reads over the link), in host memory what
-    the policy keeps there; each term ``DecodeCost.tokens(term, n)`` tokens' worth of KV."""
+    the policy keeps there; each term ``DecodeCost.tokens(term, n)`` tokens' worth of KV. A
+    policy of shares only holds ``hbm_per_token`` and ``host_per_token`` bytes per token
+    (``math.ceil(hbm_per_token * n)`` is :meth:`hbm_need` of one request, in scalars)."""
 
     def __init__(self, model: ModelSpec, policy: DecodeCost):
         p, kv = policy, model.kv_bytes_per_token
@@ -71,15 +73,6 @@ class KvBytes:
             return np.ceil(self.host_per_token * np.asarray(tokens, float)).astype(np.int64)
         return np.ceil(self.kv * self.policy.tokens("host", tokens)).astype(np.int64)
 
-    def hbm_one(self, n: int) -> int:
-        """:meth:`hbm_need` of one request, in scalars (admission's hot path)."""
-        return math.ceil(self.hbm_per_token * float(n)) if not self.fixed else \
-            int(self.hbm_need(n))
-
-    def host_one(self, n: int) -> int:
-        return math.ceil(self.host_per_token * float(n)) if not self.fixed else \
-            int(self.host_need(n))
-
 
 @dataclass
 class StepCosts:
@@ -98,6 +91,8 @@ class StepCosts:
         self.fixed = p.fixed  # some term holds a fixed token count: charged per sequence
         self.fetches = p.host_read_frac > 0 or p.host_read_tokens > 0
         self.writes = p.host_frac > 0 or p.host_tokens > 0  # prefilled KV goes to host memory
+        w = self.prefill_work
+        self.works = bool(w.flops_per_token or w.flops_per_token_sq or w.bytes_per_token)
         self.overhead = c.step_overhead
         self.decide = c.decide_model(p.decide_kernel, m, p.decide_bytes_per_token) \
             if p.decide_bytes_per_token > 0 else None
@@ -259,7 +254,7 @@ class StepCosts:
         emit = D + len(done)
         extra = (self.per_batch(emit)[1] if emit else 0.0) + (sum(
             max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
-            if work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token else 0.0)
+            if self.works else 0.0)
         write = float(c.link_time(self.host_bytes(chunk_tokens, written), "d2h",
                                   copies=2 * L * c.copies(1.0, count))) \
             if self.writes and count else 0.0
