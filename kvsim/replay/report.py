@@ -52,7 +52,7 @@ def simulation(res, work) -> dict:
     """Latency, throughput and utilisation of a simulated run (goodput if it had an SLO)."""
     req = res.requests
     makespan = req.last_finish - req.first_arrival if req.count else 0.0
-    log = res.chunks  # sums over every chunk (kvsim.sim.engine.ChunkLog)
+    log = res.chunks  # sums over every chunk (kvsim.sim.records.ChunkLog)
     decode_time = log.decode_seconds  # a mixed step: its decodes' share
     reps = res.replicas  # busy time summed over replicas: utilisation per replica
     gpu_busy = log.gpu_busy / reps

@@ -23,7 +23,6 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,25 +30,20 @@ from kvsim.sim.metrics import Requests
 from kvsim.sim.records import MAX_CHUNK, Chunks
 from kvsim.sim.rules import RULES
 
-if TYPE_CHECKING:
-    import simpy
-
 
 class Run:
     """``routed``: requests arrive only when a router (:mod:`kvsim.sim.replicas`) hands them
-    over on the shared ``env``; the run ends when the router is done and it has served what it
-    was given."""
+    over on the shared ``env`` (a simpy Environment; a new one if not given); the run ends when
+    the router is done and it has served what it was given."""
 
     SLOTS = ("arrival", "first_token", "admitted", "ctx", "prompt", "target", "prefilled",
              "left", "output", "held_hbm", "held_host", "order", "swap_host")
 
-    def __init__(self, sim, work, env: simpy.Environment | None = None, routed: bool = False,
+    def __init__(self, sim, work, env=None, routed: bool = False,
                  requests: Requests | None = None):
         self.sim, self.work, self.n = sim, work, work.n
         self.sched = sched = sim.scheduling
-        rules = sched.rules()
-        self.scheduler_rule, self.admission, self.preemption = (
-            rules["scheduler"], rules["admission"], rules["preemption"])
+        self.scheduler_rule, self.admission, self.preemption = sched.rules()
         self.growing = self.admission.grows  # memory held grows per token
         self.fixed = sim.steps.fixed  # the policy charges each sequence on its own
         if env is None:

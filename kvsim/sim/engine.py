@@ -20,8 +20,9 @@ Scheduling, as vLLM does it (``chunked``, the default): every step has a token b
 (``max_batched_tokens``); each running sequence spends one token on its next decode first, then
 prompts take chunks of what is left, in admission order (arrival order unless
 ``admission_order`` says otherwise; new requests are admitted while the budget, the batch slots
-and memory allow). ``prefill-first`` is the earlier model: newly admitted prompts
-prefill together, whole, while every decode waits. What a step costs is :mod:`kvsim.sim.steps`; the rules are :mod:`kvsim.sim.rules`.
+and memory allow). ``prefill-first`` is the earlier model: newly admitted prompts prefill
+together, whole, while every decode waits. What a step costs is :mod:`kvsim.sim.steps`; the rules
+are :mod:`kvsim.sim.rules`.
 
 Granularity: while prompts are being prefilled, one simpy event per step; between two changes of
 a batch that only decodes (an arrival that can be admitted, a completion), the times of its next
@@ -29,12 +30,15 @@ k steps are computed at once: in closed form where a step's time is affine in it
 costs), else vectorised over steps and sequences (:meth:`kvsim.sim.steps.StepCosts.decode_run`).
 
 Memory: HBM and host memory are counts of whole bytes held (a request is admitted only where its
-bytes fit, so nothing ever waits on memory: no simpy container is needed). ``reserve`` admission
+bytes fit, so nothing ever waits on memory: no simpy container is needed); a request of ``n``
+tokens holds ``DecodeCost.tokens(term, n)`` tokens' worth of KV per term
+(:class:`kvsim.sim.steps.KvBytes`). ``reserve`` admission
 (the default) holds a request's bytes for its whole length (prompt + output) and gives them back
 when it completes, so nothing is ever preempted. ``grow`` admission (vLLM's) holds the prompt's
 bytes and one token's more at every decode step; when a step does not fit, the most recently
-admitted running request is preempted: ``recompute`` drops its KV and prefills prompt and generated tokens
-again later, ``swap`` copies its HBM state to host memory over the link and back when it resumes.
+admitted running request is preempted: ``recompute`` drops its KV and prefills prompt and
+generated tokens again later, ``swap`` copies its HBM state to host memory over the link and
+back when it resumes.
 
 Per request the run keeps state only while the request is in the system (slots reused), and the
 finished requests' metrics stream into :mod:`kvsim.sim.metrics`, so memory does not grow with the
@@ -58,7 +62,7 @@ from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import CostModel
 from kvsim.sim import segments
 from kvsim.sim.metrics import Requests
-from kvsim.sim.records import MAX_CHUNK, Chunk, ChunkLog, Memory, SimResult, default_token_budget  # noqa: F401
+from kvsim.sim.records import ChunkLog, Memory, SimResult, default_token_budget
 from kvsim.sim.rules import Scheduling
 from kvsim.sim.single import run_one
 from kvsim.sim.steps import KvBytes, StepCosts

@@ -292,7 +292,8 @@ class Scheduling:
         if b is not None and (isinstance(b, bool) or int(b) != b or b < 1):
             raise KvsimError(f"--max-batched-tokens must be a whole number >= 1; got {b}")
 
-    def rules(self) -> dict:
-        """An instance of each rule the fields name, but the order (made per run)."""
-        return {k: RULES[k][getattr(self, k)]() for k in ("scheduler", "admission",
-                                                           "preemption")}
+    def rules(self) -> tuple:
+        """An instance of the scheduler, admission and preemption rules the fields name (the
+        admission order is made per run: it holds the run's queue)."""
+        return tuple(RULES[k][getattr(self, k)]() for k in ("scheduler", "admission",
+                                                             "preemption"))

@@ -16,11 +16,12 @@ and the layers form the pipeline of :mod:`kvsim.sim.pipeline`. A sequence of ``n
 reads ``DecodeCost.tokens(term, n)`` tokens' worth of KV from HBM and over the link: a share of
 ``n`` plus a fixed count, at most ``n``. For a policy whose terms are shares only (every fixed
 count 0) that is ``frac * T`` of the batch's ``T`` tokens, affine, and decode runs have a closed
-form; with fixed counts each sequence is charged on its own (``held``: the sequences' tokens). Per step: the LM head for every
-sequence that emits a token (decodes and chunks that finish a prompt), the policy's own prefill
-work (:class:`kvsim.contract.PrefillWork`) for every prompt that finishes, and, for policies that
-keep the cache in host memory, the chunks' KV written to host memory (D2H, overlapped with the
-step). A step without chunks is a plain decode step.
+form; with fixed counts each sequence is charged on its own (``held``: the sequences' tokens).
+
+Per step: the LM head for every sequence that emits a token (decodes and chunks that finish a
+prompt), the policy's own prefill work (:class:`kvsim.contract.PrefillWork`) for every prompt
+that finishes, and, for policies that keep the cache in host memory, the chunks' KV written to
+host memory (D2H, overlapped with the step). A step without chunks is a plain decode step.
 """
 
 from __future__ import annotations
@@ -217,7 +218,8 @@ class StepCosts:
         steps are one step long): ``D`` decodes holding ``tokens`` KV tokens, ``count`` chunks
         of ``chunk_tokens`` tokens in all with ``attn_flops`` of attention, ``done``: the
         lengths of the prompts that finish (a sequence of floats); ``read``, ``fetch``: as
-        :meth:`layer_costs`; ``written``: as :meth:`host_bytes`. ``tests/test_serving.py`` holds the two equal."""
+        :meth:`layer_costs`; ``written``: as :meth:`host_bytes`. ``tests/test_serving.py``
+        holds the two equal."""
         m, c, p = self.model, self.costs, self.policy
         L, work, ovh = m.layers, self.prefill_work, self.overhead
         gemm_d = attn = link = decide = alone = 0.0
