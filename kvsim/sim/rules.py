@@ -100,7 +100,7 @@ def _whole(run, decodes: int) -> StepPlan:
         assign = [(i, run.target[i] - run.prefilled[i]) for i in pf]
         flops = sum(m.attention_flops(float(n), float(run.prefilled[i])) for i, n in assign)
         lengths, tokens = [float(run.target[i]) for i in pf], sum([n for _, n in assign])
-    work = _work(run, lengths) if costs.works else (0.0, 0.0)
+    work = _work(run, lengths)
     if not costs.fixed:
         return StepPlan(decodes, run.batch_tokens() if decodes else 0.0, tokens, flops, assign,
                         pf, lengths, *work)
@@ -184,14 +184,10 @@ class PrefillFirst:
 # ------------------------------------------------------------------------------- admission
 @rule("admission", "reserve")
 class Reserve:
-    """HBM for a request's whole length (prompt + output) from admission on: never preempted."""
+    """HBM for a request's whole length (prompt + output) from admission on: never preempted.
+    (A rule that ``grows`` holds the tokens to prefill at admission and has ``fit`` and
+    ``grow`` for the decode steps; the run asks only such a rule.)"""
     grows = False
-
-    def fit(self, run, k: int) -> int:
-        return k
-
-    def grow(self, run, k: int) -> None:
-        pass
 
 
 @rule("admission", "grow")
