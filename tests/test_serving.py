@@ -183,7 +183,8 @@ def test_the_scalar_step_is_the_vectorised_step():
     from kvsim.contract import DecodeCost, PrefillWork
     from kvsim.hw.costs import CostModel
     from kvsim.hw.engine import DecideModel, Engine, Value
-    from kvsim.sim.steps import Chunks, StepCosts
+    from kvsim.sim.records import Chunks
+    from kvsim.sim.steps import StepCosts
     m = catalog.model("qwen3-4b")
     eng = Engine("t", {"step_overhead_ms": Value(1.5, "default"),
                        "link_launches": Value("per-layer", "default"),

@@ -77,23 +77,23 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from kvsim.commands._option_flags import changed_options, journal_key
     from kvsim.commands._policy_flags import policy_options
+    from kvsim.commands.replay import engine_options
     from kvsim.plan.executors import make_executor
     from kvsim.plan.planner import SUMMARY, plan
-    from kvsim.commands.replay import engine_options, scheduling_options
     from kvsim.plan.slo import parse_limit
     from kvsim.plan.sweep import SweepSpec
+    from kvsim.sim.records import Deployment
+    from kvsim.sim.rules import Scheduling
     limits = [parse_limit(m, getattr(args, f"slo_{m}")) for m in ("tpot_ms", "ttft_ms", "e2e_s")
               if getattr(args, f"slo_{m}") is not None]
     spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context,
                      policies=args.policy, batches=args.batch, qps=args.qps,
                      option_grid=policy_options(args), output_len=args.output_len,
                      requests=args.requests, seed=args.seed, trace=args.trace, slo=limits,
-                     slo_requests=args.slo_requests, scheduling=scheduling_options(args),
-                     engine=engine_options(args),
-                     deployment={k: getattr(args, k) for k in ("kv_dtype", "weight_dtype", "tp",
-                                                               "tp_link", "replicas", "router")
-                                 if getattr(args, k) not in (None, 1, "own", "round-robin")})
+                     slo_requests=args.slo_requests, scheduling=journal_key(args, Scheduling),
+                     engine=engine_options(args), deployment=changed_options(args, Deployment))
     spec.validate()
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -65,8 +65,6 @@ def add_parser(sub) -> None:
                    help="only the --workload file's first N requests by arrival")
     p.add_argument("--requests", type=int,
                    help="requests to simulate (default: 2 x concurrency, or 64 with --qps)")
-    p.add_argument("--host-gib", type=float, help="host memory for the KV cache (default 256)")
-    p.add_argument("--workspace-gib", type=float, help="HBM for activations etc. (default 4)")
     add_scheduling_flags(p)
     add_engine_flags(p)
     p.add_argument("--slo-tpot-ms", type=float, help="per-request TPOT limit for goodput")
@@ -88,48 +86,20 @@ def add_parser(sub) -> None:
 
 
 def add_scheduling_flags(p) -> None:
-    """How the engine batches: shared by replay and plan."""
-    g = p.add_argument_group("scheduling", "how the simulated engine batches (vLLM's defaults)")
-    g.add_argument("--scheduler", choices=["chunked", "prefill-first"], default="chunked",
-                   help="chunked: a token budget per step, decodes first, then prefill chunks "
-                        "(vLLM); prefill-first: admitted prompts prefill whole while decodes "
-                        "wait [default: chunked]")
-    g.add_argument("--max-batched-tokens", type=int, metavar="N",
-                   help="chunked: tokens per step [default: vLLM's for the GPU: 8192 on GPUs "
-                        "of 70 GiB or more other than A100, else 2048]")
-    g.add_argument("--admission", choices=["reserve", "grow"], default="reserve",
-                   help="reserve: HBM for a request's whole length at admission, never "
-                        "preempted; grow: per token as vLLM, preempting when HBM runs out "
-                        "[default: reserve]")
-    g.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
-                   help="grow admission: drop the victim's KV and prefill it again, or copy it "
-                        "to host memory over the link and back [default: recompute]")
+    """How the engine batches (:class:`kvsim.sim.rules.Scheduling`): shared by replay and plan."""
+    from kvsim.commands._option_flags import add_option_flags
+    from kvsim.sim.rules import Scheduling
+    add_option_flags(p, Scheduling, "scheduling", "how the simulated engine batches (vLLM's "
+                                                  "defaults)")
 
 
-def add_deployment_flags(parser) -> None:
-    """Element types, tensor parallelism and replicas: shared by replay and plan."""
-    p = parser.add_argument_group("deployment", "element types and how many GPUs serve")
-    p.add_argument("--kv-dtype", choices=["bf16", "fp16", "fp8"],
-                   help="KV-cache element type (bytes in HBM, host memory and over the link) "
-                        "[default: the model's dtype]")
-    p.add_argument("--weight-dtype", choices=["bf16", "fp16", "fp8", "int4"],
-                   help="layer weights' element type (embeddings and LM head keep the model's) "
-                        "[default: the model's dtype]")
-    p.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor parallelism: N GPUs of a node serve one replica; each holds 1/N "
-                        "of the weights and KV heads, all-reduces go over the catalog's peer "
-                        "link; memory and HBM figures are per GPU [default: 1]")
-    p.add_argument("--router", default="round-robin", choices=["round-robin", "least-loaded"],
-                   help="how --replicas share the requests: round-robin, or least-loaded (each "
-                        "arrival to the replica with the fewest requests in its system; open "
-                        "loops) [default: round-robin]")
-    p.add_argument("--replicas", type=int, default=1, metavar="R",
-                   help="data-parallel replicas (each of --tp GPUs) behind the --router; "
-                        "throughput and latencies over all, utilisation and memory per "
-                        "replica [default: 1]")
-    p.add_argument("--tp-link", choices=["own", "shared"], default="own",
-                   help="with --tp: each GPU on its own host link, or one shared by the group "
-                        "[default: own]")
+def add_deployment_flags(p) -> None:
+    """Element types, memory, tensor parallelism and replicas
+    (:class:`kvsim.sim.records.Deployment`): shared by replay and plan."""
+    from kvsim.commands._option_flags import add_option_flags
+    from kvsim.sim.records import Deployment
+    add_option_flags(p, Deployment, "deployment", "element types, memory and how many GPUs "
+                                                  "serve")
 
 
 def add_engine_flags(p) -> None:
@@ -164,16 +134,14 @@ def engine_options(args) -> dict:
             if getattr(args, k) is not None}
 
 
-def scheduling_options(args) -> dict:
-    return {"scheduler": args.scheduler, "max_batched_tokens": args.max_batched_tokens,
-            "admission": args.admission, "preemption": args.preemption}
-
-
 def run(args) -> int:
+    from kvsim.commands._option_flags import option_values
     from kvsim.commands._policy_flags import policy_options
     from kvsim.errors import KvsimError
     from kvsim.policies import parse
     from kvsim.replay import ReplayConfig, run_replay
+    from kvsim.sim.records import Deployment
+    from kvsim.sim.rules import Scheduling
     specs, ignored = parse(args.policy, policy_options(args))
     if len(specs) != 1:
         raise KvsimError(f"replay runs one policy; --policy names {len(specs)}")
@@ -184,11 +152,9 @@ def run(args) -> int:
                        output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
                        workload_format=args.workload_format, time_scale=args.time_scale,
                        workload_limit=args.limit,
-                       host_gib=args.host_gib, workspace_gib=args.workspace_gib,
                        timeline=args.timeline, timeline_steps=args.timeline_steps,
-                       force=args.force, **scheduling_options(args), **engine_options(args),
-                       kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, tp=args.tp,
-                       tp_link=args.tp_link, replicas=args.replicas, router=args.router,
+                       force=args.force, **option_values(args, Scheduling),
+                       **option_values(args, Deployment), **engine_options(args),
                        jobs=args.jobs, slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                               ("ttft_ms", args.slo_ttft_ms),
                                               ("e2e_s", args.slo_e2e_s)) if v is not None})

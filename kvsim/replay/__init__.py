@@ -9,9 +9,9 @@ torch) load when a policy that needs attention is analysed.
 from __future__ import annotations
 
 import functools
-import math
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kvsim import trace as tracefile
@@ -26,19 +26,28 @@ from kvsim.replay import policy_source, report
 from kvsim.sim import timeline, workload
 from kvsim.sim.engine import Memory, Scheduling, Simulator, default_token_budget
 from kvsim.sim.metrics import Requests, window_of
-from kvsim.sim.replicas import ROUTERS
+from kvsim.sim.records import (
+    DEFAULT_HOST_GIB,
+    DEFAULT_WORKSPACE_GIB,
+    KV_DTYPES,
+    WEIGHT_DTYPES,
+    Deployment,
+)
 
 SLO_KEYS = ("tpot_ms", "ttft_ms", "e2e_s")
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "traces" / "smollm2-mk-2k.npz"
-DEFAULT_HOST_GIB = 256.0  # a 2 TiB host shared by 8 GPUs
-DEFAULT_WORKSPACE_GIB = 4.0  # CUDA context, activations, allocator slack
 MAX_BATCH = 1_000_000  # sequences in one batch: far beyond any GPU's memory
 MAX_REQUESTS = 100_000_000  # per simulation
 
 
 @dataclass
-class ReplayConfig:
+class ReplayConfig(Scheduling, Deployment):
+    """One replay. Its scheduling fields (scheduler, max_batched_tokens, admission, preemption,
+    admission_order; ``max_batched_tokens`` None: vLLM's for the GPU) and deployment fields
+    (element types, tp, tp_link, replicas, router, host_gib, workspace_gib) are those of
+    :class:`kvsim.sim.rules.Scheduling` and :class:`kvsim.sim.records.Deployment`, written
+    once there with their flags' help."""
     trace: str | Path | None = None  # None: the shipped default trace
     policy: str = "dense-offload"  # a policy spec: NAME[:KEY=VALUE...]
     policy_options: dict = field(default_factory=dict)
@@ -55,26 +64,14 @@ class ReplayConfig:
     time_scale: float = 1.0  # the file's arrival times multiplied by this (0.5: twice the rate)
     workload_limit: int | None = None  # only the file's first N requests by arrival
     seed: int = 0
-    host_gib: float | None = None
-    workspace_gib: float | None = None
     timeline: str | Path | None = None  # write a Chrome/Perfetto trace of the first steps here
     timeline_steps: int = 16
     force: bool = False  # overwrite an existing timeline file
-    scheduler: str = "chunked"  # or "prefill-first"
-    max_batched_tokens: int | None = None  # chunked: tokens per step; None: vLLM's default
-    admission: str = "reserve"  # or "grow" (preempts when HBM runs out)
-    preemption: str = "recompute"  # or "swap"
     slo: dict = field(default_factory=dict)  # per-request limits for goodput: tpot_ms, ttft_ms, e2e_s
     engine: str | None = None  # an engine profile: built-in name or JSON file (kvsim fit)
     policy_profile: str | None = None  # FILE, "default" or "none"; None: the shipped profile
     # when no trace is named (kvsim.replay.policy_source)
-    kv_dtype: str | None = None  # KV-cache element type: bf16 | fp8 (default: the model's)
-    weight_dtype: str | None = None  # layer weights: bf16 | fp8 | int4
-    tp: int = 1  # tensor parallelism: GPUs of one replica (each simulated as one GPU's shard)
-    tp_link: str = "own"  # "own": a host link per GPU; "shared": one for the group
-    replicas: int = 1  # data-parallel replicas behind a router
     jobs: int | None = None  # processes for a long open loop (kvsim.sim.segments); None: CPUs
-    router: str = "round-robin"  # or "least-loaded" (open loops; kvsim.sim.replicas)
     # what-if overrides, each recorded in provenance as such
     kv_read_frac: float | None = None  # the policy's KV read per step, replacing the trace's
     kv_read_everywhere: bool = True  # False (plan): policies that do not fetch keep their own
@@ -100,35 +97,21 @@ class ReplayConfig:
                              "not both")
         if self.gpu is not None and not str(self.gpu).strip():
             raise KvsimError("--gpu is empty: name a catalog GPU (kvsim catalog)")
-        for name in ("host_gib", "workspace_gib"):
-            v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and v >= 0):
-                raise KvsimError(f"--{name.replace('_', '-')} must be a finite size >= 0, "
-                                 f"got {v}")
         for k, v in self.slo.items():
             if k not in SLO_KEYS or not (isinstance(v, (int, float)) and v > 0):
                 raise KvsimError(f"SLO {k}={v!r}: give a positive --slo-tpot-ms, --slo-ttft-ms "
                                  f"or --slo-e2e-s")
-        self.scheduling(8192).check()
+        Scheduling.check(self)
+        Deployment.check(self)
         if self.kv_read_frac is not None and not 0 <= self.kv_read_frac <= 1:
             raise KvsimError(f"--kv-read-frac must be a share in [0, 1], got {self.kv_read_frac}")
         for name in ("decide_ms", "step_overhead_ms"):
             v = getattr(self, name)
             if v is not None and not v >= 0:
                 raise KvsimError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise KvsimError(f"--tp must be a whole number >= 1, got {self.tp!r}")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or \
-                self.replicas < 1:
-            raise KvsimError(f"--replicas must be a whole number >= 1, got {self.replicas!r}")
         if self.jobs is not None and (isinstance(self.jobs, bool) or
                                       not isinstance(self.jobs, int) or self.jobs < 1):
             raise KvsimError(f"--jobs must be a whole number >= 1, got {self.jobs!r}")
-        if self.router not in ROUTERS:
-            raise KvsimError(f"--router must be one of {', '.join(ROUTERS)}, got "
-                             f"{self.router!r}")
-        if self.tp_link not in ("own", "shared"):
-            raise KvsimError(f"--tp-link must be own or shared, got {self.tp_link!r}")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise KvsimError(f"--link-gbps must be positive, got {self.link_gbps}")
         if self.workload_format != "auto" and self.workload_format not in workload.FORMATS:
@@ -147,8 +130,10 @@ class ReplayConfig:
                 if getattr(self, k) is not None}
 
     def scheduling(self, default_budget: int) -> Scheduling:
-        budget = default_budget if self.max_batched_tokens is None else self.max_batched_tokens
-        return Scheduling(self.scheduler, budget, self.admission, self.preemption)
+        """The scheduling options, the token budget given or ``default_budget``."""
+        over = {} if self.max_batched_tokens is not None else \
+            {"max_batched_tokens": default_budget}
+        return Scheduling(**{f.name: getattr(self, f.name) for f in fields(Scheduling)} | over)
 
 
 def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
@@ -223,10 +208,6 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
     return out
 
 
-KV_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1}
-WEIGHT_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1, "int4": 0.5}
-
-
 def with_dtypes(model: ModelSpec, kv: str | None, weight: str | None) -> ModelSpec:
     """The model with its KV cache and layer weights stored in other element types: bytes
     change everywhere (HBM, host memory, the link, admission); compute stays as profiled."""
@@ -297,6 +278,7 @@ def with_kv_read(spec: PolicySpec, analysis: PolicyResult, frac: float) -> Polic
     """The analysis with the policy's KV read per step replaced by ``frac`` (a measured fetch
     fraction, or a what-if); the policy derives its decode cost from it as from its own."""
     import dataclasses
+
     from kvsim.policies import make
     stats = {**analysis.stats, "kv_read_frac": float(frac)}
     cost = make(spec.name, spec.options).decode_cost(stats)

@@ -52,7 +52,7 @@ def simulation(res, work) -> dict:
     """Latency, throughput and utilisation of a simulated run (goodput if it had an SLO)."""
     req = res.requests
     makespan = req.last_finish - req.first_arrival if req.count else 0.0
-    log = res.chunks  # sums over every chunk (kvsim.sim.engine.ChunkLog)
+    log = res.chunks  # sums over every chunk (kvsim.sim.records.ChunkLog)
     decode_time = log.decode_seconds  # a mixed step: its decodes' share
     reps = res.replicas  # busy time summed over replicas: utilisation per replica
     gpu_busy = log.gpu_busy / reps
@@ -89,17 +89,24 @@ def simulation(res, work) -> dict:
     return out
 
 
-def memory(res, cost, model, mem, batch: int) -> dict:
+def memory(res, cost, model, mem, batch: int, tokens: float) -> dict:
     """Peak HBM and host use, with HBM split into weights, resident KV, transfer staging, policy
     metadata and workspace.
 
     The KV state a request reserves per token is ``resident_frac`` (of which ``meta_frac`` is
-    metadata) plus its transfer staging; the peak KV state splits in those proportions."""
+    metadata) plus its transfer staging; the peak KV state splits in those proportions. Where a
+    term holds a fixed token count, in the proportions of a request of ``tokens`` tokens."""
     kv_state = res.peak_hbm_bytes - mem.weights_bytes - mem.workspace_bytes
-    staging = cost.staging_layers / model.layers * cost.host_read_frac
-    per_token = cost.resident_frac + staging
+    layers = cost.staging_layers / model.layers
+    if cost.fixed:
+        staging = layers * float(cost.tokens("host_read", tokens))
+        per_token, meta_part = float(cost.tokens("resident", tokens)) + staging, \
+            cost.meta_frac * tokens
+    else:
+        staging = layers * cost.host_read_frac
+        per_token, meta_part = cost.resident_frac + staging, cost.meta_frac
     share = (lambda f: kv_state * f / per_token) if per_token > 0 else (lambda f: 0.0)
-    meta, stage = share(cost.meta_frac), share(staging)
+    meta, stage = share(meta_part), share(staging)
     return {
         "hbm_gib": res.peak_hbm_bytes / GiB, "host_gib": res.peak_host_bytes / GiB,
         "hbm_weights_gib": mem.weights_bytes / GiB,
@@ -195,6 +202,8 @@ def scheduler_words(cfg, s) -> str:
         text = f"chunked prefill, decodes first, {budget}"
     else:
         text = "prefill-first: admitted prompts prefill whole while decodes wait"
+    if s.admission_order != "arrival":
+        text += f"; waiting requests admitted {s.admission_order}"
     if s.admission == "reserve":
         return text + "; admission reserves each request's whole length (never preempted)"
     return text + f"; admission grows per token, preemption by {s.preemption}"
@@ -209,9 +218,10 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
     sim |= {"scheduler": scheduling.scheduler,
             "max_batched_tokens": scheduling.max_batched_tokens
             if scheduling.scheduler == "chunked" else None,
-            "admission": scheduling.admission,
+            "admission": scheduling.admission, "admission_order": scheduling.admission_order,
             "preemption": scheduling.preemption if scheduling.admission == "grow" else None}
-    mem_report = memory(res, analysis.cost, model, mem, cfg.batch)
+    mem_report = memory(res, analysis.cost, model, mem, cfg.batch,
+                        float((work.prompt + work.output).mean()))
     prov = provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
                       scheduling, work_at_prefill)
     stats, cost = analysis.stats, analysis.cost

@@ -1,4 +1,5 @@
-"""One simulated run: the scheduler process of :mod:`kvsim.sim.engine` and the state it keeps.
+"""One simulated run: the scheduler process and the state it keeps; what it schedules by is a set
+of rules (:mod:`kvsim.sim.rules`), what a step costs is :mod:`kvsim.sim.steps`.
 
 Per request: its arrival, how many of its tokens are to be prefilled (the prompt; prompt and
 generated tokens again after a recompute preemption) and how many are, the tokens in its cache
@@ -24,29 +25,31 @@ import math
 from collections import deque
 
 import numpy as np
-import simpy
 
-from kvsim.sim import preemption
-from kvsim.sim.chunking import plan_chunks
-from kvsim.sim.engine import MAX_CHUNK
 from kvsim.sim.metrics import Requests
-from kvsim.sim.steps import Chunks
+from kvsim.sim.records import MAX_CHUNK, Chunks
+from kvsim.sim.rules import RULES
 
 
 class Run:
     """``routed``: requests arrive only when a router (:mod:`kvsim.sim.replicas`) hands them
-    over on the shared ``env``; the run ends when the router is done and it has served what it
-    was given."""
+    over on the shared ``env`` (a simpy Environment; a new one if not given); the run ends when
+    the router is done and it has served what it was given."""
 
     SLOTS = ("arrival", "first_token", "admitted", "ctx", "prompt", "target", "prefilled",
              "left", "output", "held_hbm", "held_host", "order", "swap_host")
 
-    def __init__(self, sim, work, env: simpy.Environment | None = None, routed: bool = False,
+    def __init__(self, sim, work, env=None, routed: bool = False,
                  requests: Requests | None = None):
         self.sim, self.work, self.n = sim, work, work.n
-        self.sched = sim.scheduling
-        self.growing = self.sched.admission == "grow"  # memory held grows per token
-        self.env = env = env or simpy.Environment()
+        self.sched = sched = sim.scheduling
+        self.scheduler_rule, self.admission, self.preemption = sched.rules()
+        self.growing = self.admission.grows  # memory held grows per token
+        self.fixed = sim.steps.fixed  # the policy charges each sequence on its own
+        if env is None:
+            import simpy  # (loaded only to simulate: importing the simulator stays light)
+            env = simpy.Environment()
+        self.env = env
         self.routed, self.assigned, self.router_done = routed, 0, False
         self.open = work.concurrency is None
         self.pulls = self.open and not routed  # reads arrivals when it looks
@@ -58,7 +61,7 @@ class Run:
         for name in self.SLOTS:
             setattr(self, name, [])
         self.requests = requests if requests is not None else Requests()
-        self.waiting: deque[int] = deque()
+        self.waiting = RULES["order"][sched.admission_order](self)  # popleft() is admitted next
         self.prefilling: list[int] = []
         self.swapped: deque[int] = deque()
         # the running batch: its slots in order, its decode clock, the sum of its (relative)
@@ -198,23 +201,26 @@ class Run:
         return self.sim.max_batch - len(self.running) - len(self.prefilling)
 
     def admit(self) -> None:
-        """Waiting requests start prefilling, in order, while seats and memory allow (the
-        longest prefix of the queue that fits)."""
+        """Waiting requests start prefilling, in the admission order, while seats and memory
+        allow (the longest prefix of the queue that fits)."""
         self.pull()
         if not self.waiting or self.pressure:
             return
         seats = self.seats()
         if seats <= 0:
             return
-        grow, per_hbm, per_host = (self.sched.admission == "grow", self.sim.hbm_per_token,
-                                   self.sim.host_per_token)
+        kv, grow = self.sim.kv, self.growing  # grow: HBM for the tokens to prefill, else all
         free_hbm, free_host = self.free_hbm(), self.cap_host - self.used_host
         now = self.env.now
         while self.waiting and seats > 0:  # scalars: usually one or a few
             i = self.waiting[0]
             whole = self.prompt[i] + self.output[i]
-            h = math.ceil(per_hbm * float(self.target[i] if grow else whole))
-            o = 0 if self.held_host[i] else math.ceil(per_host * float(whole))
+            n = self.target[i] if grow else whole
+            if kv.fixed:
+                h, o = int(kv.hbm_need(n)), 0 if self.held_host[i] else int(kv.host_need(whole))
+            else:  # (in scalars: the hot path)
+                h = math.ceil(kv.hbm_per_token * float(n))
+                o = 0 if self.held_host[i] else math.ceil(kv.host_per_token * float(whole))
             if h > free_hbm or o > free_host:
                 break
             self.waiting.popleft()
@@ -228,121 +234,141 @@ class Run:
             self.prefilling.append(i)
 
     # ------------------------------------------------------------------------------ steps
-    def prefill_whole(self, decodes: bool, pf: list[int], size: list[int]):
-        """One step in which every admitted prompt prefills the rest of itself (``size``
-        tokens each), with a decode token for each running sequence if ``decodes``
-        (prefill-first: none); each prompt then emits its first (or next) token. Scalars."""
-        m, D = self.sim.model, len(self.running) if decodes else 0
-        if len(pf) == 1:  # the common step
-            i, tokens = pf[0], size[0]
-            flops = m.attention_flops(float(tokens), float(self.prefilled[i]))
-            lengths = [float(self.target[i])]
-        else:
-            flops = sum(m.attention_flops(float(n), float(self.prefilled[i]))
-                        for i, n in zip(pf, size))
-            tokens, lengths = sum(size), [float(self.target[i]) for i in pf]
-        step, gpu, link, alone = self.sim.steps.step(
-            D, self.batch_tokens() if D else 0.0, float(tokens), flops, len(pf),
-            lengths)
-        self.sim.chunks.add(self.env.now, step, 1 if D else 0, D, gpu, link,
-                            "mixed" if D else "prefill", None, tokens, alone)
-        yield self.env.timeout(step)
-        if D:
-            self.clock += 1
-        self.prefilling = []
-        now = self.env.now
-        for i in pf:  # usually one prompt
-            self.prefilled[i] = self.target[i]
-            if math.isnan(self.first_token[i]):
-                self.first_token[i] = now
-                self.ctx[i] = self.prompt[i]
-            self.ctx[i] += 1
-            self.left[i] -= 1
-        self.join(pf)
-
     def prefill_phase(self):
-        """Steps with prefill chunks (chunked scheduler), as many at once as nothing else
-        changes: each step's decodes first, then chunks of the prompts in order; a prompt that
-        finishes emits a token and decodes from the next step. The run ends with the prefills,
-        at a decode's completion, at the step after the next arrival, or after one step when
-        memory grows per token (grow admission)."""
-        sim = self.sim
-        grow = self.sched.admission == "grow"
-        pf = list(self.prefilling)
-        rest = [self.target[i] - self.prefilled[i] for i in pf]
-        if self.sched.scheduler != "chunked":  # prefill-first: whole prompts, decodes wait
-            yield from self.prefill_whole(False, pf, rest)
-            return
-        if not grow and sum(rest) <= self.sched.max_batched_tokens - len(self.running):
-            yield from self.prefill_whole(True, pf, rest)  # it all fits in one step
-            return
-        while grow and preemption.grow_fit(self, 1) < 1:
-            yield from preemption.preempt(self)
-            self.pull()  # a swap-out took time
-        D = len(self.running)
-        plan = plan_chunks(self, single=grow)
-        rows = plan["rows"]
-        S = len(rows["D"])
-        if S == 1:  # the common case, in scalars
-            lengths = [float(self.target[i]) for i in plan["done"][0]]
-            one = sim.steps.step(D, rows["tokens"][0], rows["ctok"][0], rows["cflops"][0],
-                                 rows["count"][0], lengths)
-            step, gpu, link, alone = (np.array([x]) for x in one)
+        """Steps with prefill chunks, as many at once as nothing else changes, as the scheduler
+        rule plans them; a prompt that finishes emits a token and decodes from the next step.
+        The run ends with the prefills, at a decode's completion, at the step after the next
+        arrival, or after one step when memory grows per token (grow admission)."""
+        sim, rule = self.sim, self.scheduler_rule
+        if rule.decodes_while_prefilling and self.growing:
+            while self.admission.fit(self, 1) < 1:
+                yield from self.preemption.preempt(self)
+                self.pull()  # a swap-out took time
+        plans = rule.plan(self, single=self.growing)
+        D, t0 = plans[0].decodes, self.env.now
+        if len(plans) == 1:  # the common case, in scalars
+            p = plans[0]
+            step, gpu, link, alone = sim.steps.step(
+                D, p.decode_tokens, p.chunk_tokens, p.chunk_flops, len(p.assign),
+                p.done_lengths, p.read_tokens, p.fetch_tokens, p.written_tokens)
+            sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill",
+                           None, p.chunk_tokens, alone)
+            ends, k = [step], 1
+            yield self.env.timeout(step)
         else:
-            arr = {k: np.array(v, float) for k, v in rows.items()}
-            ch = Chunks(arr["ctok"], arr["cflops"], arr["count"], arr["ndone"], arr["wf"],
-                        arr["wb"])
-            step, gpu, link, alone = sim.steps.run(arr["D"], arr["tokens"], ch)
-        ends = np.cumsum(step)
-        k = S
-        until = self.until_next_arrival()
-        if until < np.inf:
-            k = min(k, int(np.searchsorted(ends, until)) + 1)
-        t0 = self.env.now
-        for j in range(k):
-            Dj = rows["D"][j]
-            sim.chunks.add(t0 + (ends[j - 1] if j else 0.0), float(step[j]), 1 if Dj else 0,
-                           Dj, float(gpu[j]), float(link[j]), "mixed" if Dj else "prefill",
-                           None, rows["ctok"][j], float(alone[j]))
-        yield self.env.timeout(float(ends[k - 1]))
-        if grow:
-            preemption.grow(self, 1)
+            step, gpu, link, alone = sim.steps.run(
+                np.array([p.decodes for p in plans], float),
+                np.array([p.decode_tokens for p in plans], float), Chunks.of(plans),
+                *sim.steps.charges_of(plans))
+            ends = np.cumsum(step)
+            k = len(plans)
+            until = self.until_next_arrival()
+            if until < np.inf:
+                k = min(k, int(np.searchsorted(ends, until)) + 1)
+            for j in range(k):
+                Dj = plans[j].decodes
+                sim.chunks.add(t0 + (ends[j - 1] if j else 0.0), float(step[j]),
+                               1 if Dj else 0, Dj, float(gpu[j]), float(link[j]),
+                               "mixed" if Dj else "prefill", None, plans[j].chunk_tokens,
+                               float(alone[j]))
+            yield self.env.timeout(float(ends[k - 1]))
         if D:
+            if self.growing:
+                self.admission.grow(self, k)
             self.clock += k
+        prefilled, first, ctx, left, joining = (self.prefilled, self.first_token, self.ctx,
+                                                self.left, [])
         for j in range(k):
-            for i, size in plan["assign"][j]:
-                self.prefilled[i] += size
-        fin = [(i, j) for j in range(k) for i in plan["done"][j]]
-        if fin:  # each emitted at the end of its step, then decoded k - 1 - j more
-            done_ids = {i for i, _ in fin}
-            self.prefilling = [i for i in self.prefilling if i not in done_ids]
-            for i, j in fin:
-                if math.isnan(self.first_token[i]):
-                    self.first_token[i] = t0 + ends[j]
-                    self.ctx[i] = self.prompt[i]
-                self.ctx[i] += k - j
-                self.left[i] -= k - j
-            self.join([i for i, _ in fin])
+            p = plans[j]
+            for i, size in p.assign:
+                prefilled[i] += size
+            for i in p.done:  # emitted at the end of step j, then decoded k - 1 - j more
+                if math.isnan(first[i]):
+                    first[i] = t0 + ends[j]
+                    ctx[i] = self.prompt[i]
+                ctx[i] += k - j
+                left[i] -= k - j
+                joining.append(i)
+        if joining:
+            if len(joining) == len(self.prefilling):
+                self.prefilling = []  # (the common case)
+            else:
+                gone = set(joining)
+                self.prefilling = [i for i in self.prefilling if i not in gone]
+            self.join(joining)
 
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
         k = min(self.soonest(), MAX_CHUNK)
         if self.growing:
-            k = preemption.grow_fit(self, k)
+            k = self.admission.fit(self, k)
             if k < 1:
-                yield from preemption.preempt(self)
+                yield from self.preemption.preempt(self)
                 return
         B = len(self.running)
         k, seconds, gpu_s, link_s = self.sim.steps.decode_run(
-            B, self.batch_tokens(), k, self.until_next_arrival())
+            B, self.batch_tokens(), k, self.until_next_arrival(),
+            self.batch()[1] if self.fixed else None)
         log = self.sim.chunks
         log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode",
                 self.batch()[1] if log.keeping else None)
         yield self.env.timeout(seconds)
         if self.growing:
-            preemption.grow(self, k)
+            self.admission.grow(self, k)
         self.clock += k
 
+    # ------------------------------------------------------------------------ preemption
+    def evict(self, victim: int) -> bool:
+        """Preempt ``victim``: out of the batch (or of the prefills); whether it was
+        prefilling. Nothing is admitted or resumed again until a request completes."""
+        self.preemptions += 1
+        self.pressure = True
+        if victim in self.prefilling:
+            self.prefilling.remove(victim)
+            return True
+        self.leave([victim])
+        self.finish_at = [f for f in self.finish_at if f[1] != victim]
+        heapq.heapify(self.finish_at)
+        return False
+
+    def recompute(self, victim: int) -> None:
+        """An evicted request's cache is dropped: it waits first, to prefill again (its prompt
+        and generated tokens once it has emitted any)."""
+        self.release([victim], host=False)
+        if not math.isnan(self.first_token[victim]):
+            self.target[victim] = int(self.ctx[victim]) - 1
+        self.waiting.appendleft(victim)
+
+    def swap_out(self, victim: int, nbytes: int) -> None:
+        """An evicted request's ``nbytes`` of HBM state go to host memory (copied by
+        :meth:`transfer`); it resumes where it was."""
+        self.release([victim], host=False)
+        self.used_host += nbytes
+        self.swap_host[victim] = nbytes
+        self.peak_host = max(self.peak_host, self.used_host)
+        self.swapped.append(victim)
+
+    def resume_swapped(self):
+        """Swapped-out requests come back first, over the link, when their HBM state fits."""
+        while self.swapped and self.seats() > 0 and not self.pressure:
+            i = self.swapped[0]
+            need = int(self.sim.hbm_need(self.ctx[i]))
+            if need > self.free_hbm():
+                return
+            self.swapped.popleft()
+            self.used_host -= self.swap_host[i]
+            self.swap_host[i] = 0
+            self.hold(i, need)
+            yield from self.transfer(need, "h2d")
+            self.join([i])
+
+    def transfer(self, nbytes: int, path: str):
+        """A swap: the GPU stream waits for the copy of ``nbytes`` over the link."""
+        t = float(self.sim.costs.link_time(nbytes, path, copies=2 * self.sim.model.layers))
+        self.sim.chunks.add(self.env.now, t, 0, 0, 0.0, t, "swap")
+        yield self.env.timeout(t)
+
+    # -------------------------------------------------------------------------- completion
     def complete(self) -> None:
         """Release finished requests (also those whose only token came from prefill)."""
         heap, clock = self.finish_at, self.clock
@@ -375,7 +401,7 @@ class Run:
     def scheduler(self):
         while not self.finished():
             if self.swapped:
-                yield from preemption.resume_swapped(self)
+                yield from self.resume_swapped()
             self.admit()
             if self.prefilling:
                 yield from self.prefill_phase()

@@ -16,8 +16,10 @@ import dataclasses
 
 import numpy as np
 
-from kvsim.sim.engine import ChunkLog, SimResult
+from kvsim.sim.batching import Run
 from kvsim.sim.metrics import Requests
+from kvsim.sim.records import ROUTERS, ChunkLog, SimResult  # noqa: F401
+from kvsim.sim.single import result
 from kvsim.sim.workload import Workload
 
 
@@ -45,15 +47,11 @@ def split(work: Workload, replicas: int) -> list[Workload]:
     return out
 
 
-ROUTERS = ("round-robin", "least-loaded")
-
-
 def least_loaded(sims: list, work: Workload, requests: Requests) -> list[SimResult]:
     """The result of each replica of an open-loop ``work`` routed least-loaded; ``requests``:
     the metrics' SLO and window (each replica gets its own)."""
     import simpy
 
-    from kvsim.sim.batching import Run
     env = simpy.Environment()
     fits = [s.check_feasible(work) for s in sims]
     runs = [Run(s, work, env=env, routed=True, requests=requests.fresh()) for s in sims]
@@ -73,16 +71,7 @@ def least_loaded(sims: list, work: Workload, requests: Requests) -> list[SimResu
 
     env.process(router())
     env.run(until=simpy.AllOf(env, [env.process(run.scheduler()) for run in runs]))
-    out = []
-    for r, (run, sim) in enumerate(zip(runs, sims)):
-        run.mark(0)
-        if not run.assigned:
-            continue
-        m = sim.memory
-        out.append(SimResult(
-            run.requests, sim.chunks, m.weights_bytes + m.workspace_bytes + run.peak_hbm,
-            float(run.peak_host), run.area, fits[r], run.preemptions))
-    return out
+    return [result(sim, run, fit) for run, sim, fit in zip(runs, sims, fits) if run.assigned]
 
 
 def merge(results: list[SimResult]) -> SimResult:

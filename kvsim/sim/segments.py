@@ -30,8 +30,8 @@ from itertools import pairwise
 import numpy as np
 
 from kvsim.sim import metrics, replicas
-from kvsim.sim.engine import ChunkLog, SimResult
 from kvsim.sim.metrics import Requests
+from kvsim.sim.records import ChunkLog, SimResult
 from kvsim.sim.workload import Workload
 
 PIECE = 50_000  # requests per piece (workloads of fewer than 2 pieces run whole)

@@ -12,11 +12,16 @@ Per layer of a step with ``D`` decoding sequences holding ``tokens`` KV tokens a
     d = the policy's decide step, per decoding sequence
     x = the policy's KV transfer of the decoding sequences over the host link
 
-and the layers form the pipeline of :mod:`kvsim.sim.pipeline`. Per step: the LM head for every
-sequence that emits a token (decodes and chunks that finish a prompt), the policy's own prefill
-work (:class:`kvsim.contract.PrefillWork`) for every prompt that finishes, and, for policies that
-keep the cache in host memory, the chunks' KV written to host memory (D2H, overlapped with the
-step). A step without chunks is a plain decode step.
+and the layers form the pipeline of :mod:`kvsim.sim.pipeline`. A sequence of ``n`` tokens
+reads ``DecodeCost.tokens(term, n)`` tokens' worth of KV from HBM and over the link: a share of
+``n`` plus a fixed count, at most ``n``. For a policy whose terms are shares only (every fixed
+count 0) that is ``frac * T`` of the batch's ``T`` tokens, affine, and decode runs have a closed
+form; with fixed counts each sequence is charged on its own (``held``: the sequences' tokens).
+
+Per step: the LM head for every sequence that emits a token (decodes and chunks that finish a
+prompt), the policy's own prefill work (:class:`kvsim.contract.PrefillWork`) for every prompt
+that finishes, and, for policies that keep the cache in host memory, the chunks' KV written to
+host memory (D2H, overlapped with the step). A step without chunks is a plain decode step.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.hw.catalog import ModelSpec
 from kvsim.hw.costs import CostModel
 from kvsim.sim.pipeline import step_time
+from kvsim.sim.records import Chunks
 
 
 def _step_time(compute: float, decide: float, link: float, layers: int, overlap: bool) -> float:
@@ -41,15 +47,32 @@ def _step_time(compute: float, decide: float, link: float, layers: int, overlap:
     return layers * (compute + decide + link)
 
 
-@dataclass
-class Chunks:
-    """Per step of a run of steps: the prefill work riding along, each (S,)."""
-    tokens: np.ndarray  # prompt tokens prefilled
-    attn_flops: np.ndarray  # their causal attention FLOPs, all layers
-    count: np.ndarray  # chunks
-    done: np.ndarray  # prompts that finish (each emits a token)
-    work_flops: np.ndarray  # the policy's prefill work for those prompts
-    work_bytes: np.ndarray
+class KvBytes:
+    """Whole bytes a request of ``n`` tokens holds: in HBM its resident state plus the staging
+    of its transfers (``staging_layers`` of the KV it reads over the link), in host memory what
+    the policy keeps there; each term ``DecodeCost.tokens(term, n)`` tokens' worth of KV. A
+    policy of shares only holds ``hbm_per_token`` and ``host_per_token`` bytes per token
+    (``math.ceil(hbm_per_token * n)`` is :meth:`hbm_need` of one request, in scalars)."""
+
+    def __init__(self, model: ModelSpec, policy: DecodeCost):
+        p, kv = policy, model.kv_bytes_per_token
+        self.policy, self.kv, self.fixed = p, kv, p.fixed
+        self.staging = p.staging_layers / model.layers
+        self.hbm_per_token = (p.resident_frac + self.staging * p.host_read_frac) * kv
+        self.host_per_token = p.host_frac * kv
+
+    def hbm_need(self, tokens) -> np.ndarray:
+        """HBM bytes of requests of ``tokens`` tokens (an array of them, or one)."""
+        if not self.fixed:
+            return np.ceil(self.hbm_per_token * np.asarray(tokens, float)).astype(np.int64)
+        p = self.policy
+        held = p.tokens("resident", tokens) + self.staging * p.tokens("host_read", tokens)
+        return np.ceil(self.kv * held).astype(np.int64)
+
+    def host_need(self, tokens) -> np.ndarray:
+        if not self.fixed:
+            return np.ceil(self.host_per_token * np.asarray(tokens, float)).astype(np.int64)
+        return np.ceil(self.kv * self.policy.tokens("host", tokens)).astype(np.int64)
 
 
 @dataclass
@@ -66,6 +89,11 @@ class StepCosts:
         self.layer_bytes = float(self.model.layer_weight_bytes())
         m, c, p = self.model, self.costs, self.policy
         self.overlap = c.overlap_for(p.overlap)
+        self.fixed = p.fixed  # some term holds a fixed token count: charged per sequence
+        self.fetches = p.host_read_frac > 0 or p.host_read_tokens > 0
+        self.writes = p.host_frac > 0 or p.host_tokens > 0  # prefilled KV goes to host memory
+        w = self.prefill_work
+        self.works = bool(w.flops_per_token or w.flops_per_token_sq or w.bytes_per_token)
         self.overhead = c.step_overhead
         self.decide = c.decide_model(p.decide_kernel, m, p.decide_bytes_per_token) \
             if p.decide_bytes_per_token > 0 else None
@@ -83,18 +111,64 @@ class StepCosts:
             got = self._per_batch[B] = (float(c.gemm_time(B, m)), float(c.head_time(B, m)))
         return got
 
-    def host_bytes(self, tokens) -> np.ndarray:
-        """Bytes of KV the policy keeps in host memory for ``tokens`` tokens."""
+    def host_bytes(self, tokens, written=None) -> np.ndarray:
+        """Bytes of KV the policy writes to host memory for ``tokens`` prompt tokens: its share,
+        or ``written`` tokens' worth (:meth:`written`) where the host term has a fixed count."""
+        if written is not None:
+            return self.model.kv_bytes_per_token * np.asarray(written, float)
         return self.policy.host_frac * self.model.kv_bytes_per_token * np.asarray(tokens, float)
 
-    def layer_costs(self, D, tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def charged_steps(self, held, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """KV tokens read from HBM and over the link in each of the next ``k`` decode steps of
+        sequences holding ``held`` tokens each (each step adds one to every sequence), (k,)."""
+        n = np.asarray(held, float)[None, :] + np.arange(k, dtype=float)[:, None]
+        p = self.policy
+        return p.tokens("hbm_read", n).sum(1), p.tokens("host_read", n).sum(1)
+
+    def charged(self, held) -> tuple[float, float]:
+        """:meth:`charged_steps` of one step, in floats."""
+        read, fetch = self.charged_steps(held, 1)
+        return float(read[0]), float(fetch[0])
+
+    def written(self, prefixes, sizes) -> float:
+        """Tokens' worth of KV that chunks of ``sizes`` tokens after ``prefixes`` add to their
+        sequences' host-memory term (what a step writes to host memory)."""
+        a, b = np.asarray(prefixes, float), np.asarray(sizes, float)
+        p = self.policy
+        return float((p.tokens("host", a + b) - p.tokens("host", a)).sum())
+
+    def charges_of(self, plans) -> tuple:
+        """(KV read, link read) of each of a run of planned steps' decodes, (S,) each; None and
+        None for a policy of shares only (charged from the steps' tokens)."""
+        if not self.fixed:
+            return None, None
+        return (np.array([s.read_tokens or 0.0 for s in plans]),
+                np.array([s.fetch_tokens or 0.0 for s in plans]))
+
+    def layer_costs(self, D, tokens, read=None, fetch=None) -> tuple[np.ndarray, np.ndarray,
+                                                                       np.ndarray]:
         """Per-layer (decode compute, decide, link) seconds of steps whose decodes are ``D``
-        sequences holding ``tokens`` KV tokens, each (S,)."""
+        sequences holding ``tokens`` KV tokens, each (S,); ``read`` and ``fetch``: the KV
+        tokens they read from HBM and over the link where some term is fixed (:meth:`charged`;
+        if not given, each sequence is taken to hold ``tokens / D``)."""
         m, c, p = self.model, self.costs, self.policy
         tokens = np.asarray(tokens, float)
-        kv_layer = m.kv_bytes_per_token / m.layers * tokens  # bytes of one layer's KV
         gemm = (self.per_batch(D)[0] if D else 0.0) if isinstance(D, int) else \
             np.where(np.asarray(D) > 0, c.gemm_time(D, m), 0.0)
+        if self.fixed:
+            if read is None:
+                n = tokens / np.maximum(np.asarray(D, float), 1.0)
+                read, fetch = (np.asarray(D, float) * p.tokens(t, n)
+                               for t in ("hbm_read", "host_read"))
+            per_layer = m.kv_bytes_per_token / m.layers
+            read, fetch = np.asarray(read, float), np.asarray(fetch, float)
+            compute = gemm + c.attention_time(per_layer * read, read) + c.allreduce_time(D, m)
+            link = c.link_time(per_layer * fetch, p.path, copies=c.copies(
+                p.copies_per_layer, D)) if self.fetches else np.zeros_like(tokens)
+            decide = self.decide.seconds(D, tokens, fetch / np.maximum(tokens, 1.0)) \
+                if self.decide is not None else np.zeros_like(tokens)
+            return compute, decide, link
+        kv_layer = m.kv_bytes_per_token / m.layers * tokens  # bytes of one layer's KV
         compute = gemm + c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens) \
             + c.allreduce_time(D, m)
         link = c.link_time(p.host_read_frac * kv_layer, p.path,
@@ -104,15 +178,16 @@ class StepCosts:
             if self.decide is not None else np.zeros_like(tokens)
         return compute, decide, link
 
-    def run(self, D, tokens, chunks: Chunks | None = None):
+    def run(self, D, tokens, chunks: Chunks | None = None, read=None, fetch=None):
         """(step, GPU-busy, link-busy, decodes-alone) seconds of each of a run of steps, (S,)
         each; decodes-alone is what the decode tokens of the step would take without chunks.
-        Every step pays the engine's per-step overhead (time the GPU is not busy)."""
-        m, c, p = self.model, self.costs, self.policy
+        Every step pays the engine's per-step overhead (time the GPU is not busy); ``read``,
+        ``fetch``: as :meth:`layer_costs`."""
+        m, c = self.model, self.costs
         L, ovh = m.layers, self.overhead
         D = np.asarray(D, float)
         if D.any():
-            compute, decide, link = self.layer_costs(D, tokens)
+            compute, decide, link = self.layer_costs(D, tokens, read, fetch)
             head = np.where(D > 0, c.head_time(D, m), 0.0)
             alone = np.where(D > 0, step_time(compute, decide, link, L, self.overlap) + head
                              + ovh, 0.0)
@@ -130,18 +205,20 @@ class StepCosts:
         emit = D + chunks.done
         extra = np.where(emit > 0, c.head_time(emit, m), 0.0) + np.maximum(
             chunks.work_flops / c.flops, chunks.work_bytes / c.hbm_bw)
-        write = c.link_time(self.host_bytes(chunks.tokens), "d2h",
+        write = c.link_time(self.host_bytes(chunks.tokens, chunks.written), "d2h",
                             copies=2 * L * c.copies(1.0, chunks.count)) \
-            if p.host_frac > 0 else np.zeros_like(layers)
+            if self.writes else np.zeros_like(layers)
         return (np.maximum(layers + extra, write) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
 
     def step(self, D: int, tokens: float, chunk_tokens: float, attn_flops: float, count: int,
-             done) -> tuple[float, float, float, float]:
+             done, read: float | None = None, fetch: float | None = None,
+             written: float | None = None) -> tuple[float, float, float, float]:
         """:meth:`run` for one step, in scalars (the engine's hot path: most runs of prefill
         steps are one step long): ``D`` decodes holding ``tokens`` KV tokens, ``count`` chunks
         of ``chunk_tokens`` tokens in all with ``attn_flops`` of attention, ``done``: the
-        lengths of the prompts that finish (a sequence of floats). ``tests/test_serving.py``
+        lengths of the prompts that finish (a sequence of floats); ``read``, ``fetch``: as
+        :meth:`layer_costs`; ``written``: as :meth:`host_bytes`. ``tests/test_serving.py``
         holds the two equal."""
         m, c, p = self.model, self.costs, self.policy
         L, work, ovh = m.layers, self.prefill_work, self.overhead
@@ -152,6 +229,13 @@ class StepCosts:
             gemm_d, head_d = self.per_batch(D)
             attn, decide, link = c1 * tokens, d0 + d1 * tokens, x0 + x1 * tokens
             alone = _step_time(c0 + attn, decide, link, L, self.overlap) + head_d + ovh
+        elif D and self.fixed:
+            gemm_d, head_d = self.per_batch(D)
+            compute, decide, link = (float(x[0]) for x in self.layer_costs(
+                D, np.array([tokens]), None if read is None else [read],
+                None if fetch is None else [fetch]))
+            attn = compute - gemm_d - float(c.allreduce_time(D, m))
+            alone = float(step_time(compute, decide, link, L, self.overlap)) + head_d + ovh
         elif D:
             gemm_d, head_d = self.per_batch(D)
             kv_layer = m.kv_bytes_per_token / L * tokens
@@ -172,10 +256,10 @@ class StepCosts:
         emit = D + len(done)
         extra = (self.per_batch(emit)[1] if emit else 0.0) + (sum(
             max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
-            if work.flops_per_token or work.flops_per_token_sq or work.bytes_per_token else 0.0)
-        write = float(c.link_time(self.host_bytes(chunk_tokens), "d2h",
+            if self.works else 0.0)
+        write = float(c.link_time(self.host_bytes(chunk_tokens, written), "d2h",
                                   copies=2 * L * c.copies(1.0, count))) \
-            if p.host_frac > 0 and count else 0.0
+            if self.writes and count else 0.0
         return (max(layers + extra, write) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
 
@@ -183,11 +267,12 @@ class StepCosts:
         """Times of the next ``k`` decode steps of a fixed batch with contexts ``ctx`` (each step
         adds a token per sequence): (step, GPU-busy, link-busy) seconds, each (k,): :meth:`run`
         without chunks, for a batch size that does not change."""
-        return self._decode(len(ctx), float(ctx.sum()), k)
+        return self._decode(len(ctx), float(ctx.sum()), k, ctx if self.fixed else None)
 
-    def _decode(self, B: int, tokens: float, k: int):
+    def _decode(self, B: int, tokens: float, k: int, held: np.ndarray | None = None):
         L, j = self.model.layers, np.arange(k, dtype=float)
-        compute, decide, link = self.layer_costs(B, tokens + B * j)
+        read, fetch = (None, None) if held is None else self.charged_steps(held, k)
+        compute, decide, link = self.layer_costs(B, tokens + B * j, read, fetch)
         head = self.per_batch(B)[1]
         return (step_time(compute, decide, link, L, self.overlap) + head + self.overhead,
                 L * (compute + decide) + head, L * link)
@@ -195,12 +280,14 @@ class StepCosts:
     def _line(self, B: int) -> tuple | None:
         """Per layer (compute, decide, link) of a decode step of ``B`` sequences as affine
         functions of their KV tokens ``T > 0``, each ``(at 0, per token)``; None where a
-        measured curve makes a cost non-linear. Remembered per batch size."""
+        measured curve makes a cost non-linear or a fixed term charges each sequence at most
+        its length. Remembered per batch size."""
         got = self._lines.get(B, 0)
         if got == 0:
             c = self.costs
             got = None
-            if c.attn_curve is None and c.links[self.policy.path].curve is None:
+            if c.attn_curve is None and c.links[self.policy.path].curve is None and \
+                    not self.fixed:
                 ta, tb = 1e3, 1e6
                 parts = self.layer_costs(B, np.array([ta, tb]))
                 got = tuple((float(p[0]) - (float(p[1]) - float(p[0])) / (tb - ta) * ta,
@@ -224,9 +311,11 @@ class StepCosts:
         return (g0, g1, x0, x1, (x0 + g0 + (L - 1) * g0, x1 + g1 + (L - 1) * g1),
                 (x0 + g0 + (L - 1) * x0, x1 + g1 + (L - 1) * x1), head)
 
-    def decode_run(self, B: int, T0: float, k: int, until: float = np.inf):
+    def decode_run(self, B: int, T0: float, k: int, until: float = np.inf,
+                   held: np.ndarray | None = None):
         """The next decode steps of a fixed batch of ``B`` sequences holding ``T0`` KV tokens
-        (each step adds a token per sequence): at most ``k``, ending with the first step that
+        (``held`` of them each, where some term is fixed; each step adds a token per
+        sequence): at most ``k``, ending with the first step that
         ends at or after ``until`` seconds. Returns (steps, seconds, GPU-busy, link-busy), the
         last three summed over the steps. In closed form when a step's time is affine in its
         tokens over the run (no measured curves, one side of the overlap's max throughout),
@@ -249,7 +338,7 @@ class StepCosts:
         else:
             form = None
         if form is None:
-            steps, gpu, link = self._decode(B, T0, k)
+            steps, gpu, link = self._decode(B, T0, k, held)
             ends = np.cumsum(steps)
             if until < np.inf:
                 k = min(k, int(np.searchsorted(ends, until)) + 1)

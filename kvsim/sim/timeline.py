@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsim.sim.engine import SimResult, Simulator
+from kvsim.sim.engine import Simulator
 from kvsim.sim.pipeline import layer_starts, step_time
+from kvsim.sim.records import SimResult
 
 GPU, LINK = 1, 2
 
@@ -69,7 +70,9 @@ def build(sim: Simulator, res: SimResult, max_steps: int = 16) -> dict:
             continue
         k = min(ch.steps, max_steps - steps)
         B, j = len(ch.ctx), np.arange(k, dtype=float)
-        compute, decide, link = sim.steps.layer_costs(np.full(k, B), float(ch.ctx.sum()) + B * j)
+        charges = sim.steps.charged_steps(ch.ctx, k) if sim.steps.fixed else ()
+        compute, decide, link = sim.steps.layer_costs(np.full(k, B), float(ch.ctx.sum()) + B * j,
+                                                      *charges)
         t = ch.start
         for i in range(k):
             ev, t = step_events(sim, t, float(compute[i]), float(decide[i]), float(link[i]),

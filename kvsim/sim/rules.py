@@ -1,0 +1,295 @@
+"""The rules a run (:class:`kvsim.sim.batching.Run`) schedules by, each a small class registered
+by name in ``RULES`` and chosen by a field of :class:`Scheduling`:
+
+* ``order``: which waiting request is admitted next (``arrival``, ``shortest-prompt-first``);
+* ``scheduler``: what the next steps do while prompts are prefilling (``chunked``: vLLM's token
+  budget per step, decodes first; ``prefill-first``: admitted prompts prefill whole while every
+  decode waits);
+* ``admission``: the HBM a request holds (``reserve``: its whole length from admission, never
+  preempted; ``grow``: vLLM's, a token more at every decode step);
+* ``preemption``: what happens to the most recently admitted request when a grow step does not
+  fit (``recompute``: its KV is dropped and prefilled again; ``swap``: its state goes to host
+  memory over the link and comes back when it fits).
+
+A new rule is one class here, registered under a new name: the flag's choices, the validation
+and the run pick it up. Rules read the run's state and change it through the run's methods.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from kvsim.errors import KvsimError
+from kvsim.sim.records import MAX_CHUNK, StepPlan
+
+RULES: dict[str, dict[str, type]] = {"order": {}, "scheduler": {}, "admission": {},
+                                     "preemption": {}}
+
+
+def rule(kind: str, name: str):
+    """Register the decorated class as rule ``name`` of ``kind``."""
+    def register(cls):
+        RULES[kind][name] = cls
+        return cls
+    return register
+
+
+# ------------------------------------------------------------------------- admission order
+@rule("order", "arrival")
+class ArrivalOrder(deque):
+    """Waiting requests in arrival order; a preempted request goes back to the front."""
+
+    def __init__(self, run):
+        super().__init__()
+
+
+@rule("order", "shortest-prompt-first")
+class ShortestPromptFirst:
+    """The waiting request with the shortest prompt first (ties in arrival order); a preempted
+    request goes back to the front, as in arrival order."""
+
+    def __init__(self, run):
+        self.prompt, self.heap, self.count = run.prompt, [], 0
+
+    def append(self, slot: int) -> None:
+        self.count += 1
+        heapq.heappush(self.heap, (1, self.prompt[slot], self.count, slot))
+
+    def appendleft(self, slot: int) -> None:
+        self.count += 1
+        heapq.heappush(self.heap, (0, -self.count, 0, slot))
+
+    def popleft(self) -> int:
+        return heapq.heappop(self.heap)[3]
+
+    def __getitem__(self, i: int) -> int:
+        if i:
+            raise IndexError("only the head of the queue is known")
+        return self.heap[0][3]
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+
+# ------------------------------------------------------------------------------ schedulers
+def _work(run, lengths: list[float]) -> tuple[float, float]:
+    """The policy's prefill work (FLOPs, bytes) for prompts of these lengths."""
+    if not run.sim.steps.works:
+        return 0.0, 0.0
+    w = run.sim.prefill_work
+    return sum(w.flops(x) for x in lengths), sum(w.bytes(x) for x in lengths)
+
+
+def _whole(run, decodes: int) -> StepPlan:
+    """One step in which every prompt prefills the rest of itself, beside a decode token of
+    each of the running batch's ``decodes`` sequences (all of them, or none)."""
+    sim, pf = run.sim, list(run.prefilling)
+    costs, m = sim.steps, sim.model
+    if len(pf) == 1:  # the common step, in scalars
+        i = pf[0]
+        done = run.prefilled[i]
+        tokens = run.target[i] - done
+        assign, lengths = [(i, tokens)], [float(run.target[i])]
+        flops = m.attention_flops(float(tokens), float(done))
+    else:
+        assign = [(i, run.target[i] - run.prefilled[i]) for i in pf]
+        flops = sum(m.attention_flops(float(n), float(run.prefilled[i])) for i, n in assign)
+        lengths, tokens = [float(run.target[i]) for i in pf], sum([n for _, n in assign])
+    work = _work(run, lengths)
+    if not costs.fixed:
+        return StepPlan(decodes, run.batch_tokens() if decodes else 0.0, tokens, flops, assign,
+                        pf, lengths, *work)
+    charges = (costs.charged(run.batch()[1]) if decodes else (0.0, 0.0)) + (
+        costs.written([run.prefilled[i] for i in pf], [n for _, n in assign]),)
+    return StepPlan(decodes, run.batch_tokens() if decodes else 0.0, tokens, flops, assign, pf,
+                    lengths, *work, *charges)
+
+
+@rule("scheduler", "chunked")
+class Chunked:
+    """vLLM's: each step's token budget goes to the decodes first, then to chunks of the prompts
+    in order; a prompt that finishes emits a token and decodes from the next step."""
+    decodes_while_prefilling = True
+
+    def plan(self, run, single: bool) -> list[StepPlan]:
+        """The next steps, in scalars, up to the next completion, at most ``MAX_CHUNK``, one
+        if ``single``."""
+        m, budget, D = run.sim.model, run.sched.max_batched_tokens, len(run.running)
+        if not single:
+            whole = _whole(run, D)
+            if whole.chunk_tokens <= budget - D:
+                return [whole]  # it all fits in one step (the common case)
+        queue = [[i, run.target[i] - run.prefilled[i], run.prefilled[i]]
+                 for i in run.prefilling]
+        tokens = run.batch_tokens()
+        min_left = run.soonest() if D else None
+        costs = run.sim.steps
+        held = run.batch()[1] if costs.fixed else None  # the decodes' tokens, one by one
+        plans: list[StepPlan] = []
+        while queue and len(plans) < MAX_CHUNK:
+            left = budget - D
+            assign, fin, ctok, cflops, prefixes = [], [], 0, 0.0, []
+            for q in queue:
+                if left <= 0:
+                    break
+                size = int(min(q[1], left))
+                assign.append((q[0], size))
+                prefixes.append(q[2])
+                cflops += m.attention_flops(float(size), float(q[2]))
+                ctok += size
+                left -= size
+                q[1] -= size
+                q[2] += size
+                if q[1] == 0:
+                    fin.append(q[0])
+            lengths = [float(run.target[i]) for i in fin]
+            plans.append(StepPlan(D, tokens, ctok, cflops, assign, fin, lengths,
+                                  *_work(run, lengths), *(costs.charged(held) + (
+                                      costs.written(prefixes, [n for _, n in assign]),)
+                                      if held is not None else ())))
+            queue = [q for q in queue if q[1] > 0]
+            tokens += D  # each decode appended a token
+            if held is not None:
+                held = held + 1.0
+            if min_left is not None:
+                min_left -= 1
+            if fin:  # they join the decodes with their first (or next) token
+                c = [float(run.prompt[i] if math.isnan(run.first_token[i]) else run.ctx[i])
+                     + 1.0 for i in fin]
+                tokens += sum(c)
+                if held is not None:
+                    held = np.concatenate([held, c])
+                D += len(fin)
+                lft = min(int(run.left[i]) for i in fin) - 1
+                min_left = lft if min_left is None else min(min_left, lft)
+            if single or (min_left is not None and min_left <= 0):
+                break
+        return plans
+
+
+@rule("scheduler", "prefill-first")
+class PrefillFirst:
+    """The earlier model: admitted prompts prefill together, whole, while every decode waits."""
+    decodes_while_prefilling = False
+
+    def plan(self, run, single: bool) -> list[StepPlan]:
+        return [_whole(run, 0)]
+
+
+# ------------------------------------------------------------------------------- admission
+@rule("admission", "reserve")
+class Reserve:
+    """HBM for a request's whole length (prompt + output) from admission on: never preempted.
+    (A rule that ``grows`` holds the tokens to prefill at admission and has ``fit`` and
+    ``grow`` for the decode steps; the run asks only such a rule.)"""
+    grows = False
+
+
+@rule("admission", "grow")
+class Grow:
+    """vLLM's: HBM for the tokens to prefill at admission, and a token more per decode step."""
+    grows = True
+
+    def fit(self, run, k: int) -> int:
+        """How many of the running batch's next ``k`` decode steps fit in HBM."""
+        if not run.running:
+            return k
+        ids, ctx = run.batch()
+        held = np.array([run.held_hbm[i] for i in ids], np.int64)
+        need = run.sim.hbm_need
+        per = need(ctx + k) - held
+        if int(per.sum()) <= run.free_hbm():
+            return k
+        per_step = max(float(per.sum()) / k, 1.0)
+        k = int(run.free_hbm() // per_step)
+        while k > 0 and int((need(ctx + k) - held).sum()) > run.free_hbm():
+            k -= 1
+        return k
+
+    def grow(self, run, k: int) -> None:
+        """The running batch holds its next ``k`` tokens' bytes."""
+        if run.running:
+            ids, ctx = run.batch()
+            for i, need in zip(ids, run.sim.hbm_need(ctx + k).tolist()):
+                run.hold(i, need - run.held_hbm[i])
+
+
+# ------------------------------------------------------------------------------ preemption
+class Preemption:
+    """The victim is the most recently admitted request that holds HBM; one still prefilling
+    is always recomputed."""
+    swaps = False
+
+    def preempt(self, run):
+        victim = max(run.running + run.prefilling, key=lambda i: run.order[i])
+        nbytes = run.held_hbm[victim]
+        prefilling = run.evict(victim)
+        if not prefilling and self.swaps and run.used_host + nbytes <= run.cap_host:
+            run.swap_out(victim, nbytes)
+            yield from run.transfer(nbytes, "d2h")
+        else:  # else recompute (also for lack of host room): its cache is dropped
+            run.recompute(victim)
+
+
+@rule("preemption", "recompute")
+class Recompute(Preemption):
+    """The victim's KV is dropped; it waits at the front and prefills prompt and generated
+    tokens again."""
+
+
+@rule("preemption", "swap")
+class Swap(Preemption):
+    """The victim's HBM state is copied to host memory and back when it fits again (resumed
+    where it was); recomputed where host memory has no room."""
+    swaps = True
+
+
+# ------------------------------------------------------------------------------ the options
+def _rule_field(kind: str, default: str, text: str, flag: str | None = None):
+    meta = {"choices": list(RULES[kind]), "help": f"{text} [default: {default}]"}
+    if flag:
+        meta["flag"] = flag
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Scheduling:
+    """How the engine batches; each field is also a command-line flag of ``kvsim replay`` and
+    ``kvsim plan`` (:mod:`kvsim.commands._option_flags`)."""
+    scheduler: str = _rule_field(
+        "scheduler", "chunked", "chunked: a token budget per step, decodes first, then prefill "
+        "chunks (vLLM); prefill-first: admitted prompts prefill whole while decodes wait")
+    max_batched_tokens: int | None = field(default=None, metadata={
+        "kind": int, "metavar": "N", "help": "chunked: tokens per step [default: vLLM's for the "
+        "GPU: 8192 on GPUs of 70 GiB or more other than A100, else 2048]"})
+    admission: str = _rule_field(
+        "admission", "reserve", "reserve: HBM for a request's whole length at admission, never "
+        "preempted; grow: per token as vLLM, preempting when HBM runs out")
+    preemption: str = _rule_field(
+        "preemption", "recompute", "grow admission: drop the victim's KV and prefill it again, "
+        "or copy it to host memory over the link and back")
+    admission_order: str = field(default="arrival", metadata={
+        "choices": list(RULES["order"]), "keyed": "when set", "help":
+        "which waiting request is admitted next: in arrival order, or the shortest prompt "
+        "first [default: arrival]"})
+
+    def check(self) -> None:
+        for f in fields(Scheduling):  # (also the fields of a class made of more options)
+            allowed = f.metadata.get("choices")
+            if allowed and getattr(self, f.name) not in allowed:
+                raise KvsimError(f"--{f.name.replace('_', '-')} must be one of "
+                                 f"{', '.join(allowed)}; got {getattr(self, f.name)!r}")
+        b = self.max_batched_tokens
+        if b is not None and (isinstance(b, bool) or int(b) != b or b < 1):
+            raise KvsimError(f"--max-batched-tokens must be a whole number >= 1; got {b}")
+
+    def rules(self) -> tuple:
+        """An instance of the scheduler, admission and preemption rules the fields name (the
+        admission order is made per run: it holds the run's queue)."""
+        return tuple(RULES[k][getattr(self, k)]() for k in ("scheduler", "admission",
+                                                             "preemption"))

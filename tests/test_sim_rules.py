@@ -1,0 +1,122 @@
+"""Scheduling rules chosen by name, and policy costs with fixed token counts charged per
+sequence: ``DecodeCost.tokens(term, n) = min(n, frac n + tokens)``."""
+
+import math
+
+import numpy as np
+import pytest
+
+from kvsim.contract import DecodeCost
+from kvsim.errors import KvsimError
+from kvsim.hw import catalog
+from kvsim.hw.costs import costs_for
+from kvsim.sim.batching import Run
+from kvsim.sim.engine import Memory, Simulator
+from kvsim.sim.rules import RULES, Scheduling
+from kvsim.sim.workload import Workload, poisson
+
+M = catalog.model("qwen3-4b")
+KV = M.kv_bytes_per_token
+WINDOW = DecodeCost(0.0, 0.0, 0.0, 0.0, False, resident_tokens=1020, hbm_read_tokens=1020)
+QUARTER = DecodeCost(0.25, 0.25, 0.0, 0.0, False)
+PAGES = DecodeCost(0.0, 0.0, 0.0, 1.0, True, copies_per_layer=1, host_read_tokens=1024)
+
+
+def sim_for(policy, scheduling=None, batch=16):
+    costs, _ = costs_for("h100-sxm", None, "roofline")
+    return Simulator(M, costs, policy, Memory(costs.hbm_bytes, 512 * 2**30, M.weight_bytes,
+                                              2 * 2**30), batch, scheduling or Scheduling())
+
+
+def finish_order(order: str) -> list[int]:
+    """Requests arriving together, served one at a time: which finishes when (each told by its
+    output length)."""
+    sim = sim_for(QUARTER, Scheduling(admission_order=order), batch=1)
+    work = Workload(np.zeros(4), np.array([4000, 1000, 3000, 2000]), np.array([1, 2, 3, 4]),
+                    None, "")
+    run = Run(sim, work)
+    seen = []
+    run.requests.record_one = lambda arrival, admitted, first, end, output: seen.append(output)
+    run.env.run(until=run.env.process(run.scheduler()))
+    return seen
+
+
+def test_admission_orders():
+    assert finish_order("arrival") == [1, 2, 3, 4]
+    assert finish_order("shortest-prompt-first") == [2, 4, 3, 1]
+    with pytest.raises(KvsimError, match="--admission-order must be one of arrival, "):
+        Scheduling(admission_order="longest").check()
+    assert set(RULES["order"]) == {"arrival", "shortest-prompt-first"}
+
+
+def test_shortest_prompt_first_serves_the_same_work_sooner():
+    work = poisson(4.0, 300, 4096, 64, 0)
+    work.prompt[:] = np.random.default_rng(0).integers(256, 16384, work.n)
+    res = {o: sim_for(QUARTER, Scheduling(admission_order=o), batch=4).run(work)
+           for o in RULES["order"]}
+    assert {r.requests.count for r in res.values()} == {300}
+    assert res["shortest-prompt-first"].requests.ttft.total < res["arrival"].requests.ttft.total
+
+
+@pytest.mark.parametrize("context", [2048, 32768])
+def test_a_fixed_window_holds_the_same_hbm_at_every_context(context):
+    """1,020 tokens' worth of KV per sequence at 2K and at 32K; a share grows with the context."""
+    window, share = sim_for(WINDOW), sim_for(QUARTER)
+    assert int(window.hbm_need(context)) == math.ceil(1020 * KV)
+    assert int(share.hbm_need(context)) == math.ceil(0.25 * KV * context)
+    assert int(window.hbm_need(500)) == math.ceil(500 * KV)  # never more than the sequence
+    work = Workload(np.zeros(2), np.full(2, context), np.full(2, 8), 1, "")
+    res = window.run(work)
+    m = window.memory
+    assert res.peak_hbm_bytes - m.weights_bytes - m.workspace_bytes == math.ceil(1020 * KV)
+
+
+def test_a_fixed_read_costs_the_same_at_every_context_and_a_share_does_not():
+    window, share = sim_for(WINDOW), sim_for(QUARTER)
+    ctx = lambda n: np.array([float(n)])
+    w2, w32 = window.steps.decode(ctx(2048), 1)[0], window.steps.decode(ctx(32768), 1)[0]
+    s2, s32 = share.steps.decode(ctx(2048), 1)[0], share.steps.decode(ctx(32768), 1)[0]
+    assert w32[0] == pytest.approx(w2[0], rel=1e-12)  # 1,020 tokens read at both
+    assert s32[0] - s2[0] > 3e-4  # a quarter of 30K tokens more
+
+
+def test_a_fixed_page_budget_moves_that_many_tokens_over_the_link():
+    """At 32K: 1,024 tokens per sequence and layer over the link, not a share of the context;
+    a short sequence moves all it has."""
+    sim = sim_for(PAGES)
+    c, L = sim.costs, M.layers
+    link = lambda tokens, seqs: L * float(c.link_time(KV / L * tokens, "h2d",
+                                                      copies=c.copies(1.0, seqs)))
+    assert sim.steps.decode(np.array([32768.0]), 1)[2][0] == pytest.approx(link(1024, 1))
+    assert sim.steps.decode(np.array([32768.0, 600.0]), 1)[2][0] == pytest.approx(
+        link(1024 + 600, 2))
+    share = sim_for(DecodeCost(0.0, 0.0, 1024 / 32768, 1.0, True, copies_per_layer=1))
+    assert share.steps.decode(np.array([2048.0]), 1)[2][0] == pytest.approx(link(64, 1))
+    assert sim.steps.decode(np.array([2048.0]), 1)[2][0] == pytest.approx(link(1024, 1))
+
+
+def test_fixed_terms_charge_runs_as_their_steps():
+    """A run of decode steps (closed form off, per-sequence charges) and a simulated workload
+    with short and long prompts agree with the step-by-step costs."""
+    sim = sim_for(PAGES)
+    held = np.array([700.0, 30000.0])
+    k, seconds, _, link = sim.steps.decode_run(2, float(held.sum()), 500, np.inf, held)
+    steps = sim.steps.decode(held, 500)
+    assert k == 500 and seconds == pytest.approx(steps[0].sum(), rel=1e-12)
+    assert link == pytest.approx(steps[2].sum(), rel=1e-12)
+    work = Workload(np.linspace(0, 2, 12), np.tile([300, 9000, 40000], 4), np.full(12, 50),
+                    None, "")
+    res = sim.run(work)
+    assert res.requests.count == 12 and res.chunks.link_busy > 0
+
+
+def test_a_fixed_host_term_is_written_once_per_sequence():
+    """Prefill chunks write to host memory what they add to the sequence's host term: a fixed
+    1,024 tokens fill with the first chunk, later chunks add nothing."""
+    steps = sim_for(DecodeCost(0.0, 0.0, 0.0, 0.0, False, host_tokens=1024)).steps
+    assert steps.written([0], [8192]) == 1024
+    assert steps.written([0, 8192], [600, 4096]) == 600
+    assert steps.host_bytes(8192, steps.written([0], [8192])) == 1024 * KV
+    one = steps.step(0, 0.0, 8192.0, 1e12, 1, [8192.0], written=1024.0)
+    assert one[2] == pytest.approx(steps.costs.link_time(
+        1024 * KV, "d2h", copies=2 * M.layers * steps.costs.copies(1.0, 1)))
