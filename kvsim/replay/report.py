@@ -253,6 +253,8 @@ def add_profile(out: dict, applied, bands: dict) -> None:
     iv = applied.intervals
     kv = "decode.kv_read_frac" if "decode.kv_read_frac" in iv else "question.kv_read_frac"
     lo, hi = iv.get(kv, (out["kv_read_frac"], out["kv_read_frac"]))
+    if out["policy_cost"]["host_read_tokens"]:  # a fixed count: the read is its budget, exactly
+        lo = hi = out["kv_read_frac"]
     out["kv_read_frac_lo"], out["kv_read_frac_hi"] = lo, hi
     for ps in ("question", "overall"):
         if f"{ps}.kv_read_frac" in iv:
