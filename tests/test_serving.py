@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import run_cli
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import run_cli
 from kvsim.hw import catalog
 from kvsim.hw.catalog import ModelSpec
 from kvsim.plan import slo

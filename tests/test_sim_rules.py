@@ -73,7 +73,8 @@ def test_a_fixed_window_holds_the_same_hbm_at_every_context(context):
 
 def test_a_fixed_read_costs_the_same_at_every_context_and_a_share_does_not():
     window, share = sim_for(WINDOW), sim_for(QUARTER)
-    ctx = lambda n: np.array([float(n)])
+    def ctx(n):
+        return np.array([float(n)])
     w2, w32 = window.steps.decode(ctx(2048), 1)[0], window.steps.decode(ctx(32768), 1)[0]
     s2, s32 = share.steps.decode(ctx(2048), 1)[0], share.steps.decode(ctx(32768), 1)[0]
     assert w32[0] == pytest.approx(w2[0], rel=1e-12)  # 1,020 tokens read at both
@@ -85,8 +86,9 @@ def test_a_fixed_page_budget_moves_that_many_tokens_over_the_link():
     a short sequence moves all it has."""
     sim = sim_for(PAGES)
     c, L = sim.costs, M.layers
-    link = lambda tokens, seqs: L * float(c.link_time(KV / L * tokens, "h2d",
-                                                      copies=c.copies(1.0, seqs)))
+    def link(tokens, seqs):
+        return L * float(c.link_time(KV / L * tokens, "h2d", copies=c.copies(1.0, seqs)))
+
     assert sim.steps.decode(np.array([32768.0]), 1)[2][0] == pytest.approx(link(1024, 1))
     assert sim.steps.decode(np.array([32768.0, 600.0]), 1)[2][0] == pytest.approx(
         link(1024 + 600, 2))

@@ -19,8 +19,9 @@ from kvsim.attention.dense import logits
 
 SNAPKV_POOL = 5
 # tau floor relative to the mean tau of the candidates (keeps every r_i > 0). With a kept
-# fraction near 1/16 this gives r_i >= ~6e-5: a floored token is almost never sampled, and binary shrinkage
-# gives it lambda_i = r_i, i.e. the certificate charges it as bias (fetch if it matters).
+# fraction near 1/16 this gives r_i >= ~6e-5: a floored token is almost never sampled, and
+# binary shrinkage gives it lambda_i = r_i, i.e. the certificate charges it as bias (fetch if
+# it matters).
 TAU_FLOOR_REL = 1e-3
 
 

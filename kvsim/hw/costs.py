@@ -31,8 +31,8 @@ FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-
 GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA (design note)
 ALLREDUCE_US = 10.0  # per all-reduce launch and synchronisation (assumed; see set_tp)
 
-DECIDE_ESTIMATE = "estimate: four passes over the policy's per-token decide state (a sketch, page " \
-    "bounds) at achievable HBM bandwidth"
+DECIDE_ESTIMATE = ("estimate: four passes over the policy's per-token decide state (a sketch, "
+                   "page bounds) at achievable HBM bandwidth")
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvsim.errors import KvsimError
 

@@ -161,7 +161,8 @@ PLOT_TEXT = {
     "hbm_breakdown": "What occupies HBM in the largest-batch run of each policy, one panel per "
                      "GPU.",
     "link_utilisation": "Share of time the host link is busy.",
-    "crossover": "TPOT ratio VerKV / dense offload; where a line crosses 1, VerKV stops winning.",
+    "crossover": "TPOT ratio of each policy that keeps the cache in host memory to dense offload; "
+                 "where a line crosses 1, that policy stops winning.",
     "pareto": "Task accuracy (kvsim eval, % of dense) vs decode throughput.",
     "goodput_vs_rate": "Requests per second that meet every SLO given, against the offered "
                        "Poisson rate (DistServe's goodput); where a line leaves the diagonal, "
@@ -177,7 +178,7 @@ def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality
     ok = df[df.status == "ok"]
     blocks: list = [
         ("h1", "kvsim capacity plan"),
-        ("p", f"Generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by "
+        ("p", f"Generated {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC} by "
               f"kvsim {__version__} on {platform.node()} ({platform.machine()})."),
     ]
     if command:

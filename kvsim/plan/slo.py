@@ -18,8 +18,8 @@ that passed and the first that did not.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from kvsim.errors import KvsimError
 
@@ -137,6 +137,7 @@ def binding(at: dict) -> str:
     """What limits the deployment at the found rate, in words."""
     if not at:
         return "nothing sustained"
-    parts = [f"GPU busy {100 * at['gpu_util']:.0f}%", f"host link busy {100 * at['link_util']:.0f}%",
+    parts = [f"GPU busy {100 * at['gpu_util']:.0f}%",
+             f"host link busy {100 * at['link_util']:.0f}%",
              f"mean batch {at['mean_batch']:.1f} of {at['max_batch_fit']} that fit in memory"]
     return ", ".join(parts)

@@ -67,7 +67,7 @@ class ReplayConfig(Scheduling, Deployment):
     timeline: str | Path | None = None  # write a Chrome/Perfetto trace of the first steps here
     timeline_steps: int = 16
     force: bool = False  # overwrite an existing timeline file
-    slo: dict = field(default_factory=dict)  # per-request limits for goodput: tpot_ms, ttft_ms, e2e_s
+    slo: dict = field(default_factory=dict)  # per-request goodput limits: tpot_ms, ttft_ms, e2e_s
     engine: str | None = None  # an engine profile: built-in name or JSON file (kvsim fit)
     policy_profile: str | None = None  # FILE, "default" or "none"; None: the shipped profile
     # when no trace is named (kvsim.replay.policy_source)

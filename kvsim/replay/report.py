@@ -58,8 +58,12 @@ def simulation(res, work) -> dict:
     gpu_busy = log.gpu_busy / reps
     link_busy = log.link_busy / reps
     nan = float("nan")
-    ms = lambda x: x * 1e3
-    per_s = lambda x: x / makespan if makespan > 0 else nan
+
+    def ms(x):
+        return x * 1e3
+
+    def per_s(x):
+        return x / makespan if makespan > 0 else nan
     out = {
         "tpot_ms": ms(req.tpot.mean()),
         "tpot_p50_ms": ms(req.tpot.percentile(50)), "tpot_p99_ms": ms(req.tpot.percentile(99)),

@@ -127,8 +127,9 @@ class Chunks:
     # the policy's share of ``tokens`` (a fixed host term)
 
     @classmethod
-    def of(cls, plans: list[StepPlan]) -> "Chunks":
-        col = lambda f: np.array([f(p) for p in plans], float)
+    def of(cls, plans: list[StepPlan]) -> Chunks:
+        def col(f):
+            return np.array([f(p) for p in plans], float)
         return cls(col(lambda p: p.chunk_tokens), col(lambda p: p.chunk_flops),
                    col(lambda p: len(p.assign)), col(lambda p: len(p.done)),
                    col(lambda p: p.work_flops), col(lambda p: p.work_bytes),
@@ -199,7 +200,7 @@ class ChunkLog:
         return self.count
 
     @staticmethod
-    def merged(logs: list["ChunkLog"]) -> "ChunkLog":
+    def merged(logs: list[ChunkLog]) -> ChunkLog:
         """The replicas' logs as one: sums added, the first replica's chunks kept."""
         out = ChunkLog(keep=logs[0].keep, kept=list(logs[0].kept))
         for name in ("count", "decode_seconds", "decode_tokens", "decode_steps",
