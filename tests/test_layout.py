@@ -93,3 +93,24 @@ def test_no_function_over_60_statements():
                 if n > 60:
                     long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name} ({n})")
     assert not long, long
+
+
+def test_no_policy_name_decides_behaviour_outside_the_policies():
+    """Outside ``kvsim/policies`` no code names a policy to decide what to do (docstrings and
+    help text may mention one); the one exception reads an older profile's single decide table
+    as VerKV's, which is what that table timed."""
+    import ast
+
+    from kvsim.policies import load_all
+    names = set(load_all()) - {"dense-resident", "dense-offload"}  # the baselines by name
+    allowed = {("kvsim/trace.py", "verkv")}
+    found = []
+    for p in list(ROOT.glob("kvsim/**/*.py")) + list(ROOT.glob("profiler/*.py")):
+        rel = str(p.relative_to(ROOT))
+        if rel.startswith("kvsim/policies/"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names \
+                    and (rel, node.value) not in allowed:
+                found.append(f"{rel}:{node.lineno} {node.value!r}")
+    assert not found, found

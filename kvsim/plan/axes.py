@@ -67,15 +67,16 @@ def scale(ax, axis: str, values, fmt=plain, ticks: bool = False,
 
 
 def legend(fig, axes) -> None:
-    """One legend for the whole figure, beside the panels (entries de-duplicated)."""
+    """One legend for the whole figure, under the panels (entries de-duplicated), so that it
+    neither covers the title nor squeezes the panels however long its labels."""
     seen: dict[str, object] = {}
     for ax in axes:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             if not lab.startswith("_"):
                 seen.setdefault(lab, h)
     if seen:
-        fig.legend(list(seen.values()), list(seen), loc="outside right upper", fontsize=8,
-                   frameon=False)
+        fig.legend(list(seen.values()), list(seen), loc="outside lower center", fontsize=8,
+                   frameon=False, ncols=1 if len(seen) < 4 else 2)
 
 
 def grid(n: int, width: float = 4.2, height: float = 3.2):
