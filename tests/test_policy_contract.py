@@ -278,3 +278,18 @@ def test_every_policy_is_a_mask_or_a_fetching_policy():
         assert issubclass(cls, MaskPolicy) != issubclass(cls, FetchPolicy), name
         if issubclass(cls, FetchPolicy) and name != "dense-offload":
             assert cls.decide_kernel is not FetchPolicy.decide_kernel, name
+
+
+def test_streamingllm_is_planned_at_32k_as_its_window(tmp_path, trace):
+    """Measured on a 512-token trace, planned at 32K: one request holds sink + local tokens of
+    KV in HBM, not their share of the trace times 32K."""
+    from kvsim import trace as T
+    from kvsim.hw.catalog import GiB, model
+    path = tmp_path / "t.npz"
+    T.save(trace, path)
+    r = run_replay(ReplayConfig(trace=path, policy="streamingllm",
+                                policy_options={"sink": 4, "local": 252}, gpu="h100-sxm",
+                                model="qwen3-4b", context=32768, batch=1, output_len=4))
+    kv = model("qwen3-4b").kv_bytes_per_token
+    assert r["memory"]["hbm_kv_gib"] == pytest.approx(256 * kv / GiB)
+    assert r["policy_cost"]["resident_tokens"] == 256 and r["kv_read_frac"] == 0
