@@ -1,8 +1,8 @@
 """Quest: query-aware page selection (Tang et al., 2024) with the cache in host memory.
 
-``policy`` (the registered policy: per page of keys the channel-wise min and max stay on the GPU,
-each step fetches the pages with the highest upper bound on q.k within a token budget) and
-``bench`` (its decide step on a synthetic layer, for the profiler's kernel table and kvsim
-validate)."""
+``pages`` (the key bounds per page and the selection of the best pages), ``policy`` (the
+registered policy: per page of keys the channel-wise min and max stay on the GPU, each step
+fetches the pages with the highest upper bound on q.k within a token budget) and ``bench`` (its
+decide step on a synthetic layer, for the profiler's kernel table and kvsim validate)."""
 
 from kvsim.policies.quest import policy  # noqa: F401  (registers "quest")

@@ -13,7 +13,7 @@ import torch
 
 from kvsim import trace as T
 from kvsim.model.synthetic import synthetic_attention_trace
-from kvsim.policies.quest.policy import select
+from kvsim.policies.quest.pages import select
 from kvsim.policies.spec import make
 from kvsim.policies.verkv.bench import (
     _request_kwargs,
