@@ -338,7 +338,7 @@ def test_a_stacked_batch_decides_each_request_as_alone():
 
 def test_request_generation_in_worker_processes_matches_in_process():
     from kvsim.hw.catalog import model
-    from kvsim.policies.verkv.bench import generate_requests, request_seed
+    from kvsim.policies.bench_requests import generate_requests, request_seed
     m = model("smollm2-135m")
     seeds = [request_seed(3, b) for b in (1, 2, 3)]
     assert len(set(seeds + [3])) == 4

@@ -13,22 +13,17 @@ import torch
 
 from kvsim import trace as T
 from kvsim.model.synthetic import synthetic_attention_trace
+from kvsim.policies.bench_requests import Stacking, request_kwargs
 from kvsim.policies.quest.pages import select
 from kvsim.policies.spec import make
-from kvsim.policies.verkv.bench import (
-    _request_kwargs,
-    generate_requests,
-    request_seed,
-    stack_requests,
-)
 
 
-class QuestBench:
+class QuestBench(Stacking):
     def __init__(self, device, m, n: int, seed: int = 0, params=None,
                  attention: T.Attention | None = None):
         self.options = dataclasses.asdict(params) if params is not None else {}
         if attention is None:
-            attention = synthetic_attention_trace(**_request_kwargs(m, n, seed)).attention
+            attention = synthetic_attention_trace(**request_kwargs(m, n, seed)).attention
         self.trace = T.Trace(T.new_meta("kvsim.policies.quest.bench", model="synthetic",
                                         context=n, notes=attention.provenance), None, attention)
         la = attention.layers[0]
@@ -56,20 +51,9 @@ class QuestBench:
     def _fetched(self) -> torch.Tensor:
         return select(self.q, self.q_pos, self.pages, self.budget)[:, 0] & ~self.pages.resident
 
-    def stack(self, batch: int, workers: int | None = None) -> QuestBench:
-        """The decide step of ``batch`` requests in one call (request 0 is this bench's)."""
-        if self._requests is None:
-            raise ValueError("stack() a single request's bench, not a stack")
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        if batch == 1:
-            return self
-        have = len(self._requests)
-        self._requests += generate_requests(self.m, self.n, [request_seed(self.seed, b)
-                                                             for b in range(have, batch)],
-                                            workers)
-        return QuestBench(self.device, self.m, self.n, self.seed,
-                          self.policy.params, attention=stack_requests(self._requests[:batch]))
+    def _of(self, attention: T.Attention) -> QuestBench:
+        return QuestBench(self.device, self.m, self.n, self.seed, self.policy.params,
+                          attention=attention)
 
     def plan(self):
         """One layer and the whole stack: the fetched pages' host rows (sorted by KV head),
