@@ -108,6 +108,7 @@ class CostModel:
         self.decide_override_us: float | None = None  # what-if: every decide step, us per layer
         self.decided: set[str] = set()  # the decide kernels the simulation asked for
         self.tp, self.peer_bw = 1, 0.0  # tensor parallelism (set_tp)
+        self._gemm_flops: dict[float, float] = {}  # per weight element size (gemm_flops)
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -215,6 +216,7 @@ class CostModel:
     def apply(self, engine: Engine) -> CostModel:
         """Take an engine profile's fields over the hardware's (each one said in provenance)."""
         self.engine = engine
+        self._gemm_flops.clear()  # the rates may change below
         prov = self.provenance
         prov["engine"] = (f"{engine.name} ({engine.origin})"
                           + (f": {engine.description}" if engine.description else ""))
@@ -301,7 +303,35 @@ class CostModel:
             c = self.gemm_curve
             return c(batch, lambda b: np.maximum(c.y[-1] * b / c.x[-1], c.y[0]))
         flops = 2.0 * m.active_layer_params * batch
-        return np.maximum(flops / self.flops, m.layer_weight_bytes(batch) / self.hbm_bw)
+        return np.maximum(flops / self.gemm_flops(m), m.layer_weight_bytes(batch) / self.hbm_bw)
+
+    def gemm_flops(self, m: ModelSpec) -> float:
+        """Achievable FLOP/s of ``m``'s layer GEMMs, by the type its weights are stored in:
+        1-byte (fp8) weights run W8A8 at the GPU's fp8 rate where it has one; any other weights
+        (bf16, or 4-bit weights dequantised to bf16, W4A16) at the bf16 rate. The same efficiency
+        applies to every rate. Said in ``provenance["compute_gemm"]``. Attention, the LM head and
+        the policies' work stay at the bf16 rate (``flops``)."""
+        elem = m.weight_elem
+        if elem in self._gemm_flops:
+            return self._gemm_flops[elem]
+        g, rate, note = self.spec, self.flops, ""
+        if elem == 1:
+            fp8 = g.fp8_tflops if g is not None else 0.0
+            if fp8:
+                rate = self.flops * fp8 / g.bf16_tflops
+                note = (f"fp8 weights (W8A8): {fp8:.0f} TFLOP/s dense fp8 x the bf16 efficiency "
+                        f"= {rate / 1e12:.4g} TFLOP/s ({g.rates_source})")
+            else:
+                why = (f"{g.name} lists no fp8 rate ({g.rates_source or 'no fp8 tensor cores'})"
+                       if g is not None else "the measured rate is the profile's")
+                note = f"fp8 weights at the bf16 rate: {why}"
+        elif elem < 1:
+            note = (f"{elem:g}-byte weights dequantised to bf16 (W4A16): the bf16 rate, "
+                    f"{rate / 1e12:.4g} TFLOP/s")
+        if note:
+            self.provenance["compute_gemm"] = note
+        self._gemm_flops[elem] = rate
+        return rate
 
     def head_time(self, batch, m: ModelSpec) -> np.ndarray:
         """The LM head (vocab projection) once per step."""
