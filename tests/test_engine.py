@@ -237,3 +237,36 @@ def test_the_shipped_engine_is_what_kvsim_fit_makes_of_the_shipped_points(tmp_pa
             assert a == pytest.approx(b, rel=1e-4), key
         else:
             assert a == b, key
+
+
+def test_kvsim_fit_cv_source_leaves_each_source_out(tmp_path):
+    """Points a known engine made, in three sources: where the other sources identify every
+    parameter, a source's rows are predicted exactly; the only source with offload rows, left
+    out, leaves the link rate at the catalog's and says so."""
+    from kvsim.fit import Predictor
+    truth = {"step_overhead_ms": 1.5, "hbm_efficiency": 0.7, "link.h2d.gbps": 40.0}
+    known = make_engine(E.ROOFLINE, truth, "default", "", "h100-sxm", "qwen3-4b")
+    pred, rows = Predictor(None), []
+    for src, pol, ctx, b in (("A", "dense-resident", 8192, 1), ("A", "dense-resident", 32768, 4),
+                             ("B", "dense-resident", 16384, 2), ("B", "dense-resident", 65536, 1),
+                             ("C", "dense-offload", 8192, 1), ("C", "dense-offload", 32768, 2)):
+        (spec,), _ = parse(pol)
+        t = pred.predict(Point(0, "h100-sxm", "qwen3-4b", spec, ctx, b, {}, None, 128),
+                         known)["tpot_ms"]
+        rows.append(f"h100-sxm,qwen3-4b,{pol},{ctx},{b},{t:.6f},{src}")
+    csv = tmp_path / "m.csv"
+    csv.write_text("\n".join([HEADER + ",source", *rows]) + "\n")
+    code, text, err = run_cli("fit", csv, "--out", tmp_path / "e.json", "--cv", "source",
+                              "--json")
+    assert code == 0, err
+    cv = json.loads(text)["cv"]
+    by = {g["source"]: g for g in cv["groups"]}
+    assert set(by) == {"A", "B", "C"} and by["A"]["rows"] == [2, 3]
+    for s in ("A", "B"):
+        assert all(abs(e) < 0.5 for e in by[s]["errors_pct"]) and by[s]["held"] == [], s
+    assert by["C"]["held"] == ["link.h2d.gbps"]
+    assert all(e < -5 for e in by["C"]["errors_pct"])  # the catalog's 52 GB/s, not 40
+    assert cv["summary"]["predicted"] == 6 and cv["summary"]["within"] >= 4
+    code, text, err = run_cli("fit", csv, "--out", tmp_path / "f.json", "--cv", "source")
+    assert code == 0, err
+    assert "leave-one-source-out" in text and "held-out predictions" in text

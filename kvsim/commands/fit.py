@@ -25,6 +25,10 @@ decide.<policy>.per_layer_us, .per_ktoken_us, .per_kfetched_us, .serial_share. F
 what the rows can tell apart (see kvsim.fit.solve); --free and --fix change that. Printed per
 row: the fitted error and the leave-one-out error (the row predicted by a fit of the others);
 check rows are predicted only.
+
+--cv source: leave one source out. For each value of the source column (one publication), an
+engine fitted on the fit rows of every other source predicts that source's rows; printed per
+source with the errors, and how many of all the held-out predictions fall within 20%.
 """
 
 
@@ -50,6 +54,8 @@ def add_parser(sub) -> None:
     p.add_argument("--name", default=None, help="engine name [default: the output's stem]")
     p.add_argument("--describe", default="", metavar="TEXT", help="engine description")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--cv", choices=["source"],
+                   help="also cross-validate, leaving out one source (publication) at a time")
     p.add_argument("--json", action="store_true", help="print the fit as one JSON object")
     p.set_defaults(run=run)
 
@@ -102,8 +108,15 @@ def run(args) -> int:
               args.name or Path(args.out).stem, args.describe, args.measured,
               progress=not args.json)
     res.engine.save(args.out, args.force)
+    cv = None
+    if args.cv:
+        from kvsim.fit.solve import cross_validate, cv_summary
+        groups = cross_validate(points, Predictor(args.trace), base, free, _fixed(args.fix),
+                                args.cv)
+        cv = {"by": args.cv, "groups": groups, "summary": cv_summary(groups)}
     if args.json:
-        print_json({"engine": res.engine.to_json(), "out": args.out})
+        print_json({"engine": res.engine.to_json(), "out": args.out,
+                    **({"cv": cv} if cv else {})})
         return 0
     print(f"fitted {len(res.free)} parameters to {args.measured}: RMS relative error "
           f"{100 * res.cost:.2f}%")
@@ -131,5 +144,27 @@ def run(args) -> int:
         notes = [f"row {r['row']}: {r['loo_note']}" for r in rows if r.get("loo_note")]
         for n in notes:
             print(f"  leave-one-out n/a, {n}")
+    if cv:
+        _print_cv(cv)
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _print_cv(cv: dict) -> None:
+    by, s = cv["by"], cv["summary"]
+    print(f"\nleave-one-{by}-out: each {by}'s rows predicted by a fit of the other {by}s' "
+          f"fit rows")
+    rows = []
+    for g in cv["groups"]:
+        errs = g["errors_pct"]
+        rows.append({by: g[by], "rows": " ".join(map(str, g["rows"])),
+                     "fitted_on": g["fitted_on"],
+                     "err%": " ".join(f"{e:+.1f}" for e in errs) or "n/a",
+                     "max|err|%": round(max(map(abs, errs)), 1) if errs else "n/a",
+                     "not fitted without it": ", ".join(g["held"]) or "-",
+                     "note": g["note"] or "-"})
+    table(rows)
+    if s["predicted"]:
+        print(f"within {s['within_pct']:g}%: {s['within']} of {s['predicted']} held-out "
+              f"predictions; median |err| {s['median_abs_pct']:.1f}%, largest "
+              f"{s['max_abs_pct']:.1f}%")

@@ -31,7 +31,7 @@ from kvsim.errors import KvsimError
 from kvsim.fit import Point, Predictor
 from kvsim.hw import catalog
 from kvsim.hw.costs import FLOP_EFFICIENCY, GATHER_EFFICIENCY, HBM_EFFICIENCY
-from kvsim.hw.engine import DecideModel, Engine, Value
+from kvsim.hw.engine import BOUNDS, DecideModel, Engine, Value
 
 # name -> (lower, upper bound)
 PARAMS = {
@@ -230,3 +230,66 @@ def _leave_one_out(rows, pred, base, chosen, forced, fixed, start, gpu, model, v
             continue
         got = pred.predict(p, make_engine(base, v, "fit", "", gpu, model))
         row["loo_tpot_pct"] = 100 * (got["tpot_ms"] / p.measured["tpot_ms"] - 1)
+
+
+CV_BY = ("source",)  # row cells a cross-validation can hold out by
+
+
+def cross_validate(points: list[Point], pred: Predictor, base: Engine,
+                   free: list[str] | None = None, fixed: dict | None = None,
+                   by: str = "source") -> list[dict]:
+    """Leave one group out: for each value of the rows' ``by`` cell (a publication), an engine
+    fitted on the fit rows of every other group predicts this group's rows, fit and check rows
+    alike (their TPOT; not rows whose value only bounds it, :data:`kvsim.hw.engine.BOUNDS`).
+    The parameters the other groups do not identify keep ``base``'s values
+    (the roofline's where ``base`` does not set them) and are named. One dict per group, in
+    the order the groups first appear."""
+    if by not in CV_BY:
+        raise KvsimError(f"--cv {by!r}: one of {', '.join(CV_BY)}")
+    fixed = dict(fixed or {})
+    groups: dict[str, list[Point]] = {}
+    for p in points:
+        groups.setdefault(p.meta.get(by, f"(no {by})"), []).append(p)
+    out = []
+    for name, rows in groups.items():
+        rest = [p for p in points if p.use == "fit" and p.meta.get(by, f"(no {by})") != name]
+        res = {by: name, "rows": [p.row for p in rows], "fitted_on": len(rest),
+               "errors_pct": [], "held": [], "note": ""}
+        out.append(res)
+        if not rest:
+            res["note"] = "no other source has fit rows"
+            continue
+        kernels = decide_kernels(rest, pred)
+        need = set(parameters(decide_kernels(rows, pred)))
+        chosen = [k for k in (free if free is not None else identified(rest, pred))
+                  if k not in fixed and k in parameters(kernels)]
+        gpus, models = [p.gpu for p in rest], [p.model for p in rest]
+        gpu, model = max(set(gpus), key=gpus.count), max(set(models), key=models.count)
+        start = start_values(gpu, kernels)
+        eng = make_engine(base, fixed, "override", "", gpu, model) if fixed else base
+        try:
+            values, _ = solve(rest, pred, eng, chosen, start, gpu, model)
+        except KvsimError as e:
+            res["note"] = str(e).split(";")[0]
+            continue
+        eng = make_engine(eng, values, "fit", "", gpu, model)
+        res["held"] = sorted(k for k in need & (set(identified(rows, pred)) - set(chosen))
+                             if k not in fixed)
+        bounds = [p.row for p in rows if p.meta.get("certainty") in BOUNDS]
+        for p in rows:
+            if p.row not in bounds:
+                got = pred.predict(p, eng)["tpot_ms"]
+                res["errors_pct"].append(100 * (got / p.measured["tpot_ms"] - 1))
+        if bounds:
+            res["note"] = f"rows {' '.join(map(str, bounds))}: a bound of TPOT, not predicted"
+    return out
+
+
+def cv_summary(groups: list[dict], within: float = 20.0) -> dict:
+    """How many held-out predictions fall within ``within`` percent, and the median and largest
+    absolute error, over every group."""
+    errs = [abs(e) for g in groups for e in g["errors_pct"]]
+    return {"predicted": len(errs), "within_pct": within,
+            "within": sum(e <= within for e in errs),
+            "median_abs_pct": float(np.median(errs)) if errs else None,
+            "max_abs_pct": max(errs) if errs else None}

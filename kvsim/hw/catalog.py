@@ -7,6 +7,7 @@ A profiled trace (``kvsim profile``) replaces these numbers with measured ones.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,10 +31,22 @@ class GPUSpec:
     source: str
     peer: str = ""  # GPU-to-GPU link for tensor parallelism (NVLink, Infinity Fabric, PCIe)
     peer_gbps: float = 0.0  # its bandwidth per GPU and direction, GB/s
+    # dense tensor-core peak rates of the other compute types (0: not published here, or the GPU
+    # has no tensor cores for it; ``rates_source`` says which)
+    fp8_tflops: float = 0.0
+    int8_tops: float = 0.0
+    int4_tops: float = 0.0
+    rates_source: str = ""
+
+    def rates(self) -> dict[str, float]:
+        """Dense peak rate (TFLOP/s or TOP/s) per compute type this entry lists."""
+        return {k: v for k, v in (("bf16", self.bf16_tflops), ("fp8", self.fp8_tflops),
+                                  ("int8", self.int8_tops), ("int4", self.int4_tops)) if v}
 
     def describe(self) -> str:
+        rates = ", ".join(f"{v:.0f} {k}" for k, v in self.rates().items())
         return (f"{self.name}: {self.hbm_gib} GiB HBM at {self.hbm_gbps:.0f} GB/s, "
-                f"{self.bf16_tflops:.0f} bf16 TFLOP/s, {self.link} (H2D {self.h2d_gbps} GB/s)")
+                f"{rates} TFLOP/s, {self.link} (H2D {self.h2d_gbps} GB/s)")
 
 
 _DESIGN = ("kvsim design note (NVIDIA datasheets; nvbandwidth issue threads; vLLM KV-offloading "
@@ -76,6 +89,45 @@ GPUS: dict[str, GPUSpec] = {g.name: g for g in [
             "191.5 GiB usable assumed; H2D assumed as H100 SXM (same Gen5 x16 link)",
             "Infinity Fabric", 448.0),
 ]}
+
+# Dense peak rates by compute type (sparsity halved out where a sheet quotes it), each with its
+# source. A number no source found is left out (0), and the entry says so: such a GPU computes
+# that type at its bf16 rate.
+_HOPPER = ("NVIDIA H100 specification table (SXM: FP8 and INT8 3,958 with sparsity, PCIe: "
+           "3,026; 'specifications 1/2 lower without sparsity'), as reproduced at "
+           "https://archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html")
+_A100 = ("NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), dense "
+         "INT8 624 TOPS, INT4 1,248 TOPS, no FP8 tensor cores, as tabulated at "
+         "https://glennklockwood.com/garden/processors/A100")
+_RATES: dict[str, dict] = {
+    "a100-40gb": {"int8_tops": 624, "int4_tops": 1248, "rates_source": _A100},
+    "a100-80gb": {"int8_tops": 624, "int4_tops": 1248, "rates_source": _A100},
+    "h100-pcie": {"fp8_tflops": 1513, "int8_tops": 1513, "rates_source": _HOPPER
+                  + "; INT4 not listed (no INT4 tensor-core rate on Hopper)"},
+    "h100-sxm": {"fp8_tflops": 1979, "int8_tops": 1979, "rates_source": _HOPPER
+                 + "; INT4 not listed (no INT4 tensor-core rate on Hopper)"},
+    "h200": {"fp8_tflops": 1979, "rates_source":
+             "H200 SXM dense FP8 ~1,979 TFLOP/s (the GH100 die of the H100): "
+             "https://itkb.uw.cz/2026/06/nvidia-h200-vs-b300-precisions-cores.html; INT8 not "
+             "found in a source, left out"},
+    "gh200": {"rates_source": "no published FP8/INT8 rate found for GH200's GPU: left out "
+                              "(fp8 computes at the bf16 rate)"},
+    "b200": {"fp8_tflops": 4500, "int8_tops": 4500, "rates_source":
+             "HGX B200 at 1,000 W, dense FP8 4,500 TFLOP/s and INT8 4,500 TOP/s (FP4 9,000), "
+             "from NVIDIA's Blackwell specifications as tabulated at "
+             "https://glennklockwood.com/garden/processors/B200"},
+    "h20": {"int8_tops": 296, "rates_source":
+            "H20 INT8 296 TOP/s with FP16 148 TFLOP/s (press, "
+            "https://zangshuxian.com/new/674733024499207168); FP8 rate not found in a "
+            "source, left out (fp8 computes at the bf16 rate)"},
+    "l40s": {"fp8_tflops": 733, "int8_tops": 733, "int4_tops": 1466, "rates_source":
+             "NVIDIA L40S datasheet table (FP8 733, 1,466 with sparsity), as reproduced at "
+             "https://www.mullet.se/product.html?product_id=355414; INT8 732.86 and INT4 "
+             "1,466 TOP/s dense: https://hmc-tech.com/gpu/nvidia-l40s-vs-nvidia-t40"},
+    "mi300x": {"rates_source": "FP8/INT8 rates of the MI300X found only in conflicting "
+                               "secondary sources: left out (fp8 computes at the bf16 rate)"},
+}
+GPUS = {n: dataclasses.replace(g, **_RATES.get(n, {})) for n, g in GPUS.items()}
 
 
 @dataclass(frozen=True)
@@ -203,7 +255,6 @@ class ModelSpec:
         """What one GPU of a tensor-parallel group of ``tp`` holds and computes, as vLLM shards:
         query heads, MLP (every expert's) width and vocabulary split ``tp`` ways; KV heads too,
         or replicated where there are fewer than ``tp`` of them (one per GPU)."""
-        import dataclasses
         if tp == 1:
             return self
         for what, n in (("query heads", self.q_heads), ("intermediate size", self.intermediate),

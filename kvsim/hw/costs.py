@@ -19,6 +19,7 @@ import numpy as np
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.catalog import GB, GiB, GPUSpec, ModelSpec
+from kvsim.hw.collectives import AllReduce
 from kvsim.hw.engine import CATALOG_DEFAULT, ROOFLINE, DecideModel, Engine
 from kvsim.hw.engine import load as load_engine
 from kvsim.hw.fit import fit_alpha_beta
@@ -29,7 +30,6 @@ DEFAULT_GPU = "h100-sxm"
 HBM_EFFICIENCY = 0.85  # achievable / spec HBM bandwidth (design note, public measurements)
 FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-size GEMMs
 GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA (design note)
-ALLREDUCE_US = 10.0  # per all-reduce launch and synchronisation (assumed; see set_tp)
 
 DECIDE_ESTIMATE = ("estimate: four passes over the policy's per-token decide state (a sketch, "
                    "page bounds) at achievable HBM bandwidth")
@@ -107,7 +107,9 @@ class CostModel:
         self.decide_ranges: dict[str, tuple[str, float, float]] = {}
         self.decide_override_us: float | None = None  # what-if: every decide step, us per layer
         self.decided: set[str] = set()  # the decide kernels the simulation asked for
-        self.tp, self.peer_bw = 1, 0.0  # tensor parallelism (set_tp)
+        self.tp = 1  # tensor parallelism (set_tp)
+        self.allreduce: AllReduce | None = None
+        self._gemm_flops: dict[float, float] = {}  # per weight element size (gemm_flops)
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -215,6 +217,7 @@ class CostModel:
     def apply(self, engine: Engine) -> CostModel:
         """Take an engine profile's fields over the hardware's (each one said in provenance)."""
         self.engine = engine
+        self._gemm_flops.clear()  # the rates may change below
         prov = self.provenance
         prov["engine"] = (f"{engine.name} ({engine.origin})"
                           + (f": {engine.description}" if engine.description else ""))
@@ -301,7 +304,35 @@ class CostModel:
             c = self.gemm_curve
             return c(batch, lambda b: np.maximum(c.y[-1] * b / c.x[-1], c.y[0]))
         flops = 2.0 * m.active_layer_params * batch
-        return np.maximum(flops / self.flops, m.layer_weight_bytes(batch) / self.hbm_bw)
+        return np.maximum(flops / self.gemm_flops(m), m.layer_weight_bytes(batch) / self.hbm_bw)
+
+    def gemm_flops(self, m: ModelSpec) -> float:
+        """Achievable FLOP/s of ``m``'s layer GEMMs, by the type its weights are stored in:
+        1-byte (fp8) weights run W8A8 at the GPU's fp8 rate where it has one; any other weights
+        (bf16, or 4-bit weights dequantised to bf16, W4A16) at the bf16 rate. The same efficiency
+        applies to every rate. Said in ``provenance["compute_gemm"]``. Attention, the LM head and
+        the policies' work stay at the bf16 rate (``flops``)."""
+        elem = m.weight_elem
+        if elem in self._gemm_flops:
+            return self._gemm_flops[elem]
+        g, rate, note = self.spec, self.flops, ""
+        if elem == 1:
+            fp8 = g.fp8_tflops if g is not None else 0.0
+            if fp8:
+                rate = self.flops * fp8 / g.bf16_tflops
+                note = (f"fp8 weights (W8A8): {fp8:.0f} TFLOP/s dense fp8 x the bf16 efficiency "
+                        f"= {rate / 1e12:.4g} TFLOP/s ({g.rates_source})")
+            else:
+                why = (f"{g.name} lists no fp8 rate ({g.rates_source or 'no fp8 tensor cores'})"
+                       if g is not None else "the measured rate is the profile's")
+                note = f"fp8 weights at the bf16 rate: {why}"
+        elif elem < 1:
+            note = (f"{elem:g}-byte weights dequantised to bf16 (W4A16): the bf16 rate, "
+                    f"{rate / 1e12:.4g} TFLOP/s")
+        if note:
+            self.provenance["compute_gemm"] = note
+        self._gemm_flops[elem] = rate
+        return rate
 
     def head_time(self, batch, m: ModelSpec) -> np.ndarray:
         """The LM head (vocab projection) once per step."""
@@ -357,19 +388,19 @@ class CostModel:
                                         f"{lo:.0f}..{hi:.0f} (linear model)")
 
     def set_tp(self, tp: int, shared_link: bool = False) -> CostModel:
-        """One GPU of a tensor-parallel group of ``tp``: the group's all-reduces priced on the
-        catalog's peer link; with ``shared_link`` the group's GPUs share one host link."""
+        """One GPU of a tensor-parallel group of ``tp``: the group's all-reduces priced from
+        published NCCL measurements of the catalog's peer link (:mod:`kvsim.hw.collectives`);
+        with ``shared_link`` the group's GPUs share one host link."""
         self.tp = tp
         if tp == 1:
             return self
         g = self.spec
         if g is None or not g.peer_gbps:
             raise KvsimError(f"--tp {tp} needs the GPU-to-GPU bandwidth of a catalog GPU (--gpu)")
-        self.peer_bw = g.peer_gbps * GB
+        self.allreduce = AllReduce(g.peer, g.peer_gbps, tp)
         self.provenance["tensor_parallel"] = (
-            f"{tp} GPUs: ring all-reduce, 2 per layer, over {g.peer} at {g.peer_gbps:g} GB/s per "
-            f"direction ({g.source}) + {ALLREDUCE_US:g} us each (assumed: NCCL's small-message "
-            f"latency, not measured)")
+            f"{tp} GPUs: 2 all-reduces per layer, latency + bytes x 2 (N - 1) / N / bus "
+            f"bandwidth over {self.allreduce.source}")
         if shared_link:
             for p, path in self.links.items():
                 self.links[p] = LinkPath(path.alpha, path.beta / tp, f"{path.source}; shared by "
@@ -381,13 +412,11 @@ class CostModel:
 
     def allreduce_time(self, tokens, m: ModelSpec) -> np.ndarray:
         """One layer's all-reduces (after attention and after the MLP) of ``tokens`` hidden
-        states in a tensor-parallel group: a ring moves ``2 (N - 1) / N`` of the bytes."""
+        states in a tensor-parallel group."""
         t = np.asarray(tokens, float)
         if self.tp == 1:
             return np.zeros_like(t)
-        nbytes = t * m.hidden * m.dtype_bytes
-        one = ALLREDUCE_US * 1e-6 + 2 * (self.tp - 1) / self.tp * nbytes / self.peer_bw
-        return np.where(t > 0, 2 * one, 0.0)
+        return 2 * self.allreduce.time(t * m.hidden * m.dtype_bytes)
 
     def overlap_for(self, policy_overlap: bool) -> bool:
         return {"policy": policy_overlap, "serial": False, "overlap": True}[self.fetch]

@@ -38,6 +38,7 @@ FETCHES = ("policy", "serial", "overlap")
 ENGINES_DIR = Path(__file__).resolve().parent / "engines"
 BUILTIN = {"vllm-paper": ENGINES_DIR / "vllm-paper-h100.json"}
 CATALOG_DEFAULT = "vllm-paper"  # the default engine with a catalog GPU
+BOUNDS = ("plot-kernel",)  # certainties of measured values that only bound TPOT
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,37 @@ class Engine:
     def get(self, key: str, default=None):
         v = self.fields.get(key)
         return default if v is None else v.value
+
+    def residuals(self) -> list[dict]:
+        """The engine's out-of-sample TPOT errors on measured points (``fit["points"]``): each
+        fit row's leave-one-out error where the other rows identify every parameter it needs,
+        and each check row's error (never fitted), except rows whose value is only a bound of
+        TPOT (``plot-kernel``: a GPU kernel time). Each ``{"row", "use", "err_pct"}``, the
+        predicted over the measured TPOT less 1."""
+        out = []
+        for p in self.fit.get("points", []):
+            err = p.get("loo_tpot_pct") if p.get("use") == "fit" else p.get("err_tpot_ms_pct")
+            if err is not None and p.get("certainty") not in BOUNDS:
+                out.append({"row": p.get("row"), "use": p.get("use"), "err_pct": float(err)})
+        return out
+
+    def spread(self) -> tuple[float | None, str]:
+        """How far this engine's TPOT has been seen off, as a log ratio ``s``: a prediction
+        ``P`` puts the measured value in ``[P e^-s, P e^s]``. ``s`` is the largest
+        ``|ln(1 + err)|`` of :meth:`residuals` (with a handful of points, their largest rather
+        than a quantile); None when the engine was checked on no point. With the words to
+        say so."""
+        res = self.residuals()
+        if not res:
+            return None, f"engine {self.name} has no out-of-sample check on measured points"
+        logs = [abs(math.log1p(r["err_pct"] / 100)) for r in res]
+        s = max(logs)
+        loo = sum(r["use"] == "fit" for r in res)
+        errs = ", ".join(f"{r['err_pct']:+.1f}%" for r in res)
+        return s, (f"engine {self.name}: the largest of {len(res)} out-of-sample TPOT errors "
+                   f"({loo} leave-one-out, {len(res) - loo} check rows): "
+                   f"{errs}; "
+                   f"x{math.exp(s):.3g} either way")
 
     def decide(self, kernel: str) -> DecideModel | None:
         v = self.fields.get(f"decide.{kernel}")

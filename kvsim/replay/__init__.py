@@ -201,6 +201,7 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
         out["provenance"]["workload"] += f"; {cfg.replicas} replicas behind a {how} router"
     if skipped:
         out["warnings"].append(skipped)
+    report.add_intervals(out, costs, model, cfg.tp)
     if cfg.timeline is not None:
         events = timeline.build(sim, res, cfg.timeline_steps)
         atomic_write(cfg.timeline, lambda f: f.write(json.dumps(events).encode()), cfg.force)

@@ -14,6 +14,7 @@ refuses to drop a key whose value differs from one already there.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -264,7 +265,7 @@ def add_profile(out: dict, applied, bands: dict) -> None:
         if f"{ps}.kv_read_frac" in iv:
             out[f"{ps}_kv_read_frac"] = applied.stats[ps]["kv_read_frac"]
             out[f"{ps}_kv_read_frac_lo"], out[f"{ps}_kv_read_frac_hi"] = iv[f"{ps}.kv_read_frac"]
-    for key in ("tpot_ms", "throughput_tok_s", "decode_tok_s"):
+    for key in ("tpot_ms", "ttft_ms", "throughput_tok_s", "decode_tok_s"):
         here = out[key] if key in out else out["sim"][key]
         ends = sorted([here] + [b[key] for b in bands.values()])
         out[f"{key}_lo"], out[f"{key}_hi"] = ends[0], ends[-1]
@@ -287,6 +288,64 @@ def add_profile(out: dict, applied, bands: dict) -> None:
         f"policy statistics measured on the profile's captures at {applied.measured[0]}.."
         f"{applied.measured[1]} tokens are applied to {out['model']} at {applied.at} tokens")
     out["warnings"].append(out["provenance"]["policy_transfer"])
+
+
+INTERVAL_KEYS = ("tpot_ms", "ttft_ms", "throughput_tok_s")
+UNCHECKED_SPREAD = math.log(2)  # an engine never checked on measured points: x2 either way
+INTERVAL_RULE = (
+    "each figure's ends (the policy profile's where it gives one, else the figure) widened by "
+    "the engine's spread s: lo x e^-s, hi x e^s. s = the largest |ln(predicted / measured)| "
+    "of the engine's out-of-sample TPOT errors (leave-one-out fit rows, check rows), times "
+    "1 + k for k dimensions of this configuration its points did not cover (another GPU, "
+    "another dtype than bf16, TP > 1, MoE); an engine with no such check: s = ln 2. TTFT was "
+    "never measured: its s counts one more uncovered dimension. Throughput takes TPOT's s")
+
+
+def unchecked(costs, model, tp: int) -> list[str]:
+    """What of this configuration the engine's measured points do not cover: ``kvsim fit``
+    takes points at TP 1 in the model's bf16, on the GPU and model it names."""
+    fitted = costs.engine.fitted_on
+    out = []
+    if fitted.get("gpu") and fitted["gpu"] != costs.gpu_name:
+        out.append(f"GPU {costs.gpu_name} (checked on {fitted['gpu']})")
+    types = [f"{what} {elem:g} B" for what, elem in (("weights", model.weight_elem),
+                                                      ("KV", model.kv_elem)) if elem != 2]
+    if types:
+        out.append(f"{', '.join(types)} per element (checked in bf16)")
+    if tp > 1:
+        out.append(f"TP {tp} (checked at TP 1)")
+    if model.experts:
+        out.append(f"MoE model {model.name} (checked on dense {fitted.get('model', 'models')})")
+    return out
+
+
+def add_intervals(out: dict, costs, model, tp: int) -> None:
+    """``<key>_lo``/``<key>_hi`` for TPOT, TTFT and throughput (and the decode rate where a
+    policy profile gave it an interval) by :data:`INTERVAL_RULE`, what went into them under
+    ``interval``, and a warning naming what the engine's points do not cover."""
+    s0, why = costs.engine.spread()
+    missing = unchecked(costs, model, tp)
+    if s0 is None:
+        s = UNCHECKED_SPREAD
+        out["warnings"].append(f"{why}: every interval is a factor of 2 either way")
+    else:
+        s = s0 * (1 + len(missing))
+        if missing:
+            out["warnings"].append(
+                f"outside what engine {costs.engine.name} was checked on: {'; '.join(missing)}: "
+                f"intervals widened x{1 + len(missing)} (s {s0:.3g} -> {s:.3g})")
+    widths = {"tpot_ms": s, "throughput_tok_s": s, "decode_tok_s": s,
+              "ttft_ms": s + (s0 if s0 is not None else UNCHECKED_SPREAD)}
+    before = {}
+    for key, w in widths.items():
+        if key not in INTERVAL_KEYS and f"{key}_lo" not in out:
+            continue
+        here = out[key] if key in out else out["sim"][key]
+        lo, hi = before[key] = [out.get(f"{key}_lo", here), out.get(f"{key}_hi", here)]
+        out[f"{key}_lo"], out[f"{key}_hi"] = lo * math.exp(-w), hi * math.exp(w)
+    out["interval"] = {"engine_spread": s0, "spread": s, "ttft_spread": widths["ttft_ms"],
+                       "unchecked": missing, "engine_check": why, "before_engine": before,
+                       "rule": INTERVAL_RULE}
 
 
 def flatten(report: dict, skip=("provenance", "warnings", "policy_options")) -> dict:

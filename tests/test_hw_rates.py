@@ -1,0 +1,85 @@
+"""Compute rates by data type: the GEMMs of fp8 weights run at the fp8 rate only on a GPU that
+lists one, every rate carries its source, and a compute-bound GEMM costs what a hand computation
+says."""
+
+import dataclasses
+
+import pytest
+
+from kvsim.hw import catalog
+from kvsim.hw.costs import FLOP_EFFICIENCY, CostModel
+from kvsim.hw.engine import ROOFLINE
+
+
+def _costs(gpu):
+    return CostModel.from_spec(catalog.gpu(gpu)).apply(ROOFLINE)
+
+
+def _fp8(m):
+    return dataclasses.replace(m, weight_dtype_bytes=1)
+
+
+def test_every_rate_has_a_source_and_bf16_is_always_listed():
+    for g in catalog.GPUS.values():
+        assert g.rates()["bf16"] == g.bf16_tflops
+        assert g.rates_source, g.name
+        if g.fp8_tflops:
+            assert g.fp8_tflops >= g.bf16_tflops
+    assert catalog.gpu("h100-sxm").fp8_tflops == 1979
+    assert not catalog.gpu("a100-80gb").fp8_tflops  # Ampere has no fp8 tensor cores
+
+
+@pytest.mark.parametrize("gpu", list(catalog.GPUS))
+def test_the_fp8_rate_applies_only_on_gpus_that_have_it(gpu):
+    m = catalog.model("qwen3-4b")
+    c = _costs(gpu)
+    g = catalog.gpu(gpu)
+    assert c.gemm_flops(m) == c.flops  # bf16 weights: the bf16 rate
+    assert "compute_gemm" not in c.provenance
+    got = c.gemm_flops(_fp8(m))
+    if g.fp8_tflops:
+        assert got == pytest.approx(c.flops * g.fp8_tflops / g.bf16_tflops)
+        assert "W8A8" in c.provenance["compute_gemm"]
+    else:
+        assert got == c.flops
+        assert "at the bf16 rate" in c.provenance["compute_gemm"]
+    c4 = _costs(gpu)
+    assert c4.gemm_flops(dataclasses.replace(m, weight_dtype_bytes=0.5)) == c4.flops
+    assert "W4A16" in c4.provenance["compute_gemm"]
+
+
+def test_a_compute_bound_gemm_at_fp8_and_bf16_by_hand():
+    """4096 decode tokens through one Qwen3-4B layer on an H100 SXM: 2 FLOPs per parameter and
+    token at 60% of the datasheet's dense rate (989 bf16, 1979 fp8 TFLOP/s), far above the
+    time to read the layer's weights once."""
+    m = catalog.model("qwen3-4b")
+    B = 4096
+    flops = 2 * m.active_layer_params * B
+    bf16 = flops / (989e12 * FLOP_EFFICIENCY)
+    fp8 = flops / (1979e12 * FLOP_EFFICIENCY)
+    assert m.layer_params * 2 / (3350e9 * 0.85) < fp8 / 5  # compute-bound by a wide margin
+    assert float(_costs("h100-sxm").gemm_time(B, m)) == pytest.approx(bf16, rel=1e-12)
+    assert float(_costs("h100-sxm").gemm_time(B, _fp8(m))) == pytest.approx(fp8, rel=1e-12)
+    # on an A100 fp8 weights only halve the bytes: the same compute-bound time as bf16
+    a100 = _costs("a100-80gb")
+    assert float(a100.gemm_time(B, _fp8(m))) == pytest.approx(float(a100.gemm_time(B, m)))
+    # at batch 1 the GEMM reads the weights: fp8 halves that on either GPU
+    one = _costs("h100-sxm")
+    assert float(one.gemm_time(1, _fp8(m))) == pytest.approx(float(one.gemm_time(1, m)) / 2)
+
+
+def test_an_engine_efficiency_scales_every_rate_alike():
+    from kvsim.hw.engine import Engine, Value
+    eng = Engine("e", {"flop_efficiency": Value(0.3, "override")})
+    c = CostModel.from_spec(catalog.gpu("h100-sxm")).apply(eng)
+    m = _fp8(catalog.model("qwen3-4b"))
+    assert c.flops == pytest.approx(989e12 * 0.3)
+    assert c.gemm_flops(m) == pytest.approx(1979e12 * 0.3)
+
+
+def test_kvsim_catalog_lists_each_gpus_rates_and_their_source():
+    from conftest import run_cli
+    code, out, err = run_cli("catalog")
+    assert code == 0, err
+    assert "fp8_tflops" in out and "int8_tops" in out
+    assert "rates by type: NVIDIA H100 specification table" in out
