@@ -88,6 +88,7 @@ class StepCosts:
         self._forms: dict[int, tuple | None] = {}
         self.layer_bytes = float(self.model.layer_weight_bytes())
         m, c, p = self.model, self.costs, self.policy
+        self.gemm_flops = c.gemm_flops(m)  # the layer GEMMs' rate, by the weights' type
         self.overlap = c.overlap_for(p.overlap)
         self.fixed = p.fixed  # some term holds a fixed token count: charged per sequence
         self.fetches = p.host_read_frac > 0 or p.host_read_tokens > 0
@@ -198,7 +199,7 @@ class StepCosts:
         dec_gemm = np.where(D > 0, c.gemm_time(D, m), 0.0) if D.any() else 0.0
         weights = m.layer_weight_bytes(D + chunks.tokens) / c.hbm_bw  # a pass over the weights
         gemm = np.maximum(np.maximum(dec_gemm, weights),
-                          2.0 * m.active_layer_params * (D + chunks.tokens) / c.flops)
+                          2.0 * m.active_layer_params * (D + chunks.tokens) / self.gemm_flops)
         compute = compute - dec_gemm + gemm + chunks.attn_flops / L / c.flops \
             + c.allreduce_time(D + chunks.tokens, m) - c.allreduce_time(D, m)
         layers = step_time(compute, decide, link, L, self.overlap)
@@ -249,7 +250,7 @@ class StepCosts:
                                     self.overlap)) + head_d + ovh
         n = D + chunk_tokens
         weights = (float(m.layer_weight_bytes(n)) if m.experts else self.layer_bytes) / c.hbm_bw
-        gemm = max(gemm_d, weights, 2.0 * m.active_layer_params * n / c.flops)
+        gemm = max(gemm_d, weights, 2.0 * m.active_layer_params * n / self.gemm_flops)
         reduce = float(c.allreduce_time(n, m)) if c.tp > 1 else 0.0  # tensor parallel
         compute = attn + gemm + attn_flops / L / c.flops + reduce
         layers = _step_time(compute, decide, link, L, self.overlap)
