@@ -56,8 +56,9 @@ def add_parser(sub) -> None:
                          ("e2e_s", "end-to-end latency, s")):
         slo_group.add_argument(f"--slo-{metric.replace('_', '-')}", metavar="LIMIT",
                                dest=f"slo_{metric}", help=what)
-    slo_group.add_argument("--slo-requests", type=int, default=200,
-                           help="requests per SLO probe [default: 200]")
+    slo_group.add_argument("--slo-requests", type=int, default=1000,
+                           help="requests per SLO probe; a rate that passes is run again twice "
+                                "as long and must pass there too [default: 1000]")
     from kvsim.commands.replay import add_deployment_flags, add_engine_flags, add_scheduling_flags
     add_deployment_flags(p)
     add_scheduling_flags(p)

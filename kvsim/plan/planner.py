@@ -223,7 +223,8 @@ def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality
         blocks += [("h2", "SLO"),
                    ("p", f"The highest Poisson rate that is sustained (completions keep "
                          f"pace with arrivals, the queue stays bounded) with "
-                         f"{slo.describe(spec.slo)} ({spec.slo_requests} requests per probe): "
+                         f"{slo.describe(spec.slo)} ({spec.slo_requests} requests per probe, "
+                         f"confirmed on a run twice as long): "
                          f"column `slo_max_qps`, with the p50/p99 TPOT and TTFT measured at it "
                          f"(`slo_at_*`), what binds there (`slo_binding`) and what failed at the "
                          f"next rate (`slo_fails_because`).")]

@@ -37,7 +37,7 @@ class SweepSpec:
     seed: int = 0
     trace: str | None = None
     slo: list[slo.Limit] = field(default_factory=list)  # search the highest sustained rate
-    slo_requests: int = 200
+    slo_requests: int = 1000
     scheduling: dict = field(default_factory=dict)  # ReplayConfig scheduler fields
     engine: dict = field(default_factory=dict)  # ReplayConfig engine and what-if fields
     deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link
@@ -134,8 +134,9 @@ def run_config(c: dict, limits: list, probe_requests: int) -> dict:
         row["provenance"] = json.dumps(r["provenance"], sort_keys=True)
         row["status"], row["error"] = "ok", ""
         if limits:
-            found = slo.max_qps(lambda q: run_replay(_replay_config(
-                c, qps=q, requests=probe_requests, slo=goodput_slo)), limits)
+            found = slo.max_qps(lambda q, n: run_replay(_replay_config(
+                c, qps=q, requests=n, slo=goodput_slo)), limits, probe_requests,
+                start=r["sim"]["requests_per_s"])
             row.update({"slo_max_qps": found.qps, "slo_qps_fails": found.fails_at,
                         "slo_fails_because": found.why_fails,
                         "slo_evaluations": found.evaluations,
@@ -154,7 +155,7 @@ def run_config(c: dict, limits: list, probe_requests: int) -> dict:
 class GroupTask:
     configs: list[dict]
     slo: list  # the limits of the SLO search (none: no search)
-    slo_requests: int = 200
+    slo_requests: int = 1000
 
 
 def run_group(task: GroupTask) -> list[dict]:
