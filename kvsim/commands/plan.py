@@ -63,6 +63,15 @@ def add_parser(sub) -> None:
     add_deployment_flags(p)
     add_scheduling_flags(p)
     add_engine_flags(p)
+    cost_group = p.add_argument_group(
+        "cost", "each GPU's hourly price: the catalog's examples (public on-demand list prices, "
+                "with source and date in the report) unless replaced; results carry usd_per_hour "
+                "(replicas x TP x price), usd_per_m_tokens (output tokens) and usd_per_request")
+    cost_group.add_argument("--price", action="append", default=[],
+                            metavar="GPU=USD_PER_HOUR", help="one GPU's price (repeatable)")
+    cost_group.add_argument("--prices", metavar="FILE",
+                            help="prices from a JSON object {gpu: usd_per_gpu_hour}; --price "
+                                 "entries win over it")
     p.add_argument("--quality", nargs="+", metavar="JSON",
                    help="kvsim eval --json results for the quality-vs-throughput plot")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable: "
@@ -96,10 +105,14 @@ def run(args) -> int:
                      slo_requests=args.slo_requests, scheduling=journal_key(args, Scheduling),
                      engine=engine_options(args), deployment=changed_options(args, Deployment))
     spec.validate()
+    from kvsim.plan.cost import load_prices, parse_price, resolve
+    prices = (load_prices(args.prices) if args.prices else {}) | \
+        dict(parse_price(text) for text in args.price)
+    resolve(spec.gpus, prices)  # an unknown GPU's price fails before the sweep
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     summary = plan(spec, args.out, executor, args.quality, progress=not args.json,
-                   command=command, force=args.force)
+                   command=command, force=args.force, prices=prices)
     import pandas as pd
     df = pd.read_csv(f"{args.out}/results.csv")
     failed = df[df["status"] == "failed"] if "status" in df else df.iloc[:0]

@@ -24,7 +24,8 @@ from kvsim.plan.sweep import SweepSpec, label, sweep
 DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
 SUMMARY = ["gpu", "model", "context", "label", "batch", "qps", "tpot_ms", "tpot_p99_ms",
            "decode_tok_s", "ttft_ms", "ttft_p99_ms", "hbm_gib", "max_batch_fit", "link_util",
-           "kv_read_frac", "goodput_rps", "slo_max_qps", "status"]
+           "kv_read_frac", "goodput_rps", "slo_max_qps", "usd_per_hour", "usd_per_m_tokens",
+           "status"]
 
 
 def load_quality(paths: list[str], df: pd.DataFrame) -> pd.DataFrame | None:
@@ -77,10 +78,14 @@ def _write_table(df: pd.DataFrame, out: Path) -> None:
 
 
 def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None = None,
-         progress: bool = True, command: str = "", force: bool = False) -> dict:
+         progress: bool = True, command: str = "", force: bool = False,
+         prices: dict[str, float] | None = None) -> dict:
     """Run the sweep into ``out``: each finished group of configurations is appended to a
     journal (flushed, fsynced) so a killed plan resumes; results.csv, the plots and the report
-    are written at the end, in the sweep's order whatever the order of running."""
+    are written at the end, in the sweep's order whatever the order of running. ``prices``:
+    USD per GPU-hour replacing the catalog's examples (:mod:`kvsim.plan.cost`)."""
+    from kvsim.plan import cost
+    gpu_prices = cost.resolve(spec.gpus, prices or {})
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise KvsimError(f"--out {out} exists and is not a directory")
@@ -114,6 +119,7 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
         raise KvsimError("the sweep has no configurations")
     df = _in_sweep_order(df, spec)
     df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
+    df = cost.add_costs(df.drop(columns=[c for c in cost.COLUMNS if c in df]), gpu_prices)
     _write_table(df, out)
     jpath.unlink(missing_ok=True)
     record(out, written)
@@ -194,6 +200,10 @@ def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality
             if k not in ("workload", "trace"):
                 prov.setdefault(k, set()).add(v)
     items = [f"**{k}**: {v}" for k in sorted(prov) for v in sorted(prov[k])]
+    for gpu, g in df.groupby("gpu", sort=False):
+        usd = g["price_usd_per_gpu_hour"].iloc[0]
+        items.append(f"**price** of {gpu}: " + (f"${usd:.2f} per GPU-hour, " if usd == usd else "")
+                     + f"{g['price_source'].iloc[0]}")
     if quality:
         items.append(f"**quality**: kvsim eval results from {', '.join(quality)}")
     blocks.append(("ul", items))
