@@ -56,11 +56,23 @@ def add_parser(sub) -> None:
                          ("e2e_s", "end-to-end latency, s")):
         slo_group.add_argument(f"--slo-{metric.replace('_', '-')}", metavar="LIMIT",
                                dest=f"slo_{metric}", help=what)
+    slo_group.add_argument("--target-qps", type=float, metavar="R",
+                           help="decide a deployment: give each configuration the replicas "
+                                "that carry R req/s within the SLO (ceil(R / its sustained "
+                                "rate)), rank them by usd_per_hour and write DIR/answer.json "
+                                "with the cheapest, the runner-up and why the rest lost")
     slo_group.add_argument("--slo-requests", type=int, default=1000,
                            help="requests per SLO probe; a rate that passes is run again twice "
                                 "as long and must pass there too [default: 1000]")
     from kvsim.commands.replay import add_deployment_flags, add_engine_flags, add_scheduling_flags
     add_deployment_flags(p)
+    for action in p._actions:  # plan sweeps these: comma-separated values
+        if action.dest in ("tp", "replicas", "kv_dtype"):
+            kind = str if action.dest == "kv_dtype" else int
+            if action.choices:
+                action.help += f" ({', '.join(action.choices)})"
+            action.type, action.choices = lst(kind), None
+            action.help += "; plan: comma-separated values to sweep"
     add_scheduling_flags(p)
     add_engine_flags(p)
     cost_group = p.add_argument_group(
@@ -91,7 +103,7 @@ def run(args) -> int:
     from kvsim.commands._policy_flags import policy_options
     from kvsim.commands.replay import engine_options
     from kvsim.plan.executors import make_executor
-    from kvsim.plan.planner import SUMMARY, plan
+    from kvsim.plan.planner import SUMMARY, answer_lines, plan
     from kvsim.plan.slo import parse_limit
     from kvsim.plan.sweep import SweepSpec
     from kvsim.sim.records import Deployment
@@ -103,7 +115,8 @@ def run(args) -> int:
                      option_grid=policy_options(args), output_len=args.output_len,
                      requests=args.requests, seed=args.seed, trace=args.trace, slo=limits,
                      slo_requests=args.slo_requests, scheduling=journal_key(args, Scheduling),
-                     engine=engine_options(args), deployment=changed_options(args, Deployment))
+                     engine=engine_options(args), deployment=changed_options(args, Deployment),
+                     target_qps=args.target_qps)
     spec.validate()
     from kvsim.plan.cost import load_prices, parse_price, resolve
     prices = (load_prices(args.prices) if args.prices else {}) | \
@@ -119,6 +132,8 @@ def run(args) -> int:
     if args.json:
         print_json(summary)
     else:
+        if summary["answer"] is not None:
+            print("\n".join(answer_lines(summary["answer"])).replace("`", "") + "\n")
         cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
         table(df[cols].to_dict("records"))
         print(f"\n{summary['rows']} rows ({summary['new_runs']} run now, {summary['skipped']} "

@@ -19,7 +19,7 @@ JOURNAL = ".kvsim-plan-journal.jsonl"  # rows of finished configurations, until 
 
 
 def outputs() -> list[str]:
-    return ["results.csv", "results.parquet", "report.md", "report.html"] + \
+    return ["results.csv", "results.parquet", "report.md", "report.html", "answer.json"] + \
         [f"{p}.{ext}" for p in PLOTS for ext in ("png", "svg")]
 
 

@@ -22,10 +22,10 @@ from kvsim.plan.outputs import JOURNAL, check_outputs, journal_rows, jsonable, r
 from kvsim.plan.sweep import SweepSpec, label, sweep
 
 DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
-SUMMARY = ["gpu", "model", "context", "label", "batch", "qps", "tpot_ms", "tpot_p99_ms",
-           "decode_tok_s", "ttft_ms", "ttft_p99_ms", "hbm_gib", "max_batch_fit", "link_util",
-           "kv_read_frac", "goodput_rps", "slo_max_qps", "usd_per_hour", "usd_per_m_tokens",
-           "status"]
+SUMMARY = ["gpu", "model", "context", "label", "tp", "replicas_needed", "batch", "qps",
+           "tpot_ms", "tpot_p99_ms", "decode_tok_s", "ttft_ms", "ttft_p99_ms", "hbm_gib",
+           "max_batch_fit", "link_util", "kv_read_frac", "goodput_rps", "slo_max_qps",
+           "usd_per_hour", "usd_per_m_tokens", "binding", "status"]
 
 
 def load_quality(paths: list[str], df: pd.DataFrame) -> pd.DataFrame | None:
@@ -119,7 +119,13 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
         raise KvsimError("the sweep has no configurations")
     df = _in_sweep_order(df, spec)
     df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
-    df = cost.add_costs(df.drop(columns=[c for c in cost.COLUMNS if c in df]), gpu_prices)
+    df = cost.add_costs(df.drop(columns=[c for c in cost.COLUMNS if c in df]), gpu_prices,
+                        spec.target_qps)
+    answer = None
+    if spec.target_qps is not None and df.status.isin(DONE).any():
+        df, answer = _decide(df, spec)
+        text = json.dumps(answer, indent=1, default=jsonable) + "\n"
+        atomic_write(out / "answer.json", lambda f: f.write(text.encode()), force=True)
     _write_table(df, out)
     jpath.unlink(missing_ok=True)
     record(out, written)
@@ -129,7 +135,7 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
         quality_df = load_quality(quality or [], df)
         from kvsim.plan import plots  # matplotlib loads here, when there is something to draw
         series = plots.draw_all(df, out, quality_df)
-    _write_report(df, series, out, command, spec, quality)
+    _write_report(df, series, out, command, spec, quality, answer)
     record(out, written)
     if not any_done:
         first = df.error.dropna().iloc[0] if df.error.notna().any() else "no reason recorded"
@@ -138,8 +144,29 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
     return {"out": str(out), "rows": len(df), "new_runs": len(new), "skipped": len(old),
             "failed": int((df.status == "failed").sum()),
             "infeasible": int((df.status == "infeasible").sum()),
-            "plots": sorted(p.name for p in out.glob("*.png")),
+            "plots": sorted(p.name for p in out.glob("*.png")), "answer": answer,
+            "pruned": int(df.get("error", pd.Series(dtype=str)).astype(str)
+                          .str.startswith("pruned before").sum()),
             "crossings": series.get("crossover", {}).get("_crossings", {})}
+
+
+def _decide(df: pd.DataFrame, spec: SweepSpec) -> tuple[pd.DataFrame, dict]:
+    """The answer for ``spec.target_qps`` among this plan's configurations, each candidate
+    checked by a replay at the target rate (:mod:`kvsim.plan.decide`)."""
+    from kvsim.plan.decide import decide
+    from kvsim.plan.sweep import _replay_config, config_key, expand
+    from kvsim.replay import run_replay
+    configs = {config_key(c): c for c in expand(spec)}
+    goodput_slo = {lim.metric: lim.value for lim in spec.slo}
+
+    def check_run(row: dict, replicas: int) -> dict:
+        return run_replay(_replay_config(configs[row["key"]], qps=spec.target_qps,
+                                         requests=2 * spec.slo_requests, replicas=replicas,
+                                         slo=goodput_slo))
+
+    mine = df["key"].isin(configs)
+    decided, answer = decide(df[mine], spec.target_qps, spec.slo, check_run)
+    return pd.concat([decided, df[~mine]]), answer
 
 
 def _in_sweep_order(df: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
@@ -176,14 +203,44 @@ PLOT_TEXT = {
 }
 
 
-def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality) -> list:
+def answer_lines(answer: dict) -> list[str]:
+    """The answer and the runner-up in a few lines (the terminal and the report open with
+    them)."""
+    if answer.get("gpu") is None:
+        return [f"No answer for {answer['target_qps']:g} req/s with {answer['slo']}: "
+                f"{answer['why']}."]
+
+    def one(a: dict) -> str:
+        lat = a["latency_at_target"]
+        return (f"{a['replicas']} x {a['gpu']} TP{a['tp']} ({a['gpus']} GPUs), {a['label']}, "
+                f"batch {a['batch']}, KV {a['kv_dtype']}: ${a['usd_per_hour']:.2f}/h, "
+                f"${a['usd_per_m_tokens']:.3g} per M output tokens; at the target rate TPOT "
+                f"p50/p99 {lat['tpot_p50_ms']:.3g}/{lat['tpot_p99_ms']:.3g} ms, TTFT p50/p99 "
+                f"{lat['ttft_p50_ms']:.4g}/{lat['ttft_p99_ms']:.4g} ms; "
+                f"{a['qps_capacity_per_replica']:.3g} req/s per replica ({a['binding']} binds)")
+
+    lines = [f"Answer for {answer['target_qps']:g} req/s with {answer['slo']}: "
+             + one(answer) + f"; a replay at the target rate served "
+             f"{100 * answer['check']['served_frac_window']:.0f}% of its arrivals within the SLO."]
+    if answer.get("runner_up"):
+        lines.append("Runner-up: " + one(answer["runner_up"]) + ".")
+    lines.append(f"{answer['configurations']} configurations, {answer['pruned']} pruned before "
+                 f"simulation (weights do not fit in HBM); why each lost: `why_lost` and "
+                 f"`binding` in results.csv, `rejected` in answer.json.")
+    return lines
+
+
+def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality,
+                   answer: dict | None = None) -> list:
     """The report as a list of blocks, rendered to Markdown and to HTML: ("h1"|"h2"|"h3", text),
     ("p", text), ("ul", [text]), ("img", plot name), ("table", frame); text may hold **bold**
     and `code`."""
     from kvsim.plan import plots
     ok = df[df.status == "ok"]
-    blocks: list = [
-        ("h1", "kvsim capacity plan"),
+    blocks: list = [("h1", "kvsim capacity plan")]
+    if answer is not None:
+        blocks += [("p", line) for line in answer_lines(answer)]
+    blocks += [
         ("p", f"Generated {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC} by "
               f"kvsim {__version__} on {platform.node()} ({platform.machine()})."),
     ]
@@ -377,8 +434,9 @@ def _render_html(blocks: list, out: Path) -> str:
             + f"\n<script>{_JS}</script>\n</body></html>\n")
 
 
-def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality) -> None:
-    blocks = _report_blocks(df, series, out, command, spec, quality)
+def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality,
+                  answer: dict | None = None) -> None:
+    blocks = _report_blocks(df, series, out, command, spec, quality, answer)
     text = _render_md(blocks)
     atomic_write(out / "report.md", lambda f: f.write(text.encode()), force=True)
     page = _render_html(blocks, out)

@@ -1,5 +1,9 @@
-"""A sweep: the cross product of GPUs, models, contexts, policies (with their option grids) and
-batch sizes or arrival rates, each simulated by :func:`kvsim.replay.run_replay`.
+"""A sweep: the cross product of GPUs, models, contexts, policies (with their option grids),
+deployments (TP sizes, replicas, KV dtypes) and batch sizes or arrival rates, each simulated by
+:func:`kvsim.replay.run_replay`.
+
+A configuration whose weights and workspace alone exceed a GPU's HBM is pruned before it is
+simulated: it becomes an infeasible row that says so.
 
 Configurations that share a policy analysis (trace, policy, options, seed) run in one task, so the
 policy runs on the trace's tensors once per group. A failed run becomes a row with its error and
@@ -8,8 +12,10 @@ the sweep goes on; a re-run skips configurations already in the output table.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +46,19 @@ class SweepSpec:
     slo_requests: int = 1000
     scheduling: dict = field(default_factory=dict)  # ReplayConfig scheduler fields
     engine: dict = field(default_factory=dict)  # ReplayConfig engine and what-if fields
-    deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link
+    deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link; a
+    # list of values sweeps that field
+    target_qps: float | None = None  # size each configuration's replicas for this rate
+
+    def deployments(self) -> list[dict]:
+        """One deployment per combination of the listed values; a field at its default is left
+        out, as a single value always was (the configuration keys of earlier plans hold)."""
+        from kvsim.sim.records import Deployment
+        defaults = {f.name: f.default for f in dataclasses.fields(Deployment)}
+        names = list(self.deployment)
+        axes = [v if isinstance(v, list) else [v] for v in self.deployment.values()]
+        return [{k: v for k, v in zip(names, combo) if v != defaults.get(k)}
+                for combo in itertools.product(*axes)]
 
     def policy_specs(self) -> list[PolicySpec]:
         """One validated spec per policy and combination of the option grid's values."""
@@ -66,10 +84,26 @@ class SweepSpec:
                              f"system up); got {self.slo_requests}")
         ReplayConfig(**self.scheduling, **self.engine).check()
         from kvsim.replay import with_dtypes
-        for m in self.models:
-            with_dtypes(catalog.model(m), self.deployment.get("kv_dtype"),
-                        self.deployment.get("weight_dtype")).shard(self.deployment.get("tp", 1))
-        ReplayConfig(**self.deployment).check()
+        deployments = self.deployments()
+        if not deployments:
+            raise KvsimError("--tp, --replicas and --kv-dtype need at least one value each")
+        for d in deployments:
+            ReplayConfig(**d).check()
+            for m in self.models:
+                with_dtypes(catalog.model(m), d.get("kv_dtype"), d.get("weight_dtype")).shard(
+                    d.get("tp", 1))
+        if self.target_qps is not None:
+            if not (math.isfinite(self.target_qps) and self.target_qps > 0):
+                raise KvsimError(f"--target-qps must be a positive rate, got {self.target_qps}")
+            if not self.slo:
+                raise KvsimError("--target-qps needs an SLO to size replicas by: give "
+                                 "--slo-tpot-ms, --slo-ttft-ms or --slo-e2e-s")
+            if self.qps:
+                raise KvsimError("--target-qps sizes replicas from each configuration's "
+                                 "sustained rate; leave out --qps")
+            if any(d.get("replicas", 1) != 1 for d in deployments):
+                raise KvsimError("--target-qps computes the replicas each configuration needs; "
+                                 "leave out --replicas")
         if self.engine.get("engine") is not None:
             from kvsim.hw.engine import load
             load(self.engine["engine"])  # an unreadable engine file fails before the sweep
@@ -80,8 +114,8 @@ def expand(spec: SweepSpec) -> list[dict]:
     configs = []
     loads = [("batch", b) for b in spec.batches] if not spec.qps else \
         [("qps", q) for q in spec.qps]
-    for gpu, model, ctx, pol in itertools.product(spec.gpus, spec.models, spec.contexts,
-                                                  spec.policy_specs()):
+    for gpu, model, ctx, pol, dep in itertools.product(spec.gpus, spec.models, spec.contexts,
+                                                       spec.policy_specs(), spec.deployments()):
         for kind, value in loads:
             configs.append({
                 "gpu": gpu, "model": model, "context": int(ctx), "policy": pol.name,
@@ -91,7 +125,7 @@ def expand(spec: SweepSpec) -> list[dict]:
                 "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
                 "trace": spec.trace, "scheduling": json.dumps(spec.scheduling, sort_keys=True),
                 "engine": json.dumps(spec.engine, sort_keys=True),
-                "deployment": json.dumps(spec.deployment, sort_keys=True)})
+                "deployment": json.dumps(dep, sort_keys=True)})
     return configs
 
 
@@ -121,6 +155,27 @@ def _replay_config(c: dict, **over) -> ReplayConfig:
               jobs=1)  # the sweep's own workers run the configurations in parallel
     kw.update(over)
     return ReplayConfig(**kw)
+
+
+def weights_exceed_hbm(c: dict) -> str | None:
+    """Why a configuration cannot run on its GPU whatever its policy and batch (its weights and
+    workspace alone exceed HBM), or None; only for catalog GPUs."""
+    if str(c["gpu"]).endswith(".npz"):
+        return None
+    from kvsim.replay import with_dtypes
+    from kvsim.sim.records import DEFAULT_WORKSPACE_GIB
+    d = json.loads(c["deployment"])
+    model = with_dtypes(catalog.model(c["model"]), d.get("kv_dtype"),
+                        d.get("weight_dtype")).shard(d.get("tp", 1))
+    hbm = catalog.gpu(c["gpu"]).hbm_gib * catalog.GiB
+    workspace = d.get("workspace_gib")
+    need = model.weight_bytes + (DEFAULT_WORKSPACE_GIB if workspace is None else
+                                 workspace) * catalog.GiB
+    if need <= hbm:
+        return None
+    return (f"pruned before simulation: HBM: weights and workspace need "
+            f"{need / catalog.GiB:.1f} GiB per GPU at TP {d.get('tp', 1)}, "
+            f"{c['gpu']} has {hbm / catalog.GiB:.1f} GiB")
 
 
 def run_config(c: dict, limits: list, probe_requests: int) -> dict:
@@ -182,8 +237,19 @@ def sweep(spec: SweepSpec, executor, done_keys: set[str] = frozenset(),
     import pandas as pd
 
     from kvsim.plan.executors import run_all
-    todo = [c for c in expand(spec) if config_key(c) not in done_keys]
+    todo, pruned = [], []
+    for c in expand(spec):
+        if config_key(c) in done_keys:
+            continue
+        why = weights_exceed_hbm(c)
+        if why is None:
+            todo.append(c)
+        else:
+            pruned.append({**c, "label": label(c["policy"], c["options"]), "key": config_key(c),
+                           "status": "infeasible", "error": why})
+    if pruned and on_rows is not None:
+        on_rows(pruned)
     results = run_all(executor, run_group, groups(todo, spec), progress, desc="plan",
                       on_result=on_rows)
-    rows = [row for group in results for row in group]
+    rows = pruned + [row for group in results for row in group]
     return pd.DataFrame(rows)
