@@ -89,7 +89,10 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable: "
                    "each finished configuration is journaled, a rerun continues)")
     p.add_argument("--force", action="store_true",
-                   help="overwrite files in DIR that kvsim plan did not write")
+                   help="overwrite files in DIR that kvsim plan did not write, or replace a "
+                        "plan with other settings there (otherwise refused; the same plan "
+                        "resumes, and more GPUs, models, contexts, policies, batches, TP sizes "
+                        "or KV dtypes extend it)")
     p.add_argument("--executor", choices=["local", "ray"], default="local")
     p.add_argument("--jobs", type=int, help="parallel workers (default: all cores)")
     p.add_argument("--seed", type=int, default=0)

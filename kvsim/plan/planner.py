@@ -18,7 +18,14 @@ import pandas as pd
 from kvsim import __version__
 from kvsim.errors import KvsimError
 from kvsim.io import atomic_write
-from kvsim.plan.outputs import JOURNAL, check_outputs, journal_rows, jsonable, record
+from kvsim.plan.outputs import (
+    JOURNAL,
+    check_outputs,
+    differences,
+    journal_rows,
+    jsonable,
+    record,
+)
 from kvsim.plan.sweep import SweepSpec, label, sweep
 
 DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
@@ -92,21 +99,8 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
     if not out.parent.is_dir():
         raise KvsimError(f"--out {out}: directory {out.parent} does not exist")
     out.mkdir(exist_ok=True)
-    written = check_outputs(out, force)
-    old = pd.DataFrame()
-    if (out / "results.csv").exists():
-        try:
-            old = pd.read_csv(out / "results.csv")
-        except (ValueError, OSError) as e:
-            raise KvsimError(f"{out / 'results.csv'}: cannot resume from it ({e})") from None
-        if "key" not in old or "status" not in old:
-            raise KvsimError(f"{out / 'results.csv'} is not a kvsim plan table")
-        old = old[old.status.isin(DONE)]
+    written, settings, old = _previous_rows(out, spec, force)
     jpath = out / JOURNAL
-    journaled = pd.DataFrame([r for r in journal_rows(jpath) if r.get("status") in DONE])
-    if len(journaled):
-        journaled = journaled[~journaled.key.isin(set(old["key"]) if len(old) else set())]
-        old = pd.concat([old, journaled], ignore_index=True) if len(old) else journaled
     with open(jpath, "a") as journal:
         def on_rows(rows):
             journal.write(json.dumps(rows, default=jsonable) + "\n")
@@ -128,7 +122,7 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
         atomic_write(out / "answer.json", lambda f: f.write(text.encode()), force=True)
     _write_table(df, out)
     jpath.unlink(missing_ok=True)
-    record(out, written)
+    record(out, written, settings)
     any_done = bool(df.status.isin(DONE).any())
     series = {}
     if any_done:
@@ -136,7 +130,7 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
         from kvsim.plan import plots  # matplotlib loads here, when there is something to draw
         series = plots.draw_all(df, out, quality_df)
     _write_report(df, series, out, command, spec, quality, answer)
-    record(out, written)
+    record(out, written, settings)
     if not any_done:
         first = df.error.dropna().iloc[0] if df.error.notna().any() else "no reason recorded"
         raise KvsimError(f"every configuration failed ({len(df)}; first: {first}); "
@@ -148,6 +142,38 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
             "pruned": int(df.get("error", pd.Series(dtype=str)).astype(str)
                           .str.startswith("pruned before").sum()),
             "crossings": series.get("crossover", {}).get("_crossings", {})}
+
+
+def _previous_rows(out: Path, spec: SweepSpec, force: bool) -> tuple[set, dict, pd.DataFrame]:
+    """The files this DIR's plans wrote, this plan's settings, and the finished rows of the same
+    plan that DIR holds (its table and journal); a different plan there is refused, or with
+    ``force`` replaced."""
+    written, held = check_outputs(out, force)
+    settings = json.loads(json.dumps(spec.settings(), default=str))
+    replace = held is not None and held != settings
+    if replace and not force:
+        raise KvsimError(f"--out {out} holds a different plan "
+                         f"({'; '.join(differences(held, settings))}); choose another --out, "
+                         f"or pass --force to replace it")
+    if replace:  # --force: the other plan's rows are dropped, not merged
+        for name in ("results.csv", "answer.json", JOURNAL):
+            (out / name).unlink(missing_ok=True)
+    record(out, written, settings)  # a plan killed before its table still names its settings
+    old = pd.DataFrame()
+    if (out / "results.csv").exists():
+        try:
+            old = pd.read_csv(out / "results.csv")
+        except (ValueError, OSError) as e:
+            raise KvsimError(f"{out / 'results.csv'}: cannot resume from it ({e})") from None
+        if "key" not in old or "status" not in old:
+            raise KvsimError(f"{out / 'results.csv'} is not a kvsim plan table")
+        old = old[old.status.isin(DONE)]
+    jpath = out / JOURNAL
+    journaled = pd.DataFrame([r for r in journal_rows(jpath) if r.get("status") in DONE])
+    if len(journaled):
+        journaled = journaled[~journaled.key.isin(set(old["key"]) if len(old) else set())]
+        old = pd.concat([old, journaled], ignore_index=True) if len(old) else journaled
+    return written, settings, old
 
 
 def _decide(df: pd.DataFrame, spec: SweepSpec) -> tuple[pd.DataFrame, dict]:

@@ -50,6 +50,18 @@ class SweepSpec:
     # list of values sweeps that field
     target_qps: float | None = None  # size each configuration's replicas for this rate
 
+    def settings(self) -> dict:
+        """What makes two plans the same plan, whatever configurations each lists: everything
+        but the swept axes (GPUs, models, contexts, policies, batches or rates, TP sizes,
+        replicas, KV dtypes). A plan resumes, or extends its axes, only into a DIR holding the
+        same settings."""
+        axes = ("tp", "replicas", "kv_dtype")
+        return {"output_len": self.output_len, "requests": self.requests, "seed": self.seed,
+                "trace": self.trace, "scheduling": self.scheduling, "engine": self.engine,
+                "deployment": {k: v for k, v in self.deployment.items() if k not in axes},
+                "slo": [lim.words() for lim in self.slo], "slo_requests": self.slo_requests,
+                "target_qps": self.target_qps}
+
     def deployments(self) -> list[dict]:
         """One deployment per combination of the listed values; a field at its default is left
         out, as a single value always was (the configuration keys of earlier plans hold)."""
