@@ -37,13 +37,19 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu", type=lst(str), required=True, help="catalog GPUs or profiled traces")
     p.add_argument("--model", type=lst(str), required=True,
                    help="model shapes: catalog names or Hugging Face config.json paths")
-    p.add_argument("--context", type=lst(int), required=True, help="prompt lengths (tokens)")
+    p.add_argument("--context", type=lst(int),
+                   help="prompt lengths (tokens); required unless --workload")
     p.add_argument("--policy", type=lst(str), required=True, metavar="SPEC[,SPEC...]",
                    help="policies to sweep, comma-separated, each " + policy_help())
     p.add_argument("--batch", type=lst(int), default=[1], help="max batch sizes (default 1)")
     p.add_argument("--qps", type=lst(float),
                    help="Poisson rates instead of closed loops (max batch: largest --batch)")
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128,
+                   help="output tokens per request [default: 128]")
+    p.add_argument("--workload", metavar="FILE",
+                   help="replay this workload file (as kvsim replay --workload: kvsim's CSV or "
+                        "a public trace) in every configuration, instead of --context; the SLO "
+                        "search scales its arrival times to each rate it tries")
     p.add_argument("--requests", type=int, help="requests per run (default as kvsim replay)")
     p.add_argument("--trace", help="trace with attention (for policies that need one) and/or "
                                    "hardware; default: the shipped default trace")
@@ -113,13 +119,16 @@ def run(args) -> int:
     from kvsim.sim.rules import Scheduling
     limits = [parse_limit(m, getattr(args, f"slo_{m}")) for m in ("tpot_ms", "ttft_ms", "e2e_s")
               if getattr(args, f"slo_{m}") is not None]
-    spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context,
+    from kvsim.errors import KvsimError
+    if (args.context is None) == (args.workload is None):
+        raise KvsimError("give --context (prompt lengths) or --workload FILE, one of them")
+    spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context or [],
                      policies=args.policy, batches=args.batch, qps=args.qps,
                      option_grid=policy_options(args), output_len=args.output_len,
                      requests=args.requests, seed=args.seed, trace=args.trace, slo=limits,
                      slo_requests=args.slo_requests, scheduling=journal_key(args, Scheduling),
                      engine=engine_options(args), deployment=changed_options(args, Deployment),
-                     target_qps=args.target_qps)
+                     target_qps=args.target_qps, workload=args.workload)
     spec.validate()
     from kvsim.plan.cost import load_prices, parse_price, resolve
     prices = (load_prices(args.prices) if args.prices else {}) | \

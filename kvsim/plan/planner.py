@@ -180,15 +180,15 @@ def _decide(df: pd.DataFrame, spec: SweepSpec) -> tuple[pd.DataFrame, dict]:
     """The answer for ``spec.target_qps`` among this plan's configurations, each candidate
     checked by a replay at the target rate (:mod:`kvsim.plan.decide`)."""
     from kvsim.plan.decide import decide
-    from kvsim.plan.sweep import _replay_config, config_key, expand
+    from kvsim.plan.sweep import _replay_config, at_rate, config_key, expand
     from kvsim.replay import run_replay
     configs = {config_key(c): c for c in expand(spec)}
     goodput_slo = {lim.metric: lim.value for lim in spec.slo}
 
     def check_run(row: dict, replicas: int) -> dict:
-        return run_replay(_replay_config(configs[row["key"]], qps=spec.target_qps,
-                                         requests=2 * spec.slo_requests, replicas=replicas,
-                                         slo=goodput_slo))
+        c = configs[row["key"]]
+        return run_replay(_replay_config(c, **at_rate(c, spec.target_qps, 2 * spec.slo_requests),
+                                         replicas=replicas, slo=goodput_slo))
 
     mine = df["key"].isin(configs)
     decided, answer = decide(df[mine], spec.target_qps, spec.slo, check_run)

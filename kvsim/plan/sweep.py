@@ -5,6 +5,10 @@ deployments (TP sizes, replicas, KV dtypes) and batch sizes or arrival rates, ea
 A configuration whose weights and workspace alone exceed a GPU's HBM is pruned before it is
 simulated: it becomes an infeasible row that says so.
 
+With a workload file each configuration replays the file (its arrivals, prompts and outputs);
+the SLO search then runs the file's first requests with their arrival times scaled to each rate
+it tries, so the file's burstiness and length mix are kept.
+
 Configurations that share a policy analysis (trace, policy, options, seed) run in one task, so the
 policy runs on the trace's tensors once per group. A failed run becomes a row with its error and
 the sweep goes on; a re-run skips configurations already in the output table.
@@ -13,6 +17,7 @@ the sweep goes on; a re-run skips configurations already in the output table.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -49,6 +54,7 @@ class SweepSpec:
     deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link; a
     # list of values sweeps that field
     target_qps: float | None = None  # size each configuration's replicas for this rate
+    workload: str | None = None  # a workload file (kvsim replay --workload) instead of contexts
 
     def settings(self) -> dict:
         """What makes two plans the same plan, whatever configurations each lists: everything
@@ -60,7 +66,13 @@ class SweepSpec:
                 "trace": self.trace, "scheduling": self.scheduling, "engine": self.engine,
                 "deployment": {k: v for k, v in self.deployment.items() if k not in axes},
                 "slo": [lim.words() for lim in self.slo], "slo_requests": self.slo_requests,
-                "target_qps": self.target_qps}
+                "target_qps": self.target_qps, "workload": self.workload}
+
+    def file_contexts(self) -> list[int]:
+        """The contexts swept: the workload file's mean prompt where there is one."""
+        if self.workload is None:
+            return self.contexts
+        return [int(round(float(file_workload(self.workload).prompt.mean())))]
 
     def deployments(self) -> list[dict]:
         """One deployment per combination of the listed values; a field at its default is left
@@ -87,7 +99,16 @@ class SweepSpec:
         for m in self.models:
             catalog.model(m)
         self.policy_specs()
-        for name, values in (("--context", self.contexts), ("--batch", self.batches),
+        if self.workload is not None:
+            work = file_workload(self.workload)
+            if self.qps:
+                raise KvsimError("--workload sets the arrivals (the SLO search scales them); "
+                                 "leave out --qps")
+            if self.slo and work.n < 2 * self.slo_requests:
+                raise KvsimError(f"--workload {self.workload}: the SLO search runs "
+                                 f"2 x --slo-requests = {2 * self.slo_requests} of its requests; "
+                                 f"it has {work.n}: lower --slo-requests")
+        for name, values in (("--context", self.file_contexts()), ("--batch", self.batches),
                              ("--qps", self.qps or [1])):
             if not values or min(values) <= 0:
                 raise KvsimError(f"{name} needs positive values")
@@ -126,10 +147,11 @@ def expand(spec: SweepSpec) -> list[dict]:
     configs = []
     loads = [("batch", b) for b in spec.batches] if not spec.qps else \
         [("qps", q) for q in spec.qps]
-    for gpu, model, ctx, pol, dep in itertools.product(spec.gpus, spec.models, spec.contexts,
+    for gpu, model, ctx, pol, dep in itertools.product(spec.gpus, spec.models,
+                                                       spec.file_contexts(),
                                                        spec.policy_specs(), spec.deployments()):
         for kind, value in loads:
-            configs.append({
+            configs.append({**({"workload": spec.workload} if spec.workload else {}),
                 "gpu": gpu, "model": model, "context": int(ctx), "policy": pol.name,
                 "options": json.dumps(pol.options, sort_keys=True),
                 "batch": int(value) if kind == "batch" else int(max(spec.batches)),
@@ -142,7 +164,38 @@ def expand(spec: SweepSpec) -> list[dict]:
 
 
 def config_key(c: dict) -> str:
-    return json.dumps({k: c.get(k) for k in CONFIG_COLUMNS}, sort_keys=True, default=str)
+    """A configuration's identity (its workload file only where it has one, so that the keys of
+    plans without one stay as they were)."""
+    key = {k: c.get(k) for k in CONFIG_COLUMNS}
+    if c.get("workload"):
+        key["workload"] = c["workload"]
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def file_workload(path: str):
+    """A workload file as read (once per file and modification time)."""
+    p = Path(path)
+    return _file_workload(str(p), p.stat().st_mtime if p.exists() else 0.0)
+
+
+@functools.lru_cache(maxsize=4)
+def _file_workload(path: str, mtime: float):
+    from kvsim.sim import workload
+    return workload.from_file(path)
+
+
+def at_rate(c: dict, qps: float, requests: int) -> dict:
+    """The replay fields that run ``requests`` requests of configuration ``c`` at ``qps``:
+    Poisson arrivals, or the workload file's first requests with their times scaled."""
+    if not c.get("workload"):
+        return {"qps": qps, "requests": requests}
+    arrival = file_workload(c["workload"]).arrival[:requests]
+    span = float(arrival[-1] - arrival[0])
+    if not span > 0:
+        raise KvsimError(f"--workload {c['workload']}: its first {requests} requests arrive "
+                         f"at once; their rate cannot be scaled")
+    return {"qps": None, "workload_limit": requests,
+            "time_scale": (len(arrival) - 1) / span / qps}
 
 
 def label(policy: str, options: str | dict) -> str:
@@ -163,6 +216,7 @@ def _replay_config(c: dict, **over) -> ReplayConfig:
               requests=c["requests"], output_len=c["output_len"], seed=c["seed"],
               **json.loads(c.get("scheduling") or "{}"), **json.loads(c.get("engine") or "{}"),
               **json.loads(c.get("deployment") or "{}"),
+              workload_csv=c.get("workload"),
               kv_read_everywhere=False,  # --kv-read-frac: for the policies that fetch
               jobs=1)  # the sweep's own workers run the configurations in parallel
     kw.update(over)
@@ -202,7 +256,7 @@ def run_config(c: dict, limits: list, probe_requests: int) -> dict:
         row["status"], row["error"] = "ok", ""
         if limits:
             found = slo.max_qps(lambda q, n: run_replay(_replay_config(
-                c, qps=q, requests=n, slo=goodput_slo)), limits, probe_requests,
+                c, **at_rate(c, q, n), slo=goodput_slo)), limits, probe_requests,
                 start=r["sim"]["requests_per_s"])
             row.update({"slo_max_qps": found.qps, "slo_qps_fails": found.fails_at,
                         "slo_fails_because": found.why_fails,
