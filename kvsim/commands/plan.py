@@ -17,6 +17,13 @@ EPILOG = """example:
 (--sink 4 --local 4: the shipped default trace is a 2K-token capture; without them sink and
 local are the default 64 each shrunk to a quarter of the 16x budget, with a warning.)
 
+Decide a deployment (the cheapest that carries 20 req/s with p99 TPOT <= 30 ms):
+  kvsim plan --gpu h100-sxm,l40s --model qwen3-4b --context 4096 --tp 1,2 \\
+      --policy dense-resident,streamingllm --batch 4,8,16 --slo-tpot-ms 30 --target-qps 20 \\
+      --price l40s=0.9 --out deploy/
+writes DIR/answer.json (the answer, the runner-up, why each other configuration lost) and opens
+the terminal output and report.md with the answer.
+
 Writes DIR/results.csv and DIR/results.parquet (one row per configuration, every metric of
 kvsim replay and its provenance), PNG and SVG plots, and DIR/report.md. Each finished
 configuration is journaled as it completes, so a plan stopped by Ctrl-C, SIGTERM or kill -9

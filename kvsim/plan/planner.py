@@ -246,8 +246,9 @@ def answer_lines(answer: dict) -> list[str]:
                 f"{a['qps_capacity_per_replica']:.3g} req/s per replica ({a['binding']} binds)")
 
     lines = [f"Answer for {answer['target_qps']:g} req/s with {answer['slo']}: "
-             + one(answer) + f"; a replay at the target rate served "
-             f"{100 * answer['check']['served_frac_window']:.0f}% of its arrivals within the SLO."]
+             + one(answer) + f"; a replay of {answer['check']['requests']} requests at the "
+             f"target rate kept up (completions {100 * answer['check']['served_frac_window']:.0f}%"
+             f" of arrivals over its measured window) within the SLO."]
     if answer.get("runner_up"):
         lines.append("Runner-up: " + one(answer["runner_up"]) + ".")
     lines.append(f"{answer['configurations']} configurations, {answer['pruned']} pruned before "
