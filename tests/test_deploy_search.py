@@ -82,3 +82,34 @@ def test_configurations_whose_weights_do_not_fit_are_pruned_before_simulation(tm
     assert tp1.binding == "HBM"
     answer = json.loads((out / "answer.json").read_text())
     assert answer["pruned"] == 1 and "1 pruned before simulation" in stdout
+
+
+def test_a_cheapest_candidate_that_fails_its_check_gets_a_replica_and_is_ranked_again():
+    from kvsim.plan.decide import decide
+
+    def row(gpu, usd, qps):
+        return {"gpu": gpu, "status": "ok", "slo_max_qps": qps, "replicas_needed": 1.0,
+                "usd_per_hour": usd, "usd_per_m_tokens": usd, "usd_per_request": usd,
+                "gpus": 1.0, "deployment": "{}", "label": "dense-resident", "batch": 8,
+                "policy": "dense-resident", "options": "{}", "price_usd_per_gpu_hour": usd,
+                "price_source": "test", "slo_fails_because": "p99 TPOT <= 20 ms missed: 21",
+                "max_batch_fit": 64, "error": ""}
+
+    def check_run(r, replicas):  # l40s needs two replicas, whatever its search said
+        ok = r["gpu"] != "l40s" or replicas >= 2
+        lat = dict.fromkeys(("tpot_p50_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_s"), 1.0)
+        return {"sim": {"served_frac_window": 1.0, "queue_growth_window": 0,
+                        "arrivals_window": 100, "tpot_p99_ms": 10.0 if ok else 30.0, **lat,
+                        "requests": 200, "requests_per_s": 5.0}}
+
+    df = pd.DataFrame([row("l40s", 1.0, 6.0), row("h100-sxm", 1.5, 6.0),
+                       row("h200", 3.0, 6.0)])
+    out, answer = decide(df, 5.0, [slo.Limit("tpot_ms", 20)], check_run)
+    assert (answer["gpu"], answer["replicas"]) == ("h100-sxm", 1)  # 2 x l40s: $2.00/h
+    assert answer["runner_up"]["gpu"] == "l40s" and answer["runner_up"]["replicas"] == 2
+    assert answer["runner_up"]["usd_per_hour"] == pytest.approx(2.0)
+    why = dict(zip(out.gpu, out.why_lost))
+    assert why["h100-sxm"] == "the answer" and why["l40s"].startswith("runner-up: $2.00/h")
+    assert "1 replica(s) failed the check" in why["l40s"]
+    assert list(out.sort_values("rank").gpu) == ["h100-sxm", "l40s", "h200"]
+    assert answer["rejected"][0]["configuration"].startswith("h200")

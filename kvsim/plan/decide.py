@@ -99,7 +99,9 @@ def decide(df: pd.DataFrame, target_qps: float, limits: list, check_run) -> tupl
     answer_cost = rows[order[0]]["usd_per_hour"] if order else None
     for rank, i in enumerate(ranked):
         rows[i]["rank"] = rank + 1
-        rows[i]["why_lost"] = _why_lost(rows[i], rank, answer_cost, checks.get(i, []))
+        role = ("the answer", "runner-up")[order.index(i)] if i in order else ""
+        rows[i]["why_lost"] = role if role == "the answer" else \
+            _why_lost(rows[i], role, answer_cost, checks.get(i, []))
     out = pd.DataFrame(rows, index=df.index)
     answer = {"target_qps": target_qps, "slo": slo.describe(limits)}
     if order:
@@ -124,10 +126,8 @@ def _finite(v) -> bool:
         return False
 
 
-def _why_lost(r, rank: int, answer_cost, checks: list) -> str:
-    if rank == 0 and answer_cost is not None and r.get("status") == "ok" and checks \
-            and checks[-1][1]:
-        return "the answer"
+def _why_lost(r, role: str, answer_cost, checks: list) -> str:
+    """Why a configuration is not the answer, in words (``role``: "runner-up" or "")."""
     if r.get("status") != "ok":
         return f"does not run: {r.get('error')}"
     if not (r.get("slo_max_qps") or 0) > 0:
@@ -144,7 +144,7 @@ def _why_lost(r, rank: int, answer_cost, checks: list) -> str:
              f"needs {int(r['replicas_needed'])} replica(s) of {tp(r)} GPU(s)")
     if failed:
         words += f" ({failed[0][0]} replica(s) failed the check at the target rate)"
-    return ("runner-up: " if rank == 1 else "") + words
+    return (f"{role}: " if role else "") + words
 
 
 def _entry(r, check) -> dict:
