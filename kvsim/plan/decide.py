@@ -161,6 +161,20 @@ def _entry(r, check) -> dict:
             "price_source": r["price_source"],
             "qps_capacity_per_replica": r["slo_max_qps"], "binding": r["binding"],
             "latency_at_target": {k: s[k] for k in LATENCY},
+            "uncertainty": _uncertainty(report),
             "check": {"requests": s["requests"], "replicas": replicas,
                       "served_frac_window": s["served_frac_window"],
                       "requests_per_s": s["requests_per_s"], "meets_slo": good, "why": why}}
+
+
+def _uncertainty(report: dict) -> dict:
+    """How sure the check's figures are: the policy profile's 90% interval on the KV read and
+    the mean TPOT simulated at its ends, where a profile applied; the engine's own error is not
+    in it."""
+    if "tpot_ms_lo" not in report:
+        return {"note": "no policy-profile interval applies to this policy's traffic; the "
+                        "engine's own error is not estimated here"}
+    return {"tpot_ms_90": [report["tpot_ms_lo"], report["tpot_ms_hi"]],
+            "kv_read_frac_90": [report["kv_read_frac_lo"], report["kv_read_frac_hi"]],
+            "note": report["policy_profile"]["interval_note"] + "; the engine's own error is "
+                    "not estimated here"}
