@@ -69,7 +69,7 @@ def test_crossover_is_found_where_the_ratio_crosses_one(tmp_path):
     for ctx, fast, base in ((1024, 2.0, 1.0), (8192, 1.5, 3.0), (65536, 4.0, 20.0)):
         for pol, t in (("verkv", fast), ("dense-offload", base)):
             rows.append(dict(status="ok", qps=None, gpu="g", model="m", batch=1, context=ctx,
-                             policy=pol, label=pol, tpot_ms=t))
+                             policy=pol, label=pol, tpot_ms=t, host_frac=1.0))
     s = plots.crossover(pd.DataFrame(rows), tmp_path)
     (name, x), = s["_crossings"].items()
     assert 1024 < x < 8192 and "verkv" in name
