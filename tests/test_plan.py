@@ -75,10 +75,10 @@ def test_crossover_is_found_where_the_ratio_crosses_one(tmp_path):
     assert 1024 < x < 8192 and "verkv" in name
 
 
-def _probe(q):
+def _probe(q, requests=80):
     return run_replay(ReplayConfig(trace=None, policy="dense-resident", gpu="h100-sxm",
                                    model="qwen3-4b", context=4096, output_len=32, batch=16,
-                                   qps=q, requests=80, seed=3))
+                                   qps=q, requests=requests, seed=3))
 
 
 @pytest.fixture
@@ -89,15 +89,17 @@ def default_trace_ok(attn_trace, monkeypatch):
 
 def test_slo_search_brackets_the_answer_and_is_monotone(default_trace_ok):
     limits = lambda tpot: [slo.Limit("tpot_ms", tpot), slo.Limit("ttft_ms", 2000)]  # noqa: E731
-    loose = slo.max_qps(_probe, limits(20))
-    tight = slo.max_qps(_probe, limits(9))
+    loose = slo.max_qps(_probe, limits(20), requests=80)
+    tight = slo.max_qps(_probe, limits(9), requests=80, start=50)
     assert 0 < tight.qps <= loose.qps
     for res, tpot in ((loose, 20), (tight, 9)):
-        assert slo.check(_probe(res.qps), limits(tpot))[0]
-        assert not slo.check(_probe(res.fails_at), limits(tpot))[0]
+        # the answer is sustained on the probe and within the SLO on the run twice as long
+        assert slo.sustained(_probe(res.qps, 80))[0]
+        assert slo.check(_probe(res.qps, 160), limits(tpot))[0]
+        assert not all(slo.check(_probe(res.fails_at, n), limits(tpot))[0] for n in (80, 160))
         assert res.fails_at / res.qps <= 1.02 + 1e-9
         assert res.at_qps["tpot_p99_ms"] <= tpot and res.why_fails
-    assert slo.max_qps(_probe, [slo.Limit("tpot_ms", 0.001)]).qps == 0.0
+    assert slo.max_qps(_probe, [slo.Limit("tpot_ms", 0.001)], requests=80).qps == 0.0
 
 
 def test_ray_and_local_give_identical_results(attn_trace):

@@ -17,6 +17,13 @@ EPILOG = """example:
 (--sink 4 --local 4: the shipped default trace is a 2K-token capture; without them sink and
 local are the default 64 each shrunk to a quarter of the 16x budget, with a warning.)
 
+Decide a deployment (the cheapest that carries 20 req/s with p99 TPOT <= 30 ms):
+  kvsim plan --gpu h100-sxm,l40s --model qwen3-4b --context 4096 --tp 1,2 \\
+      --policy dense-resident,streamingllm --batch 4,8,16 --slo-tpot-ms 30 --target-qps 20 \\
+      --price l40s=0.9 --out deploy/
+writes DIR/answer.json (the answer, the runner-up, why each other configuration lost) and opens
+the terminal output and report.md with the answer.
+
 Writes DIR/results.csv and DIR/results.parquet (one row per configuration, every metric of
 kvsim replay and its provenance), PNG and SVG plots, and DIR/report.md. Each finished
 configuration is journaled as it completes, so a plan stopped by Ctrl-C, SIGTERM or kill -9
@@ -37,13 +44,19 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu", type=lst(str), required=True, help="catalog GPUs or profiled traces")
     p.add_argument("--model", type=lst(str), required=True,
                    help="model shapes: catalog names or Hugging Face config.json paths")
-    p.add_argument("--context", type=lst(int), required=True, help="prompt lengths (tokens)")
+    p.add_argument("--context", type=lst(int),
+                   help="prompt lengths (tokens); required unless --workload")
     p.add_argument("--policy", type=lst(str), required=True, metavar="SPEC[,SPEC...]",
                    help="policies to sweep, comma-separated, each " + policy_help())
     p.add_argument("--batch", type=lst(int), default=[1], help="max batch sizes (default 1)")
     p.add_argument("--qps", type=lst(float),
                    help="Poisson rates instead of closed loops (max batch: largest --batch)")
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128,
+                   help="output tokens per request [default: 128]")
+    p.add_argument("--workload", metavar="FILE",
+                   help="replay this workload file (as kvsim replay --workload: kvsim's CSV or "
+                        "a public trace) in every configuration, instead of --context; the SLO "
+                        "search scales its arrival times to each rate it tries")
     p.add_argument("--requests", type=int, help="requests per run (default as kvsim replay)")
     p.add_argument("--trace", help="trace with attention (for policies that need one) and/or "
                                    "hardware; default: the shipped default trace")
@@ -56,18 +69,43 @@ def add_parser(sub) -> None:
                          ("e2e_s", "end-to-end latency, s")):
         slo_group.add_argument(f"--slo-{metric.replace('_', '-')}", metavar="LIMIT",
                                dest=f"slo_{metric}", help=what)
-    slo_group.add_argument("--slo-requests", type=int, default=200,
-                           help="requests per SLO probe [default: 200]")
+    slo_group.add_argument("--target-qps", type=float, metavar="R",
+                           help="decide a deployment: give each configuration the replicas "
+                                "that carry R req/s within the SLO (ceil(R / its sustained "
+                                "rate)), rank them by usd_per_hour and write DIR/answer.json "
+                                "with the cheapest, the runner-up and why the rest lost")
+    slo_group.add_argument("--slo-requests", type=int, default=1000,
+                           help="requests per SLO probe; a rate that passes is run again twice "
+                                "as long and must pass there too [default: 1000]")
     from kvsim.commands.replay import add_deployment_flags, add_engine_flags, add_scheduling_flags
     add_deployment_flags(p)
+    for action in p._actions:  # plan sweeps these: comma-separated values
+        if action.dest in ("tp", "replicas", "kv_dtype"):
+            kind = str if action.dest == "kv_dtype" else int
+            if action.choices:
+                action.help += f" ({', '.join(action.choices)})"
+            action.type, action.choices = lst(kind), None
+            action.help += "; plan: comma-separated values to sweep"
     add_scheduling_flags(p)
     add_engine_flags(p)
+    cost_group = p.add_argument_group(
+        "cost", "each GPU's hourly price: the catalog's examples (public on-demand list prices, "
+                "with source and date in the report) unless replaced; results carry usd_per_hour "
+                "(replicas x TP x price), usd_per_m_tokens (output tokens) and usd_per_request")
+    cost_group.add_argument("--price", action="append", default=[],
+                            metavar="GPU=USD_PER_HOUR", help="one GPU's price (repeatable)")
+    cost_group.add_argument("--prices", metavar="FILE",
+                            help="prices from a JSON object {gpu: usd_per_gpu_hour}; --price "
+                                 "entries win over it")
     p.add_argument("--quality", nargs="+", metavar="JSON",
                    help="kvsim eval --json results for the quality-vs-throughput plot")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable: "
                    "each finished configuration is journaled, a rerun continues)")
     p.add_argument("--force", action="store_true",
-                   help="overwrite files in DIR that kvsim plan did not write")
+                   help="overwrite files in DIR that kvsim plan did not write, or replace a "
+                        "plan with other settings there (otherwise refused; the same plan "
+                        "resumes, and more GPUs, models, contexts, policies, batches, TP sizes "
+                        "or KV dtypes extend it)")
     p.add_argument("--executor", choices=["local", "ray"], default="local")
     p.add_argument("--jobs", type=int, help="parallel workers (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -81,30 +119,40 @@ def run(args) -> int:
     from kvsim.commands._policy_flags import policy_options
     from kvsim.commands.replay import engine_options
     from kvsim.plan.executors import make_executor
-    from kvsim.plan.planner import SUMMARY, plan
+    from kvsim.plan.planner import SUMMARY, answer_lines, plan
     from kvsim.plan.slo import parse_limit
     from kvsim.plan.sweep import SweepSpec
     from kvsim.sim.records import Deployment
     from kvsim.sim.rules import Scheduling
     limits = [parse_limit(m, getattr(args, f"slo_{m}")) for m in ("tpot_ms", "ttft_ms", "e2e_s")
               if getattr(args, f"slo_{m}") is not None]
-    spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context,
+    from kvsim.errors import KvsimError
+    if (args.context is None) == (args.workload is None):
+        raise KvsimError("give --context (prompt lengths) or --workload FILE, one of them")
+    spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context or [],
                      policies=args.policy, batches=args.batch, qps=args.qps,
                      option_grid=policy_options(args), output_len=args.output_len,
                      requests=args.requests, seed=args.seed, trace=args.trace, slo=limits,
                      slo_requests=args.slo_requests, scheduling=journal_key(args, Scheduling),
-                     engine=engine_options(args), deployment=changed_options(args, Deployment))
+                     engine=engine_options(args), deployment=changed_options(args, Deployment),
+                     target_qps=args.target_qps, workload=args.workload)
     spec.validate()
+    from kvsim.plan.cost import load_prices, parse_price, resolve
+    prices = (load_prices(args.prices) if args.prices else {}) | \
+        dict(parse_price(text) for text in args.price)
+    resolve(spec.gpus, prices)  # an unknown GPU's price fails before the sweep
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     summary = plan(spec, args.out, executor, args.quality, progress=not args.json,
-                   command=command, force=args.force)
+                   command=command, force=args.force, prices=prices)
     import pandas as pd
     df = pd.read_csv(f"{args.out}/results.csv")
     failed = df[df["status"] == "failed"] if "status" in df else df.iloc[:0]
     if args.json:
         print_json(summary)
     else:
+        if summary["answer"] is not None:
+            print("\n".join(answer_lines(summary["answer"])).replace("`", "") + "\n")
         cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
         table(df[cols].to_dict("records"))
         print(f"\n{summary['rows']} rows ({summary['new_runs']} run now, {summary['skipped']} "

@@ -130,6 +130,33 @@ _RATES: dict[str, dict] = {
 GPUS = {n: dataclasses.replace(g, **_RATES.get(n, {})) for n, g in GPUS.items()}
 
 
+
+@dataclass(frozen=True)
+class GPUPrice:
+    """An example on-demand price of one GPU for one hour, in US dollars, with where it was
+    listed and when. Prices differ by provider, region and commitment by 2-3x: replace them
+    with your own (``kvsim plan --price GPU=USD`` or ``--prices FILE``)."""
+    usd_per_hour: float | None  # None: no public on-demand price found
+    source: str
+
+
+_RUNPOD = ("RunPod on-demand list price as tabulated by deploybase.ai, 'Best GPU for LLM "
+           "Training' (RunPod API, 2026-03-21)")
+PRICES: dict[str, GPUPrice] = {
+    "a100-40gb": GPUPrice(None, "no public price found"),
+    "a100-80gb": GPUPrice(1.39, f"A100 SXM 80GB: {_RUNPOD}"),
+    "h100-pcie": GPUPrice(1.99, f"H100 PCIe: {_RUNPOD}"),
+    "h100-sxm": GPUPrice(2.69, f"H100 SXM: {_RUNPOD}"),
+    "h200": GPUPrice(3.59, f"H200: {_RUNPOD}"),
+    "b200": GPUPrice(5.98, f"B200: {_RUNPOD}"),
+    "gh200": GPUPrice(None, "no public price found"),
+    "h20": GPUPrice(None, "no public price found"),
+    "l40s": GPUPrice(0.86, "RunPod on-demand L40S, as tabulated by Modal, 'How much does it cost "
+                           "to run NVIDIA L40S GPUs in 2025?' (2025-08-12)"),
+    "mi300x": GPUPrice(1.85, "Vultr on-demand MI300X, as quoted by Cliff Center, 'AMD inference "
+                             "economics' research note (2026-05-18)"),
+}
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str

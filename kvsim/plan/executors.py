@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 from kvsim.errors import KvsimError
@@ -64,14 +66,20 @@ def make_executor(name: str, jobs: int | None = None) -> LocalExecutor | RayExec
     raise KvsimError(f"unknown executor {name!r}; use local or ray")
 
 
+PROGRESS_EVERY_S = 30.0  # a plain progress line this often when stderr is not a terminal
+
+
 def run_all(executor, fn: Callable, tasks: Iterable, progress: bool = True,
             desc: str = "runs", on_result: Callable | None = None) -> list:
-    """All results, in task order, with a progress bar on stderr; ``on_result(result)`` as
-    each task finishes (the planner's journal)."""
+    """All results, in task order, with progress on stderr (a bar on a terminal, else a plain
+    line every ``PROGRESS_EVERY_S``); ``on_result(result)`` as each task finishes (the
+    planner's journal)."""
     tasks = list(tasks)
     results: dict[int, object] = {}
     indexed = list(enumerate(tasks))
     from tqdm import tqdm
+    plain = progress and not sys.stderr.isatty()
+    start = last = time.monotonic()
     with tqdm(total=len(tasks), desc=desc, disable=None if progress else True,  # a terminal
               unit="task") as bar:
         for (i, _), res in executor.map(_Indexed(fn), indexed):
@@ -79,6 +87,11 @@ def run_all(executor, fn: Callable, tasks: Iterable, progress: bool = True,
             if on_result is not None:
                 on_result(res)
             bar.update(1)
+            now = time.monotonic()
+            if plain and now - last >= PROGRESS_EVERY_S:
+                last = now
+                print(f"kvsim {desc}: {len(results)}/{len(tasks)} tasks done, "
+                      f"{now - start:.0f} s", file=sys.stderr, flush=True)
     return [results[i] for i in range(len(tasks))]
 
 

@@ -1,5 +1,6 @@
 """What ``kvsim plan`` writes into DIR and how it keeps track: the output names, the manifest of
-the files it wrote (no other file of those names is ever replaced without ``--force``), and the
+the files it wrote (no other file of those names is ever replaced without ``--force``) and of the
+plan's settings (a plan with other settings is refused there without ``--force``), and the
 journal of finished configurations that lets an interrupted plan resume."""
 
 from __future__ import annotations
@@ -19,18 +20,22 @@ JOURNAL = ".kvsim-plan-journal.jsonl"  # rows of finished configurations, until 
 
 
 def outputs() -> list[str]:
-    return ["results.csv", "results.parquet", "report.md", "report.html"] + \
+    return ["results.csv", "results.parquet", "report.md", "report.html", "answer.json"] + \
         [f"{p}.{ext}" for p in PLOTS for ext in ("png", "svg")]
 
 
-def check_outputs(out: Path, force: bool) -> set[str]:
-    """The names plan may overwrite: those its manifest lists; any other file of the same name
-    in DIR stops the plan before it runs (unless ``force``)."""
+def check_outputs(out: Path, force: bool) -> tuple[set[str], dict | None]:
+    """The names plan may overwrite (those its manifest lists; any other file of the same name
+    in DIR stops the plan before it runs, unless ``force``) and the settings of the plan DIR
+    holds (None: none recorded)."""
     written: set[str] = set()
+    settings = None
     mpath = out / MANIFEST
     if mpath.exists():
         try:
-            written = set(json.loads(mpath.read_text())["files"])
+            manifest = json.loads(mpath.read_text())
+            written = set(manifest["files"])
+            settings = manifest.get("plan")
         except (ValueError, KeyError, TypeError, OSError):
             raise KvsimError(f"{mpath} is damaged; remove it (and check what DIR holds)") \
                 from None
@@ -40,13 +45,20 @@ def check_outputs(out: Path, force: bool) -> set[str]:
         raise KvsimError(f"--out {out} holds {', '.join(foreign[:3])}"
                          f"{' and more' if len(foreign) > 3 else ''} that kvsim plan did not "
                          f"write; choose another --out or pass --force")
-    return written
+    return written, settings
 
 
-def record(out: Path, written: set[str]) -> None:
+def differences(old: dict, new: dict) -> list[str]:
+    """The settings in which two plans differ, in words."""
+    return [f"{k} {json.dumps(old.get(k))} there, {json.dumps(new.get(k))} here"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+def record(out: Path, written: set[str], settings: dict) -> None:
     present = sorted(n for n in set(written) | set(outputs()) if (out / n).exists())
     atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(
-        {"written_by": "kvsim plan", "files": present}, indent=1).encode()), force=True)
+        {"written_by": "kvsim plan", "files": present, "plan": settings}, indent=1).encode()),
+        force=True)
 
 
 def journal_rows(path: Path) -> list[dict]:

@@ -18,13 +18,21 @@ import pandas as pd
 from kvsim import __version__
 from kvsim.errors import KvsimError
 from kvsim.io import atomic_write
-from kvsim.plan.outputs import JOURNAL, check_outputs, journal_rows, jsonable, record
+from kvsim.plan.outputs import (
+    JOURNAL,
+    check_outputs,
+    differences,
+    journal_rows,
+    jsonable,
+    record,
+)
 from kvsim.plan.sweep import SweepSpec, label, sweep
 
 DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
-SUMMARY = ["gpu", "model", "context", "label", "batch", "qps", "tpot_ms", "tpot_p99_ms",
-           "decode_tok_s", "ttft_ms", "ttft_p99_ms", "hbm_gib", "max_batch_fit", "link_util",
-           "kv_read_frac", "goodput_rps", "slo_max_qps", "status"]
+SUMMARY = ["gpu", "model", "context", "label", "tp", "replicas_needed", "batch", "qps",
+           "tpot_ms", "tpot_p99_ms", "decode_tok_s", "ttft_ms", "ttft_p99_ms", "hbm_gib",
+           "max_batch_fit", "link_util", "kv_read_frac", "goodput_rps", "slo_max_qps",
+           "usd_per_hour", "usd_per_m_tokens", "binding", "status"]
 
 
 def load_quality(paths: list[str], df: pd.DataFrame) -> pd.DataFrame | None:
@@ -77,17 +85,80 @@ def _write_table(df: pd.DataFrame, out: Path) -> None:
 
 
 def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None = None,
-         progress: bool = True, command: str = "", force: bool = False) -> dict:
+         progress: bool = True, command: str = "", force: bool = False,
+         prices: dict[str, float] | None = None) -> dict:
     """Run the sweep into ``out``: each finished group of configurations is appended to a
     journal (flushed, fsynced) so a killed plan resumes; results.csv, the plots and the report
-    are written at the end, in the sweep's order whatever the order of running."""
+    are written at the end, in the sweep's order whatever the order of running. ``prices``:
+    USD per GPU-hour replacing the catalog's examples (:mod:`kvsim.plan.cost`)."""
+    from kvsim.plan import cost
+    gpu_prices = cost.resolve(spec.gpus, prices or {})
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise KvsimError(f"--out {out} exists and is not a directory")
     if not out.parent.is_dir():
         raise KvsimError(f"--out {out}: directory {out.parent} does not exist")
     out.mkdir(exist_ok=True)
-    written = check_outputs(out, force)
+    written, settings, old = _previous_rows(out, spec, force)
+    jpath = out / JOURNAL
+    with open(jpath, "a") as journal:
+        def on_rows(rows):
+            journal.write(json.dumps(rows, default=jsonable) + "\n")
+            journal.flush()
+            os.fsync(journal.fileno())
+
+        new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress, on_rows)
+    df = pd.concat([old, new], ignore_index=True) if len(old) else new
+    if df.empty:
+        raise KvsimError("the sweep has no configurations")
+    df = _in_sweep_order(df, spec)
+    df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
+    df = cost.add_costs(df.drop(columns=[c for c in cost.COLUMNS if c in df]), gpu_prices,
+                        spec.target_qps)
+    answer = None
+    if spec.target_qps is not None and df.status.isin(DONE).any():
+        df, answer = _decide(df, spec)
+        text = json.dumps(answer, indent=1, default=jsonable) + "\n"
+        atomic_write(out / "answer.json", lambda f: f.write(text.encode()), force=True)
+    _write_table(df, out)
+    jpath.unlink(missing_ok=True)
+    record(out, written, settings)
+    any_done = bool(df.status.isin(DONE).any())
+    series = {}
+    if any_done:
+        quality_df = load_quality(quality or [], df)
+        from kvsim.plan import plots  # matplotlib loads here, when there is something to draw
+        series = plots.draw_all(df, out, quality_df)
+    _write_report(df, series, out, command, spec, quality, answer)
+    record(out, written, settings)
+    if not any_done:
+        first = df.error.dropna().iloc[0] if df.error.notna().any() else "no reason recorded"
+        raise KvsimError(f"every configuration failed ({len(df)}; first: {first}); "
+                         f"{out / 'results.csv'} and report.md have each one's error")
+    return {"out": str(out), "rows": len(df), "new_runs": len(new), "skipped": len(old),
+            "failed": int((df.status == "failed").sum()),
+            "infeasible": int((df.status == "infeasible").sum()),
+            "plots": sorted(p.name for p in out.glob("*.png")), "answer": answer,
+            "pruned": int(df.get("error", pd.Series(dtype=str)).astype(str)
+                          .str.startswith("pruned before").sum()),
+            "crossings": series.get("crossover", {}).get("_crossings", {})}
+
+
+def _previous_rows(out: Path, spec: SweepSpec, force: bool) -> tuple[set, dict, pd.DataFrame]:
+    """The files this DIR's plans wrote, this plan's settings, and the finished rows of the same
+    plan that DIR holds (its table and journal); a different plan there is refused, or with
+    ``force`` replaced."""
+    written, held = check_outputs(out, force)
+    settings = json.loads(json.dumps(spec.settings(), default=str))
+    replace = held is not None and held != settings
+    if replace and not force:
+        raise KvsimError(f"--out {out} holds a different plan "
+                         f"({'; '.join(differences(held, settings))}); choose another --out, "
+                         f"or pass --force to replace it")
+    if replace:  # --force: the other plan's rows are dropped, not merged
+        for name in ("results.csv", "answer.json", JOURNAL):
+            (out / name).unlink(missing_ok=True)
+    record(out, written, settings)  # a plan killed before its table still names its settings
     old = pd.DataFrame()
     if (out / "results.csv").exists():
         try:
@@ -102,38 +173,26 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
     if len(journaled):
         journaled = journaled[~journaled.key.isin(set(old["key"]) if len(old) else set())]
         old = pd.concat([old, journaled], ignore_index=True) if len(old) else journaled
-    with open(jpath, "a") as journal:
-        def on_rows(rows):
-            journal.write(json.dumps(rows, default=jsonable) + "\n")
-            journal.flush()
-            os.fsync(journal.fileno())
+    return written, settings, old
 
-        new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress, on_rows)
-    df = pd.concat([old, new], ignore_index=True) if len(old) else new
-    if df.empty:
-        raise KvsimError("the sweep has no configurations")
-    df = _in_sweep_order(df, spec)
-    df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
-    _write_table(df, out)
-    jpath.unlink(missing_ok=True)
-    record(out, written)
-    any_done = bool(df.status.isin(DONE).any())
-    series = {}
-    if any_done:
-        quality_df = load_quality(quality or [], df)
-        from kvsim.plan import plots  # matplotlib loads here, when there is something to draw
-        series = plots.draw_all(df, out, quality_df)
-    _write_report(df, series, out, command, spec, quality)
-    record(out, written)
-    if not any_done:
-        first = df.error.dropna().iloc[0] if df.error.notna().any() else "no reason recorded"
-        raise KvsimError(f"every configuration failed ({len(df)}; first: {first}); "
-                         f"{out / 'results.csv'} and report.md have each one's error")
-    return {"out": str(out), "rows": len(df), "new_runs": len(new), "skipped": len(old),
-            "failed": int((df.status == "failed").sum()),
-            "infeasible": int((df.status == "infeasible").sum()),
-            "plots": sorted(p.name for p in out.glob("*.png")),
-            "crossings": series.get("crossover", {}).get("_crossings", {})}
+
+def _decide(df: pd.DataFrame, spec: SweepSpec) -> tuple[pd.DataFrame, dict]:
+    """The answer for ``spec.target_qps`` among this plan's configurations, each candidate
+    checked by a replay at the target rate (:mod:`kvsim.plan.decide`)."""
+    from kvsim.plan.decide import decide
+    from kvsim.plan.sweep import _replay_config, at_rate, config_key, expand
+    from kvsim.replay import run_replay
+    configs = {config_key(c): c for c in expand(spec)}
+    goodput_slo = {lim.metric: lim.value for lim in spec.slo}
+
+    def check_run(row: dict, replicas: int) -> dict:
+        c = configs[row["key"]]
+        return run_replay(_replay_config(c, **at_rate(c, spec.target_qps, 2 * spec.slo_requests),
+                                         replicas=replicas, slo=goodput_slo))
+
+    mine = df["key"].isin(configs)
+    decided, answer = decide(df[mine], spec.target_qps, spec.slo, check_run)
+    return pd.concat([decided, df[~mine]]), answer
 
 
 def _in_sweep_order(df: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
@@ -170,14 +229,45 @@ PLOT_TEXT = {
 }
 
 
-def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality) -> list:
+def answer_lines(answer: dict) -> list[str]:
+    """The answer and the runner-up in a few lines (the terminal and the report open with
+    them)."""
+    if answer.get("gpu") is None:
+        return [f"No answer for {answer['target_qps']:g} req/s with {answer['slo']}: "
+                f"{answer['why']}."]
+
+    def one(a: dict) -> str:
+        lat = a["latency_at_target"]
+        return (f"{a['replicas']} x {a['gpu']} TP{a['tp']} ({a['gpus']} GPUs), {a['label']}, "
+                f"batch {a['batch']}, KV {a['kv_dtype']}: ${a['usd_per_hour']:.2f}/h, "
+                f"${a['usd_per_m_tokens']:.3g} per M output tokens; at the target rate TPOT "
+                f"p50/p99 {lat['tpot_p50_ms']:.3g}/{lat['tpot_p99_ms']:.3g} ms, TTFT p50/p99 "
+                f"{lat['ttft_p50_ms']:.4g}/{lat['ttft_p99_ms']:.4g} ms; "
+                f"{a['qps_capacity_per_replica']:.3g} req/s per replica ({a['binding']} binds)")
+
+    lines = [f"Answer for {answer['target_qps']:g} req/s with {answer['slo']}: "
+             + one(answer) + f"; a replay of {answer['check']['requests']} requests at the "
+             f"target rate kept up (completions {100 * answer['check']['served_frac_window']:.0f}%"
+             f" of arrivals over its measured window) within the SLO."]
+    if answer.get("runner_up"):
+        lines.append("Runner-up: " + one(answer["runner_up"]) + ".")
+    lines.append(f"{answer['configurations']} configurations, {answer['pruned']} pruned before "
+                 f"simulation (weights do not fit in HBM); why each lost: `why_lost` and "
+                 f"`binding` in results.csv, `rejected` in answer.json.")
+    return lines
+
+
+def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality,
+                   answer: dict | None = None) -> list:
     """The report as a list of blocks, rendered to Markdown and to HTML: ("h1"|"h2"|"h3", text),
     ("p", text), ("ul", [text]), ("img", plot name), ("table", frame); text may hold **bold**
     and `code`."""
     from kvsim.plan import plots
     ok = df[df.status == "ok"]
-    blocks: list = [
-        ("h1", "kvsim capacity plan"),
+    blocks: list = [("h1", "kvsim capacity plan")]
+    if answer is not None:
+        blocks += [("p", line) for line in answer_lines(answer)]
+    blocks += [
         ("p", f"Generated {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC} by "
               f"kvsim {__version__} on {platform.node()} ({platform.machine()})."),
     ]
@@ -194,6 +284,10 @@ def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality
             if k not in ("workload", "trace"):
                 prov.setdefault(k, set()).add(v)
     items = [f"**{k}**: {v}" for k in sorted(prov) for v in sorted(prov[k])]
+    for gpu, g in df.groupby("gpu", sort=False):
+        usd = g["price_usd_per_gpu_hour"].iloc[0]
+        items.append(f"**price** of {gpu}: " + (f"${usd:.2f} per GPU-hour, " if usd == usd else "")
+                     + f"{g['price_source'].iloc[0]}")
     if quality:
         items.append(f"**quality**: kvsim eval results from {', '.join(quality)}")
     blocks.append(("ul", items))
@@ -223,7 +317,8 @@ def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality
         blocks += [("h2", "SLO"),
                    ("p", f"The highest Poisson rate that is sustained (completions keep "
                          f"pace with arrivals, the queue stays bounded) with "
-                         f"{slo.describe(spec.slo)} ({spec.slo_requests} requests per probe): "
+                         f"{slo.describe(spec.slo)} ({spec.slo_requests} requests per probe, "
+                         f"confirmed on a run twice as long): "
                          f"column `slo_max_qps`, with the p50/p99 TPOT and TTFT measured at it "
                          f"(`slo_at_*`), what binds there (`slo_binding`) and what failed at the "
                          f"next rate (`slo_fails_because`).")]
@@ -366,8 +461,9 @@ def _render_html(blocks: list, out: Path) -> str:
             + f"\n<script>{_JS}</script>\n</body></html>\n")
 
 
-def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality) -> None:
-    blocks = _report_blocks(df, series, out, command, spec, quality)
+def _write_report(df, series, out: Path, command: str, spec: SweepSpec, quality,
+                  answer: dict | None = None) -> None:
+    blocks = _report_blocks(df, series, out, command, spec, quality, answer)
     text = _render_md(blocks)
     atomic_write(out / "report.md", lambda f: f.write(text.encode()), force=True)
     page = _render_html(blocks, out)

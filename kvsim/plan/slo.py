@@ -1,5 +1,5 @@
 """The highest arrival rate a deployment sustains within its latency SLOs, by bracketing and
-bisection.
+bisection on long runs.
 
 A rate counts only if the simulated system keeps up with it and every SLO given holds:
 
@@ -7,12 +7,18 @@ A rate counts only if the simulated system keeps up with it and every SLO given 
   the warm-up, to the last arrival), completions keep pace with arrivals (at least 95% of them)
   and the number of requests in the system grows by at most 5% of the window's arrivals (or 2);
   a queue that grows without end fails however good the latencies of the requests it served;
-* **within the SLOs**: each of TPOT, TTFT and end-to-end latency that has a limit, at the
-  percentile chosen for it (p99 by default, or p50), is at or under its limit.
+* **stationary**: a rate sustained on a probe of ``requests`` is run again twice as long (the
+  same seed, so the first run is the second's beginning) and must be sustained there too: a
+  queue that grows slowly enough to hide in the first run's window shows in the second, whose
+  window is twice as long and whose later half the first run never reached;
+* **within the SLOs**: on that longer run, each of TPOT, TTFT and end-to-end latency that has a
+  limit, at the percentile chosen for it (p99 by default, or p50), is at or under its limit (a
+  p99 of a few hundred requests rests on its few slowest, so it is judged on the most).
 
-Arrival times for one seed scale exactly with 1/qps, so both tests get harder as the rate grows;
-the search doubles the rate until one fails, then bisects (geometrically) between the last rate
-that passed and the first that did not.
+Arrival times for one seed scale exactly with 1/qps, so the tests get harder as the rate grows;
+the search starts from an estimate (the closed loop's throughput), doubles or halves the rate
+until it brackets the answer, then bisects geometrically until the last rate that passed and the
+first that did not are within ``rel_tol`` (2%) of each other.
 """
 
 from __future__ import annotations
@@ -96,15 +102,25 @@ def describe(limits: list[Limit]) -> str:
     return " and ".join(lim.words() for lim in limits) if limits else "no latency bound given"
 
 
-def max_qps(run: Callable[[float], dict], limits: list[Limit], lo: float = 0.01,
-            cap: float = 1e4, rel_tol: float = 0.02) -> SLOResult:
+def max_qps(run: Callable[[float, int], dict], limits: list[Limit], requests: int = 1000,
+            start: float | None = None, lo: float = 0.01, cap: float = 1e4,
+            rel_tol: float = 0.02) -> SLOResult:
+    """The highest rate within ``rel_tol`` that is :func:`sustained` on ``run(qps, requests)``
+    and passes :func:`check` on ``run(qps, 2 * requests)``; ``start``: a first guess (default
+    ``lo``), ``lo``: the lowest rate tried (below it the answer is 0), ``cap``: the highest."""
     n, reports, why = 0, {}, {}
 
     def ok(q: float) -> bool:
         nonlocal n
         n += 1
-        reports[q] = run(q)
-        good, why[q] = check(reports[q], limits)
+        good, why[q] = sustained(run(q, requests))  # a queue that grows here fails at once
+        if not good:
+            return False
+        n += 1
+        report = run(q, 2 * requests)
+        good, why[q] = check(report, limits)
+        if good:
+            reports[q] = report
         return good
 
     def result(best: float, fails: float) -> SLOResult:
@@ -117,20 +133,26 @@ def max_qps(run: Callable[[float], dict], limits: list[Limit], lo: float = 0.01,
                 "max_batch_fit": reports[best]["memory"]["max_batch_fit"]}
         return SLOResult(best, fails, n, why.get(fails, ""), at)
 
-    if not ok(lo):
-        return result(0.0, lo)
-    hi = lo * 2
-    while ok(hi):
-        lo, hi = hi, hi * 2
-        if hi > cap:
-            return result(lo, math.inf)
-    while hi / lo > 1 + rel_tol:
-        mid = math.sqrt(lo * hi)
+    q = min(max(start or lo, lo), cap)
+    if ok(q):
+        good, bad = q, q * 2
+        while ok(bad):
+            good, bad = bad, bad * 2
+            if bad > cap:
+                return result(good, math.inf)
+    else:
+        good, bad = q / 2, q
+        while good >= lo and not ok(good):
+            good, bad = good / 2, good
+        if good < lo:
+            return result(0.0, bad)
+    while bad / good > 1 + rel_tol:
+        mid = math.sqrt(good * bad)
         if ok(mid):
-            lo = mid
+            good = mid
         else:
-            hi = mid
-    return result(lo, hi)
+            bad = mid
+    return result(good, bad)
 
 
 def binding(at: dict) -> str:

@@ -1,5 +1,13 @@
-"""A sweep: the cross product of GPUs, models, contexts, policies (with their option grids) and
-batch sizes or arrival rates, each simulated by :func:`kvsim.replay.run_replay`.
+"""A sweep: the cross product of GPUs, models, contexts, policies (with their option grids),
+deployments (TP sizes, replicas, KV dtypes) and batch sizes or arrival rates, each simulated by
+:func:`kvsim.replay.run_replay`.
+
+A configuration whose weights and workspace alone exceed a GPU's HBM is pruned before it is
+simulated: it becomes an infeasible row that says so.
+
+With a workload file each configuration replays the file (its arrivals, prompts and outputs);
+the SLO search then runs the file's first requests with their arrival times scaled to each rate
+it tries, so the file's burstiness and length mix are kept.
 
 Configurations that share a policy analysis (trace, policy, options, seed) run in one task, so the
 policy runs on the trace's tensors once per group. A failed run becomes a row with its error and
@@ -8,8 +16,11 @@ the sweep goes on; a re-run skips configurations already in the output table.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,10 +48,41 @@ class SweepSpec:
     seed: int = 0
     trace: str | None = None
     slo: list[slo.Limit] = field(default_factory=list)  # search the highest sustained rate
-    slo_requests: int = 200
+    slo_requests: int = 1000
     scheduling: dict = field(default_factory=dict)  # ReplayConfig scheduler fields
     engine: dict = field(default_factory=dict)  # ReplayConfig engine and what-if fields
-    deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link
+    deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link; a
+    # list of values sweeps that field
+    target_qps: float | None = None  # size each configuration's replicas for this rate
+    workload: str | None = None  # a workload file (kvsim replay --workload) instead of contexts
+
+    def settings(self) -> dict:
+        """What makes two plans the same plan, whatever configurations each lists: everything
+        but the swept axes (GPUs, models, contexts, policies, batches or rates, TP sizes,
+        replicas, KV dtypes). A plan resumes, or extends its axes, only into a DIR holding the
+        same settings."""
+        axes = ("tp", "replicas", "kv_dtype")
+        return {"output_len": self.output_len, "requests": self.requests, "seed": self.seed,
+                "trace": self.trace, "scheduling": self.scheduling, "engine": self.engine,
+                "deployment": {k: v for k, v in self.deployment.items() if k not in axes},
+                "slo": [lim.words() for lim in self.slo], "slo_requests": self.slo_requests,
+                "target_qps": self.target_qps, "workload": self.workload}
+
+    def file_contexts(self) -> list[int]:
+        """The contexts swept: the workload file's mean prompt where there is one."""
+        if self.workload is None:
+            return self.contexts
+        return [int(round(float(file_workload(self.workload).prompt.mean())))]
+
+    def deployments(self) -> list[dict]:
+        """One deployment per combination of the listed values; a field at its default is left
+        out, as a single value always was (the configuration keys of earlier plans hold)."""
+        from kvsim.sim.records import Deployment
+        defaults = {f.name: f.default for f in dataclasses.fields(Deployment)}
+        names = list(self.deployment)
+        axes = [v if isinstance(v, list) else [v] for v in self.deployment.values()]
+        return [{k: v for k, v in zip(names, combo) if v != defaults.get(k)}
+                for combo in itertools.product(*axes)]
 
     def policy_specs(self) -> list[PolicySpec]:
         """One validated spec per policy and combination of the option grid's values."""
@@ -57,7 +99,16 @@ class SweepSpec:
         for m in self.models:
             catalog.model(m)
         self.policy_specs()
-        for name, values in (("--context", self.contexts), ("--batch", self.batches),
+        if self.workload is not None:
+            work = file_workload(self.workload)
+            if self.qps:
+                raise KvsimError("--workload sets the arrivals (the SLO search scales them); "
+                                 "leave out --qps")
+            if self.slo and work.n < 2 * self.slo_requests:
+                raise KvsimError(f"--workload {self.workload}: the SLO search runs "
+                                 f"2 x --slo-requests = {2 * self.slo_requests} of its requests; "
+                                 f"it has {work.n}: lower --slo-requests")
+        for name, values in (("--context", self.file_contexts()), ("--batch", self.batches),
                              ("--qps", self.qps or [1])):
             if not values or min(values) <= 0:
                 raise KvsimError(f"{name} needs positive values")
@@ -66,10 +117,26 @@ class SweepSpec:
                              f"system up); got {self.slo_requests}")
         ReplayConfig(**self.scheduling, **self.engine).check()
         from kvsim.replay import with_dtypes
-        for m in self.models:
-            with_dtypes(catalog.model(m), self.deployment.get("kv_dtype"),
-                        self.deployment.get("weight_dtype")).shard(self.deployment.get("tp", 1))
-        ReplayConfig(**self.deployment).check()
+        deployments = self.deployments()
+        if not deployments:
+            raise KvsimError("--tp, --replicas and --kv-dtype need at least one value each")
+        for d in deployments:
+            ReplayConfig(**d).check()
+            for m in self.models:
+                with_dtypes(catalog.model(m), d.get("kv_dtype"), d.get("weight_dtype")).shard(
+                    d.get("tp", 1))
+        if self.target_qps is not None:
+            if not (math.isfinite(self.target_qps) and self.target_qps > 0):
+                raise KvsimError(f"--target-qps must be a positive rate, got {self.target_qps}")
+            if not self.slo:
+                raise KvsimError("--target-qps needs an SLO to size replicas by: give "
+                                 "--slo-tpot-ms, --slo-ttft-ms or --slo-e2e-s")
+            if self.qps:
+                raise KvsimError("--target-qps sizes replicas from each configuration's "
+                                 "sustained rate; leave out --qps")
+            if any(d.get("replicas", 1) != 1 for d in deployments):
+                raise KvsimError("--target-qps computes the replicas each configuration needs; "
+                                 "leave out --replicas")
         if self.engine.get("engine") is not None:
             from kvsim.hw.engine import load
             load(self.engine["engine"])  # an unreadable engine file fails before the sweep
@@ -80,10 +147,11 @@ def expand(spec: SweepSpec) -> list[dict]:
     configs = []
     loads = [("batch", b) for b in spec.batches] if not spec.qps else \
         [("qps", q) for q in spec.qps]
-    for gpu, model, ctx, pol in itertools.product(spec.gpus, spec.models, spec.contexts,
-                                                  spec.policy_specs()):
+    for gpu, model, ctx, pol, dep in itertools.product(spec.gpus, spec.models,
+                                                       spec.file_contexts(),
+                                                       spec.policy_specs(), spec.deployments()):
         for kind, value in loads:
-            configs.append({
+            configs.append({**({"workload": spec.workload} if spec.workload else {}),
                 "gpu": gpu, "model": model, "context": int(ctx), "policy": pol.name,
                 "options": json.dumps(pol.options, sort_keys=True),
                 "batch": int(value) if kind == "batch" else int(max(spec.batches)),
@@ -91,12 +159,43 @@ def expand(spec: SweepSpec) -> list[dict]:
                 "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
                 "trace": spec.trace, "scheduling": json.dumps(spec.scheduling, sort_keys=True),
                 "engine": json.dumps(spec.engine, sort_keys=True),
-                "deployment": json.dumps(spec.deployment, sort_keys=True)})
+                "deployment": json.dumps(dep, sort_keys=True)})
     return configs
 
 
 def config_key(c: dict) -> str:
-    return json.dumps({k: c.get(k) for k in CONFIG_COLUMNS}, sort_keys=True, default=str)
+    """A configuration's identity (its workload file only where it has one, so that the keys of
+    plans without one stay as they were)."""
+    key = {k: c.get(k) for k in CONFIG_COLUMNS}
+    if c.get("workload"):
+        key["workload"] = c["workload"]
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def file_workload(path: str):
+    """A workload file as read (once per file and modification time)."""
+    p = Path(path)
+    return _file_workload(str(p), p.stat().st_mtime if p.exists() else 0.0)
+
+
+@functools.lru_cache(maxsize=4)
+def _file_workload(path: str, mtime: float):
+    from kvsim.sim import workload
+    return workload.from_file(path)
+
+
+def at_rate(c: dict, qps: float, requests: int) -> dict:
+    """The replay fields that run ``requests`` requests of configuration ``c`` at ``qps``:
+    Poisson arrivals, or the workload file's first requests with their times scaled."""
+    if not c.get("workload"):
+        return {"qps": qps, "requests": requests}
+    arrival = file_workload(c["workload"]).arrival[:requests]
+    span = float(arrival[-1] - arrival[0])
+    if not span > 0:
+        raise KvsimError(f"--workload {c['workload']}: its first {requests} requests arrive "
+                         f"at once; their rate cannot be scaled")
+    return {"qps": None, "workload_limit": requests,
+            "time_scale": (len(arrival) - 1) / span / qps}
 
 
 def label(policy: str, options: str | dict) -> str:
@@ -117,10 +216,32 @@ def _replay_config(c: dict, **over) -> ReplayConfig:
               requests=c["requests"], output_len=c["output_len"], seed=c["seed"],
               **json.loads(c.get("scheduling") or "{}"), **json.loads(c.get("engine") or "{}"),
               **json.loads(c.get("deployment") or "{}"),
+              workload_csv=c.get("workload"),
               kv_read_everywhere=False,  # --kv-read-frac: for the policies that fetch
               jobs=1)  # the sweep's own workers run the configurations in parallel
     kw.update(over)
     return ReplayConfig(**kw)
+
+
+def weights_exceed_hbm(c: dict) -> str | None:
+    """Why a configuration cannot run on its GPU whatever its policy and batch (its weights and
+    workspace alone exceed HBM), or None; only for catalog GPUs."""
+    if str(c["gpu"]).endswith(".npz"):
+        return None
+    from kvsim.replay import with_dtypes
+    from kvsim.sim.records import DEFAULT_WORKSPACE_GIB
+    d = json.loads(c["deployment"])
+    model = with_dtypes(catalog.model(c["model"]), d.get("kv_dtype"),
+                        d.get("weight_dtype")).shard(d.get("tp", 1))
+    hbm = catalog.gpu(c["gpu"]).hbm_gib * catalog.GiB
+    workspace = d.get("workspace_gib")
+    need = model.weight_bytes + (DEFAULT_WORKSPACE_GIB if workspace is None else
+                                 workspace) * catalog.GiB
+    if need <= hbm:
+        return None
+    return (f"pruned before simulation: HBM: weights and workspace need "
+            f"{need / catalog.GiB:.1f} GiB per GPU at TP {d.get('tp', 1)}, "
+            f"{c['gpu']} has {hbm / catalog.GiB:.1f} GiB")
 
 
 def run_config(c: dict, limits: list, probe_requests: int) -> dict:
@@ -134,8 +255,9 @@ def run_config(c: dict, limits: list, probe_requests: int) -> dict:
         row["provenance"] = json.dumps(r["provenance"], sort_keys=True)
         row["status"], row["error"] = "ok", ""
         if limits:
-            found = slo.max_qps(lambda q: run_replay(_replay_config(
-                c, qps=q, requests=probe_requests, slo=goodput_slo)), limits)
+            found = slo.max_qps(lambda q, n: run_replay(_replay_config(
+                c, **at_rate(c, q, n), slo=goodput_slo)), limits, probe_requests,
+                start=r["sim"]["requests_per_s"])
             row.update({"slo_max_qps": found.qps, "slo_qps_fails": found.fails_at,
                         "slo_fails_because": found.why_fails,
                         "slo_evaluations": found.evaluations,
@@ -154,7 +276,7 @@ def run_config(c: dict, limits: list, probe_requests: int) -> dict:
 class GroupTask:
     configs: list[dict]
     slo: list  # the limits of the SLO search (none: no search)
-    slo_requests: int = 200
+    slo_requests: int = 1000
 
 
 def run_group(task: GroupTask) -> list[dict]:
@@ -181,8 +303,19 @@ def sweep(spec: SweepSpec, executor, done_keys: set[str] = frozenset(),
     import pandas as pd
 
     from kvsim.plan.executors import run_all
-    todo = [c for c in expand(spec) if config_key(c) not in done_keys]
+    todo, pruned = [], []
+    for c in expand(spec):
+        if config_key(c) in done_keys:
+            continue
+        why = weights_exceed_hbm(c)
+        if why is None:
+            todo.append(c)
+        else:
+            pruned.append({**c, "label": label(c["policy"], c["options"]), "key": config_key(c),
+                           "status": "infeasible", "error": why})
+    if pruned and on_rows is not None:
+        on_rows(pruned)
     results = run_all(executor, run_group, groups(todo, spec), progress, desc="plan",
                       on_result=on_rows)
-    rows = [row for group in results for row in group]
+    rows = pruned + [row for group in results for row in group]
     return pd.DataFrame(rows)

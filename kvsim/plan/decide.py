@@ -1,0 +1,180 @@
+"""Deciding a deployment for a target rate: the cheapest configuration that carries it within
+the SLO, the runner-up, and what rules out each of the rest.
+
+Each configuration was simulated as one replica and its sustained rate found by the SLO search
+(:mod:`kvsim.plan.slo`); it needs ceil(target / that rate) replicas, priced by
+:mod:`kvsim.plan.cost`. The cheapest is then checked: a replay of that many replicas at the
+target rate (twice the SLO probe's requests) must pass the same test as the search; if it does
+not, the configuration gets one more replica and the ranking is redone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+
+from kvsim.plan import slo
+
+CHECK_TRIES = 3  # replicas added to a configuration whose check fails, at most
+LATENCY = ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_s")
+
+
+def binding(r) -> str:
+    """What limits a configuration (one row): its memory (HBM, host memory), a latency limit
+    (TPOT, TTFT, e2e latency), its max batch running full, the host link or the GPU; "failed"
+    where the run failed."""
+    if r.get("status") == "failed":
+        return "failed"
+    if r.get("status") == "infeasible":
+        return "host memory" if "host" in str(r.get("error", "")).lower() else "HBM"
+    why = str(r.get("slo_fails_because", ""))
+    for words, name in (("TPOT", "TPOT"), ("TTFT", "TTFT"), ("end-to-end", "e2e latency")):
+        if words in why:
+            return name
+    batch, fit = float(r.get("batch", 0)), float(r.get("max_batch_fit", math.inf))
+    if fit < batch:
+        return "HBM"  # the batch that fits in HBM caps the rate
+    if float(r.get("slo_at_mean_batch", 0) or 0) >= 0.9 * batch:
+        return "max batch"  # the batch it is allowed runs full
+    link, gpu = float(r.get("slo_at_link_util", 0) or 0), float(r.get("slo_at_gpu_util", 0) or 0)
+    return "the link" if link >= gpu and link > 0 else "GPU"
+
+
+def kv_dtype(r) -> str:
+    d = json.loads(r["deployment"]) if isinstance(r.get("deployment"), str) else {}
+    return d.get("kv_dtype") or "bf16"
+
+
+def tp(r) -> int:
+    d = json.loads(r["deployment"]) if isinstance(r.get("deployment"), str) else {}
+    return int(d.get("tp", 1))
+
+
+def describe(r) -> str:
+    """A configuration in a few words: ``h100-sxm TP1 dense-resident batch 16 bf16``."""
+    return f"{r['gpu']} TP{tp(r)} {r['label']} batch {int(r['batch'])} KV {kv_dtype(r)}"
+
+
+def decide(df: pd.DataFrame, target_qps: float, limits: list, check_run) -> tuple[pd.DataFrame,
+                                                                                  dict]:
+    """``df`` with ``binding``, ``rank`` and ``why_lost`` columns, and the answer (the contents
+    of answer.json). ``check_run(row, replicas)``: a replay of that configuration and count of
+    replicas at the target rate (a report)."""
+    df = df.copy()
+    df["binding"] = [binding(r) for r in df.to_dict("records")]
+    checks: dict[int, list] = {}
+    rows = df.to_dict("records")
+    candidates = [i for i, r in enumerate(rows) if r.get("status") == "ok"
+                  and (r.get("slo_max_qps") or 0) > 0 and _finite(r.get("usd_per_hour"))]
+
+    def cost(i):
+        r = rows[i]
+        return (r["usd_per_hour"], -r["slo_max_qps"] * r["replicas_needed"], i)
+
+    order: list[int] = []
+    while candidates:
+        i = min(candidates, key=cost)
+        r = rows[i]
+        report = check_run(r, int(r["replicas_needed"]))
+        good, why = slo.check(report, limits)
+        checks.setdefault(i, []).append((int(r["replicas_needed"]), good, why, report))
+        if good:
+            order.append(i)
+            candidates.remove(i)
+            if len(order) == 2:
+                break
+        elif len(checks[i]) > CHECK_TRIES:
+            candidates.remove(i)
+        else:  # one replica more, priced again, and the ranking redone
+            scale = (r["replicas_needed"] + 1) / r["replicas_needed"]
+            for k in ("usd_per_hour", "usd_per_m_tokens", "usd_per_request", "gpus"):
+                r[k] = r[k] * scale
+            r["replicas_needed"] += 1
+    rest = sorted((i for i, r in enumerate(rows) if i not in order),
+                  key=lambda i: (not _finite(rows[i].get("usd_per_hour")),
+                                 rows[i].get("usd_per_hour") or 0))
+    ranked = order + rest
+    answer_cost = rows[order[0]]["usd_per_hour"] if order else None
+    for rank, i in enumerate(ranked):
+        rows[i]["rank"] = rank + 1
+        role = ("the answer", "runner-up")[order.index(i)] if i in order else ""
+        rows[i]["why_lost"] = role if role == "the answer" else \
+            _why_lost(rows[i], role, answer_cost, checks.get(i, []))
+    out = pd.DataFrame(rows, index=df.index)
+    answer = {"target_qps": target_qps, "slo": slo.describe(limits)}
+    if order:
+        answer |= _entry(rows[order[0]], checks[order[0]][-1])
+        answer["runner_up"] = _entry(rows[order[1]], checks[order[1]][-1]) \
+            if len(order) > 1 else None
+    else:
+        answer |= {"gpu": None, "why": "no configuration carries the target rate within the SLO "
+                                       "at a known price"}
+    answer["rejected"] = [{"configuration": describe(rows[i]), "binding": rows[i]["binding"],
+                           "why": rows[i]["why_lost"]} for i in ranked if i not in order]
+    answer["pruned"] = int(out["error"].astype(str).str.startswith("pruned before").sum()) \
+        if "error" in out else 0
+    answer["configurations"] = len(out)
+    return out, answer
+
+
+def _finite(v) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def _why_lost(r, role: str, answer_cost, checks: list) -> str:
+    """Why a configuration is not the answer, in words (``role``: "runner-up" or "")."""
+    if r.get("status") != "ok":
+        return f"does not run: {r.get('error')}"
+    if not (r.get("slo_max_qps") or 0) > 0:
+        return f"no rate meets the SLO: {r.get('slo_fails_because')}"
+    if not _finite(r.get("usd_per_hour")):
+        return f"no price for {r['gpu']}: {r.get('price_source')}"
+    failed = [c for c in checks if not c[1]]
+    if checks and not checks[-1][1]:
+        return (f"fails at the target rate with up to {checks[-1][0]} replicas: "
+                f"{checks[-1][2]}")
+    more = r["usd_per_hour"] - answer_cost if answer_cost is not None else math.nan
+    words = (f"${r['usd_per_hour']:.2f}/h, ${more:.2f}/h more than the answer: "
+             f"{r['binding']} limits it to {r['slo_max_qps']:.3g} req/s per replica, so it "
+             f"needs {int(r['replicas_needed'])} replica(s) of {tp(r)} GPU(s)")
+    if failed:
+        words += f" ({failed[0][0]} replica(s) failed the check at the target rate)"
+    return (f"{role}: " if role else "") + words
+
+
+def _entry(r, check) -> dict:
+    replicas, good, why, report = check
+    s = report["sim"]
+    d = json.loads(r["deployment"])
+    return {"gpu": r["gpu"], "tp": tp(r), "replicas": replicas, "gpus": replicas * tp(r),
+            "policy": r["policy"], "options": json.loads(r["options"]), "label": r["label"],
+            "batch": int(r["batch"]), "kv_dtype": kv_dtype(r),
+            "weight_dtype": d.get("weight_dtype") or "bf16",
+            "usd_per_hour": r["usd_per_hour"], "usd_per_m_tokens": r["usd_per_m_tokens"],
+            "usd_per_request": r["usd_per_request"],
+            "price_usd_per_gpu_hour": r["price_usd_per_gpu_hour"],
+            "price_source": r["price_source"],
+            "qps_capacity_per_replica": r["slo_max_qps"], "binding": r["binding"],
+            "latency_at_target": {k: s[k] for k in LATENCY},
+            "uncertainty": _uncertainty(report),
+            "check": {"requests": s["requests"], "replicas": replicas,
+                      "served_frac_window": s["served_frac_window"],
+                      "requests_per_s": s["requests_per_s"], "meets_slo": good, "why": why}}
+
+
+def _uncertainty(report: dict) -> dict:
+    """How sure the check's figures are: the policy profile's 90% interval on the KV read and
+    the mean TPOT simulated at its ends, where a profile applied; the engine's own error is not
+    in it."""
+    if "tpot_ms_lo" not in report:
+        return {"note": "no policy-profile interval applies to this policy's traffic; the "
+                        "engine's own error is not estimated here"}
+    return {"tpot_ms_90": [report["tpot_ms_lo"], report["tpot_ms_hi"]],
+            "kv_read_frac_90": [report["kv_read_frac_lo"], report["kv_read_frac_hi"]],
+            "note": report["policy_profile"]["interval_note"] + "; the engine's own error is "
+                    "not estimated here"}

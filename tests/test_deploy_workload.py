@@ -1,0 +1,58 @@
+"""A plan over a workload file: every configuration replays the file, and the SLO search scales
+the file's arrival times, so its answer is a rate at which the file's traffic is sustained."""
+
+import json
+
+import numpy as np
+import pandas as pd
+from conftest import run_cli
+
+from kvsim.plan import slo
+from kvsim.plan.sweep import at_rate
+
+
+def _workload(path, n=400):
+    rng = np.random.default_rng(1)
+    rows = zip(np.cumsum(rng.exponential(0.5, n)), rng.integers(2048, 6144, n),
+               rng.integers(16, 48, n))
+    path.write_text("arrival,prompt,output\n" + "".join(f"{a:.4f},{p},{o}\n" for a, p, o in rows))
+    return path
+
+
+def test_a_workload_plan_answers_a_rate_the_scaled_file_sustains(tmp_path):
+    from kvsim.replay import ReplayConfig, run_replay
+    wl = _workload(tmp_path / "wl.csv")
+    out = tmp_path / "plan"
+    code, _, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--workload", wl,
+                           "--policy", "dense-resident", "--batch", "8", "--slo-tpot-ms", "20",
+                           "--slo-requests", "200", "--target-qps", "10", "--out", out, "--json")
+    assert code == 0, err
+    row = pd.read_csv(out / "results.csv").iloc[0]
+    assert row.context == 4089  # the file's mean prompt
+    q = row.slo_max_qps
+    limits = [slo.Limit("tpot_ms", 20)]
+    c = {"workload": str(wl)}
+
+    def replay(rate):
+        return run_replay(ReplayConfig(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
+                                       batch=8, workload_csv=wl, slo={"tpot_ms": 20},
+                                       **{k: v for k, v in at_rate(c, rate, 400).items()
+                                          if k != "qps"}))
+    at = replay(q)
+    assert at["sim"]["requests"] == 400 and slo.check(at, limits)[0]
+    assert at["sim"]["requests_per_s"] >= 0.9 * q * 0.9  # 400 requests: the drain counts
+    assert not slo.check(replay(1.1 * q), limits)[0]
+    answer = json.loads((out / "answer.json").read_text())
+    assert answer["replicas"] == int(np.ceil(10 / q)) and answer["check"]["meets_slo"]
+
+
+def test_workload_and_context_are_one_or_the_other(tmp_path):
+    wl = _workload(tmp_path / "wl.csv", 50)
+    for extra in (["--workload", wl, "--context", "4096"], []):
+        code, _, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--policy",
+                               "dense-resident", "--out", tmp_path / "p", *extra)
+        assert code == 2 and "--context" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--policy",
+                           "dense-resident", "--workload", wl, "--slo-tpot-ms", "20",
+                           "--out", tmp_path / "p")
+    assert code == 2 and "lower --slo-requests" in err
