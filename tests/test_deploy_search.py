@@ -40,7 +40,7 @@ def test_the_answer_is_written_with_its_contract_keys(searched):
     assert answer["usd_per_hour"] == pytest.approx(answer["replicas"] * answer["tp"] * price)
     assert answer["replicas"] >= math.ceil(TARGET / answer["qps_capacity_per_replica"] - 1e-9)
     assert answer["check"]["meets_slo"] and answer["check"]["served_frac_window"] >= 0.95
-    assert answer["uncertainty"]["note"]
+    assert answer["uncertainty"]["rule"] and answer["uncertainty"]["tpot_ms_interval"]
     assert answer["runner_up"]["usd_per_hour"] >= answer["usd_per_hour"]
     df = pd.read_csv(out / "results.csv")
     assert {"usd_per_hour", "usd_per_m_tokens", "slo_max_qps", "binding"} <= set(df.columns)

@@ -114,7 +114,9 @@ def make_engine(base: Engine, values: dict, source: str, note: str, gpu: str,
         old = base.decide(kernel) or DecideModel(serial_share=1.0)
         dm = dataclasses.replace(old, **numbers)
         fields[f"decide.{kernel}"] = Value(dataclasses.asdict(dm), source, note)
-    return dataclasses.replace(base, fields=fields, fitted_on={"gpu": gpu, "model": model})
+    # a record of its own: the base's (a module-level engine, say) is never written through
+    return dataclasses.replace(base, fields=fields, fitted_on={"gpu": gpu, "model": model},
+                               fit={})
 
 
 @dataclass

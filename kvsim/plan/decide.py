@@ -168,13 +168,14 @@ def _entry(r, check) -> dict:
 
 
 def _uncertainty(report: dict) -> dict:
-    """How sure the check's figures are: the policy profile's 90% interval on the KV read and
-    the mean TPOT simulated at its ends, where a profile applied; the engine's own error is not
-    in it."""
-    if "tpot_ms_lo" not in report:
-        return {"note": "no policy-profile interval applies to this policy's traffic; the "
-                        "engine's own error is not estimated here"}
-    return {"tpot_ms_90": [report["tpot_ms_lo"], report["tpot_ms_hi"]],
-            "kv_read_frac_90": [report["kv_read_frac_lo"], report["kv_read_frac_hi"]],
-            "note": report["policy_profile"]["interval_note"] + "; the engine's own error is "
-                    "not estimated here"}
+    """How sure the check's figures are: the prediction interval every report carries (the
+    engine's checked error, around the policy profile's 90% interval on the KV read where one
+    applies) on TPOT, TTFT and throughput, and the profile's KV-read interval."""
+    out = {f"{k}_interval": [report[f"{k}_lo"], report[f"{k}_hi"]]
+           for k in ("tpot_ms", "ttft_ms", "throughput_tok_s") if f"{k}_lo" in report}
+    if "kv_read_frac_lo" in report:
+        out["kv_read_frac_interval"] = [report["kv_read_frac_lo"], report["kv_read_frac_hi"]]
+    interval = report.get("interval") or {}
+    out["engine_check"] = interval.get("engine_check")
+    out["rule"] = interval.get("rule")
+    return out
