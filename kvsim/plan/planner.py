@@ -35,6 +35,11 @@ SUMMARY = ["gpu", "model", "context", "label", "tp", "replicas_needed", "batch",
            "usd_per_hour", "usd_per_m_tokens", "binding", "status"]
 
 
+
+def _ms(x: float) -> str:
+    """A latency for a sentence: ``21.7 ms``, or ``13.1 s`` from a second up (never 1.3e+04)."""
+    return f"{x:.3g} ms" if x < 1000 else f"{x / 1000:.3g} s"
+
 def load_quality(paths: list[str], df: pd.DataFrame) -> pd.DataFrame | None:
     """Results of ``kvsim eval --json`` (JSON objects, one per file or one per line), labelled
     like the sweep's rows: the options the sweep varies for that policy, taken from the eval."""
@@ -241,8 +246,8 @@ def answer_lines(answer: dict) -> list[str]:
         return (f"{a['replicas']} x {a['gpu']} TP{a['tp']} ({a['gpus']} GPUs), {a['label']}, "
                 f"batch {a['batch']}, KV {a['kv_dtype']}: ${a['usd_per_hour']:.2f}/h, "
                 f"${a['usd_per_m_tokens']:.3g} per M output tokens; at the target rate TPOT "
-                f"p50/p99 {lat['tpot_p50_ms']:.3g}/{lat['tpot_p99_ms']:.3g} ms, TTFT p50/p99 "
-                f"{lat['ttft_p50_ms']:.4g}/{lat['ttft_p99_ms']:.4g} ms; "
+                f"p50/p99 {_ms(lat['tpot_p50_ms'])}/{_ms(lat['tpot_p99_ms'])}, TTFT p50/p99 "
+                f"{_ms(lat['ttft_p50_ms'])}/{_ms(lat['ttft_p99_ms'])}; "
                 f"{a['qps_capacity_per_replica']:.3g} req/s per replica ({a['binding']} binds)")
 
     lines = [f"Answer for {answer['target_qps']:g} req/s with {answer['slo']}: "
@@ -326,9 +331,9 @@ def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality
         for r in ok.itertuples():
             if getattr(r, "slo_max_qps", None) is not None:
                 items.append(f"{r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
-                             f"{r.slo_max_qps:.3g} req/s (TPOT p50/p99 {r.slo_at_tpot_p50_ms:.3g}/"
-                             f"{r.slo_at_tpot_p99_ms:.3g} ms, TTFT p50/p99 "
-                             f"{r.slo_at_ttft_p50_ms:.4g}/{r.slo_at_ttft_p99_ms:.4g} ms; "
+                             f"{r.slo_max_qps:.3g} req/s (TPOT p50/p99 "
+                             f"{_ms(r.slo_at_tpot_p50_ms)}/{_ms(r.slo_at_tpot_p99_ms)}, TTFT "
+                             f"p50/p99 {_ms(r.slo_at_ttft_p50_ms)}/{_ms(r.slo_at_ttft_p99_ms)}; "
                              f"{r.slo_binding}); at "
                              f"{r.slo_qps_fails:.3g} req/s: {r.slo_fails_because}"
                              if r.slo_max_qps > 0 else
