@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from conftest import run_cli
 
-from kvsim.plan import plots, slo
+from kvsim.plan import axes, plots, slo
 from kvsim.plan.executors import LocalExecutor
 from kvsim.plan.planner import plan
 from kvsim.plan.sweep import SweepSpec, sweep
@@ -73,6 +73,41 @@ def test_crossover_is_found_where_the_ratio_crosses_one(tmp_path):
     s = plots.crossover(pd.DataFrame(rows), tmp_path)
     (name, x), = s["_crossings"].items()
     assert 1024 < x < 8192 and "verkv" in name
+
+
+def test_identical_crossover_lines_are_drawn_once_under_both_names(tmp_path):
+    rows = [dict(status="ok", qps=None, gpu="g", model="m", batch=1, context=ctx, policy=pol,
+                 label=pol, tpot_ms=t, host_frac=1.0)
+            for ctx in (1024, 8192) for pol, t in (("verkv", 2.0), ("quest", 2.0),
+                                                  ("dense-offload", 1.0 + ctx / 1024))]
+    s = plots.crossover(pd.DataFrame(rows), tmp_path)
+    assert set(s) - {"_crossings"} == {"quest = verkv / dense-offload, g, m, batch 1"}
+    tpot = plots.tpot_vs_context(pd.DataFrame(rows), tmp_path)
+    assert set(tpot) == {"g|m|dense-offload", "g|m|quest = verkv"}
+
+
+def test_merge_identical_joins_only_series_equal_at_every_point():
+    merged = axes.merge_identical({"a": ([1, 2], [3.0, 4.0]), "b": ([1, 2], [3.0, 4.5]),
+                                   "c": ([1, 2], [3.0, 4.0]), "d": ([1], [3.0])})
+    assert merged == {"b": ([1, 2], [3.0, 4.5]), "a = c": ([1, 2], [3.0, 4.0]),
+                      "d": ([1], [3.0])}
+
+
+def test_the_cost_frontier_is_exactly_the_non_dominated_configurations(tmp_path):
+    # (p99 TPOT ms, $ per M tokens): by hand, A (fastest), C and E (cheapest) are not beaten;
+    # B is beaten by A (slower, dearer), D by C, F ties A's latency at a higher cost
+    pts = {"A": (10, 5.0), "B": (20, 6.0), "C": (30, 2.0), "D": (40, 2.5), "E": (50, 1.0),
+           "F": (10, 7.0)}
+    d = pd.DataFrame([dict(status="ok", gpu="h100-sxm", model="m", context=4096, label=k,
+                           policy=k, batch=4, deployment='{"tp": 1}', slo_max_qps=1.0,
+                           usd_per_hour=1.0, usd_per_m_tokens=c, slo_at_tpot_p99_ms=t,
+                           why_lost="the answer" if k == "E" else "dearer")
+                      for k, (t, c) in pts.items()], index=list(pts))
+    assert sorted(plots.frontier(d, "slo_at_tpot_p99_ms", "usd_per_m_tokens")) == ["A", "C", "E"]
+    s = plots.cost_vs_latency(d, tmp_path)["slo_at_tpot_p99_ms"]
+    assert s["frontier"] == ([10, 30, 50], [5.0, 2.0, 1.0]) and s["answer"] == ([50], [1.0])
+    cap = plots.capacity_per_gpu(d, tmp_path)
+    assert len(cap["capacity"][0]) == 6 and (tmp_path / "capacity_per_gpu.png").exists()
 
 
 def _probe(q, requests=80):

@@ -231,6 +231,12 @@ PLOT_TEXT = {
     "goodput_vs_rate": "Requests per second that meet every SLO given, against the offered "
                        "Poisson rate (DistServe's goodput); where a line leaves the diagonal, "
                        "requests start missing their SLO.",
+    "cost_vs_latency": "Cost per million output tokens vs p99 TPOT (and TTFT) at each "
+                       "configuration's sustained rate, for those that carry the target within "
+                       "the SLO; the line joins the Pareto frontier (nothing both cheaper and "
+                       "faster), the star is the answer.",
+    "capacity_per_gpu": "Sustained requests per second per GPU within the SLO (one replica's "
+                        "rate over its TP size), sorted; the answer in red.",
 }
 
 
