@@ -79,14 +79,15 @@ def add_parser(sub) -> None:
                                 "as long and must pass there too [default: 1000]")
     from kvsim.commands.replay import add_deployment_flags, add_engine_flags, add_scheduling_flags
     add_deployment_flags(p)
+    add_scheduling_flags(p)
+    from kvsim.plan.sweep import DEPLOYMENT_AXES, SCHEDULING_AXES
+    kinds = {"kv_dtype": str, "host_gib": float}
     for action in p._actions:  # plan sweeps these: comma-separated values
-        if action.dest in ("tp", "replicas", "kv_dtype"):
-            kind = str if action.dest == "kv_dtype" else int
+        if action.dest in DEPLOYMENT_AXES + SCHEDULING_AXES:
             if action.choices:
                 action.help += f" ({', '.join(action.choices)})"
-            action.type, action.choices = lst(kind), None
+            action.type, action.choices = lst(kinds.get(action.dest, int)), None
             action.help += "; plan: comma-separated values to sweep"
-    add_scheduling_flags(p)
     add_engine_flags(p)
     cost_group = p.add_argument_group(
         "cost", "each GPU's hourly price: the catalog's examples (public on-demand list prices, "
@@ -104,8 +105,8 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="overwrite files in DIR that kvsim plan did not write, or replace a "
                         "plan with other settings there (otherwise refused; the same plan "
-                        "resumes, and more GPUs, models, contexts, policies, batches, TP sizes "
-                        "or KV dtypes extend it)")
+                        "resumes, and more GPUs, models, contexts, policies, batches, TP sizes, "
+                        "KV dtypes, host memories or tokens per step extend it)")
     p.add_argument("--executor", choices=["local", "ray"], default="local")
     p.add_argument("--jobs", type=int, help="parallel workers (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
