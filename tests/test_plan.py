@@ -152,6 +152,24 @@ def test_ray_and_local_give_identical_results(attn_trace):
     pd.testing.assert_frame_equal(local, remote[local.columns])
 
 
+def test_ray_and_local_give_the_same_answer(tmp_path):
+    pytest.importorskip("ray")
+    import ray
+
+    from kvsim.plan.executors import RayExecutor
+    s = SweepSpec(gpus=["l40s"], models=["qwen3-4b"], contexts=[4096],
+                  policies=["dense-resident"], batches=[4, 8], output_len=16,
+                  slo=[slo.Limit("tpot_ms", 60)], slo_requests=50, target_qps=2)
+    local = plan(s, tmp_path / "local", LocalExecutor(1), progress=False)
+    try:
+        remote = plan(s, tmp_path / "ray", RayExecutor(jobs=2), progress=False)
+    finally:
+        ray.shutdown()
+    assert local["answer"]["gpu"] == "l40s" and remote["rows"] == local["rows"] == 2
+    assert (tmp_path / "local" / "answer.json").read_text() == \
+        (tmp_path / "ray" / "answer.json").read_text()
+
+
 def test_plan_cli_errors(attn_trace, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
