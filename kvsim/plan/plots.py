@@ -45,6 +45,18 @@ def _save(fig, out: Path, name: str) -> list[str]:
     return files
 
 
+def _note(fig, text: str, width: int = 150) -> None:
+    """A sentence with the figure's legend (its title, wrapped to ``width`` characters): the
+    layout sizes the legend with it, so the two never overlap, as a loose text under a legend
+    placed by the layout did."""
+    import textwrap
+    wrapped = "\n".join(textwrap.wrap(text, width))
+    if fig.legends:
+        fig.legends[0].set_title(wrapped, prop={"size": 8})
+    else:
+        fig.text(0.5, 0, wrapped, ha="center", va="top", fontsize=8)
+
+
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["status"] == "ok"] if "status" in df else df
 
@@ -80,7 +92,9 @@ def _lines(ax, p: pd.DataFrame, x: str, y: str, series: dict, prefix: str) -> No
         series[f"{prefix}|{lab}"] = (xs, ys)
         if band:
             ax.fill_between(xs, band[0], band[1], color=line.get_color(), alpha=0.18,
-                            linewidth=0, label=f"{lab}: 90% interval (policy profile)")
+                            linewidth=0)
+            ax.fill_between([], [], [], color="grey", alpha=0.3, linewidth=0,
+                            label="shaded: 90% interval (policy profile)")
             series[f"{prefix}|{lab}|band"] = (xs, band[0], band[1])
 
 
@@ -135,7 +149,7 @@ def throughput_vs_batch(df: pd.DataFrame, out: Path) -> dict:
         ax.grid(alpha=0.3)
     _legend(fig, [a for a, _, _ in panels])
     fig.suptitle("Decode throughput vs batch")
-    fig.text(0.5, 0, hbm_limited_note(df), ha="center", va="top", fontsize=8, wrap=True)
+    _note(fig, hbm_limited_note(df))
     _save(fig, out, "throughput_vs_batch")
     return series
 
@@ -276,6 +290,8 @@ def crossover(df: pd.DataFrame, out: Path, base: str = "dense-offload") -> dict:
     b = d[d.policy == base].groupby(["gpu", "model", "batch", "context"])["tpot_ms"].min()
     series, crossings = {}, {}
     fig, ax = _single(8, 4)
+    if fetching.groupby(["gpu", "model", "batch", "label"]).ngroups > 10:  # no colour twice
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for (gpu, model, batch), g in fetching.groupby(["gpu", "model", "batch"]):
         ratios = {}
         for lab, h in g.groupby("label"):
@@ -460,10 +476,15 @@ def capacity_per_gpu(df: pd.DataFrame, out: Path) -> dict:
         return {}
     d = d[d.slo_max_qps.notna()].copy()
     d["per_gpu"] = [r["slo_max_qps"] / tp(r) for r in d.to_dict("records")]
-    d = d.sort_values("per_gpu")
-    names = [_name(r) for r in d.to_dict("records")]
+    none = d[d.per_gpu <= 0]
+    d = d[d.per_gpu > 0].sort_values("per_gpu")
+    if d.empty:
+        return {}
+    common = d.model.nunique() == 1 and d.context.nunique() == 1  # said once, in the title
+    names = [_name(r).removesuffix(f", {r['model']} {tokens(r['context'])}") if common
+             else _name(r) for r in d.to_dict("records")]
     ans = _answer(d).to_numpy()
-    fig, ax = _single(8.5, 1.2 + 0.28 * len(d))
+    fig, ax = _single(8.5, 1.4 + 0.28 * len(d))
     bars = ax.barh(range(len(d)), d.per_gpu, color=np.where(ans, "tab:red", "tab:blue"),
                    height=0.7)
     bars[0].set_label("configuration")
@@ -475,9 +496,17 @@ def capacity_per_gpu(df: pd.DataFrame, out: Path) -> dict:
         lab.set_fontweight("bold" if a else "normal")
     ax.margins(x=0.12)
     ax.set(xlabel="sustained requests / s per GPU within the SLO")
-    ax.set_title("Capacity per GPU of each configuration", fontsize=10)
+    ax.set_title("Capacity per GPU of each configuration" + (
+        f", {d.model.iloc[0]} at {tokens(d.context.iloc[0])} context" if common else ""),
+        fontsize=10)
     ax.grid(alpha=0.3, axis="x")
     _legend(fig, [ax])
+    if len(none):
+        from kvsim.plan.decide import describe
+        names = sorted(describe(r) for r in none.to_dict("records"))
+        more = f"; and {len(names) - 8} more" if len(names) > 8 else ""
+        _note(fig, f"{len(names)} configurations sustain no rate within the SLO (not drawn): "
+                   + "; ".join(names[:8]) + more + ".")
     _save(fig, out, "capacity_per_gpu")
     return {"capacity": (names, d.per_gpu.tolist())}
 
