@@ -63,4 +63,5 @@ def test_plan_names_the_tokens_per_step_that_decide_the_answer(tmp_path):
     (d,) = answer["decided_by"]
     assert d["knob"] == "max_batched_tokens" and d["value"] == 8192
     assert "Decided by --max-batched-tokens 8192: with 256: $" in stdout
+    assert "--max-batched-tokens" in stdout.split("\n\n")[1]  # the table names each value
     assert "Decided by --max-batched-tokens 8192" in (out / "report.md").read_text()

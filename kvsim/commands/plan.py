@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 
@@ -155,6 +156,13 @@ def run(args) -> int:
         if summary["answer"] is not None:
             print("\n".join(answer_lines(summary["answer"])).replace("`", "") + "\n")
         cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
+        from kvsim.plan.decide import KNOBS
+        for group, knob in reversed(KNOBS):  # a swept setting's values, after the batch
+            values = df[group].map(lambda s, k=knob: json.loads(s or "{}").get(k))
+            if values.nunique(dropna=False) > 1:
+                flag = "--" + knob.replace("_", "-")
+                df[flag] = values
+                cols.insert(cols.index("batch") + 1, flag)
         table(df[cols].to_dict("records"))
         print(f"\n{summary['rows']} rows ({summary['new_runs']} run now, {summary['skipped']} "
               f"already done; {summary['infeasible']} infeasible, {summary['failed']} failed)")
