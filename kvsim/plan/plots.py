@@ -238,7 +238,9 @@ def hbm_breakdown(df: pd.DataFrame, out: Path) -> dict:
                          label_type="center", fontsize=7)
             series[name if len(gpus) == 1 else f"{gpu}|{name}"] = (rows.label.tolist(),
                                                                    vals.tolist())
-        ax.bar_label(bars, labels=[f"{t:.1f} GiB" for t in bottom], fontsize=7, padding=2)
+        ax.bar_label(bars, labels=[f"{t:.1f} GiB" for t in bottom], fontsize=7, padding=2,
+                     bbox=dict(facecolor="white", edgecolor="none", pad=0.5),
+                     zorder=3)  # readable where the total sits on the capacity line
         if "hbm_capacity_gib" in rows and rows.hbm_capacity_gib.notna().any():
             cap = float(rows.hbm_capacity_gib.max())
             ax.axhline(cap, color="black", lw=0.8, ls="--", label="HBM capacity")
