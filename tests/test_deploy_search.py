@@ -48,6 +48,8 @@ def test_the_answer_is_written_with_its_contract_keys(searched):
     assert len(answer["rejected"]) == len(df) - 2
     report = (out / "report.md").read_text().splitlines()
     assert report[2].startswith("Answer for 20 req/s") and report[4].startswith("Runner-up")
+    for name in ("cost_vs_latency", "capacity_per_gpu"):  # the decision's plots
+        assert (out / f"{name}.png").stat().st_size > 1000 and f"{name}.png" in summary["plots"]
 
 
 def test_no_cheaper_configuration_meets_the_slo_at_the_target_rate(searched):

@@ -138,3 +138,17 @@ def test_the_catalog_is_read_from_its_configs():
         assert m.name == name and m.source.startswith("config.json of ") and "/" in m.hf_id
     assert catalog.model("qwen3-4b").max_context == 131072  # YaRN x4 on 32,768, as its card
     assert catalog.model("qwen3-4b") == hfconfig.load(hfconfig.MODELS_DIR / "qwen3-4b.json")
+
+
+def test_a_config_is_named_by_its_model_never_its_folder(tmp_path):
+    named = _write(tmp_path, {**QWEN3_4B, "_name_or_path": "Qwen/Qwen3-4B"}, name="h-new")
+    assert hfconfig.load(named).name == "Qwen/Qwen3-4B"
+    assert hfconfig.load(named / "config.json").name == "Qwen/Qwen3-4B"
+    bare = _write(tmp_path, QWEN3_4B, name="h-old")  # no _name_or_path: its architecture
+    assert hfconfig.load(bare).name == "Qwen3ForCausalLM"
+    typed = _write(tmp_path, {k: v for k, v in QWEN3_4B.items() if k != "architectures"},
+                   name="h-typed")
+    assert hfconfig.load(typed).name == "qwen3"
+    mm = _write(tmp_path, {"architectures": ["LlavaForConditionalGeneration"],
+                           "text_config": QWEN3_4B}, name="h-mm")
+    assert hfconfig.load(mm).name == "LlavaForConditionalGeneration"

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from conftest import run_cli
 
-from kvsim.plan import plots, slo
+from kvsim.plan import axes, plots, slo
 from kvsim.plan.executors import LocalExecutor
 from kvsim.plan.planner import plan
 from kvsim.plan.sweep import SweepSpec, sweep
@@ -75,6 +75,41 @@ def test_crossover_is_found_where_the_ratio_crosses_one(tmp_path):
     assert 1024 < x < 8192 and "verkv" in name
 
 
+def test_identical_crossover_lines_are_drawn_once_under_both_names(tmp_path):
+    rows = [dict(status="ok", qps=None, gpu="g", model="m", batch=1, context=ctx, policy=pol,
+                 label=pol, tpot_ms=t, host_frac=1.0)
+            for ctx in (1024, 8192) for pol, t in (("verkv", 2.0), ("quest", 2.0),
+                                                  ("dense-offload", 1.0 + ctx / 1024))]
+    s = plots.crossover(pd.DataFrame(rows), tmp_path)
+    assert set(s) - {"_crossings"} == {"quest = verkv / dense-offload, g, m, batch 1"}
+    tpot = plots.tpot_vs_context(pd.DataFrame(rows), tmp_path)
+    assert set(tpot) == {"g|m|dense-offload", "g|m|quest = verkv"}
+
+
+def test_merge_identical_joins_only_series_equal_at_every_point():
+    merged = axes.merge_identical({"a": ([1, 2], [3.0, 4.0]), "b": ([1, 2], [3.0, 4.5]),
+                                   "c": ([1, 2], [3.0, 4.0]), "d": ([1], [3.0])})
+    assert merged == {"b": ([1, 2], [3.0, 4.5]), "a = c": ([1, 2], [3.0, 4.0]),
+                      "d": ([1], [3.0])}
+
+
+def test_the_cost_frontier_is_exactly_the_non_dominated_configurations(tmp_path):
+    # (p99 TPOT ms, $ per M tokens): by hand, A (fastest), C and E (cheapest) are not beaten;
+    # B is beaten by A (slower, dearer), D by C, F ties A's latency at a higher cost
+    pts = {"A": (10, 5.0), "B": (20, 6.0), "C": (30, 2.0), "D": (40, 2.5), "E": (50, 1.0),
+           "F": (10, 7.0)}
+    d = pd.DataFrame([dict(status="ok", gpu="h100-sxm", model="m", context=4096, label=k,
+                           policy=k, batch=4, deployment='{"tp": 1}', slo_max_qps=1.0,
+                           usd_per_hour=1.0, usd_per_m_tokens=c, slo_at_tpot_p99_ms=t,
+                           why_lost="the answer" if k == "E" else "dearer")
+                      for k, (t, c) in pts.items()], index=list(pts))
+    assert sorted(plots.frontier(d, "slo_at_tpot_p99_ms", "usd_per_m_tokens")) == ["A", "C", "E"]
+    s = plots.cost_vs_latency(d, tmp_path)["slo_at_tpot_p99_ms"]
+    assert s["frontier"] == ([10, 30, 50], [5.0, 2.0, 1.0]) and s["answer"] == ([50], [1.0])
+    cap = plots.capacity_per_gpu(d, tmp_path)
+    assert len(cap["capacity"][0]) == 6 and (tmp_path / "capacity_per_gpu.png").exists()
+
+
 def _probe(q, requests=80):
     return run_replay(ReplayConfig(trace=None, policy="dense-resident", gpu="h100-sxm",
                                    model="qwen3-4b", context=4096, output_len=32, batch=16,
@@ -115,6 +150,24 @@ def test_ray_and_local_give_identical_results(attn_trace):
         ray.shutdown()
     remote = remote.sort_values("key").reset_index(drop=True)
     pd.testing.assert_frame_equal(local, remote[local.columns])
+
+
+def test_ray_and_local_give_the_same_answer(tmp_path):
+    pytest.importorskip("ray")
+    import ray
+
+    from kvsim.plan.executors import RayExecutor
+    s = SweepSpec(gpus=["l40s"], models=["qwen3-4b"], contexts=[4096],
+                  policies=["dense-resident"], batches=[4, 8], output_len=16,
+                  slo=[slo.Limit("tpot_ms", 60)], slo_requests=50, target_qps=2)
+    local = plan(s, tmp_path / "local", LocalExecutor(1), progress=False)
+    try:
+        remote = plan(s, tmp_path / "ray", RayExecutor(jobs=2), progress=False)
+    finally:
+        ray.shutdown()
+    assert local["answer"]["gpu"] == "l40s" and remote["rows"] == local["rows"] == 2
+    assert (tmp_path / "local" / "answer.json").read_text() == \
+        (tmp_path / "ray" / "answer.json").read_text()
 
 
 def test_plan_cli_errors(attn_trace, tmp_path):

@@ -36,7 +36,8 @@ def _figure_facts(name, fig):
             n_bars=len(ax.patches), texts=[t.get_text() for t in ax.texts]))
     return dict(suptitle=fig._suptitle.get_text() if fig._suptitle else "",
                 legends=len(fig.legends), axes=axes,
-                notes=[t.get_text() for t in fig.texts])
+                notes=[t.get_text() for t in fig.texts] +
+                [lg.get_title().get_text() for lg in fig.legends])
 
 
 @pytest.fixture

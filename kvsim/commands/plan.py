@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 
@@ -79,14 +80,15 @@ def add_parser(sub) -> None:
                                 "as long and must pass there too [default: 1000]")
     from kvsim.commands.replay import add_deployment_flags, add_engine_flags, add_scheduling_flags
     add_deployment_flags(p)
+    add_scheduling_flags(p)
+    from kvsim.plan.sweep import DEPLOYMENT_AXES, SCHEDULING_AXES
+    kinds = {"kv_dtype": str, "host_gib": float}
     for action in p._actions:  # plan sweeps these: comma-separated values
-        if action.dest in ("tp", "replicas", "kv_dtype"):
-            kind = str if action.dest == "kv_dtype" else int
+        if action.dest in DEPLOYMENT_AXES + SCHEDULING_AXES:
             if action.choices:
                 action.help += f" ({', '.join(action.choices)})"
-            action.type, action.choices = lst(kind), None
+            action.type, action.choices = lst(kinds.get(action.dest, int)), None
             action.help += "; plan: comma-separated values to sweep"
-    add_scheduling_flags(p)
     add_engine_flags(p)
     cost_group = p.add_argument_group(
         "cost", "each GPU's hourly price: the catalog's examples (public on-demand list prices, "
@@ -104,8 +106,8 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true",
                    help="overwrite files in DIR that kvsim plan did not write, or replace a "
                         "plan with other settings there (otherwise refused; the same plan "
-                        "resumes, and more GPUs, models, contexts, policies, batches, TP sizes "
-                        "or KV dtypes extend it)")
+                        "resumes, and more GPUs, models, contexts, policies, batches, TP sizes, "
+                        "KV dtypes, host memories or tokens per step extend it)")
     p.add_argument("--executor", choices=["local", "ray"], default="local")
     p.add_argument("--jobs", type=int, help="parallel workers (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -154,6 +156,13 @@ def run(args) -> int:
         if summary["answer"] is not None:
             print("\n".join(answer_lines(summary["answer"])).replace("`", "") + "\n")
         cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
+        from kvsim.plan.decide import KNOBS
+        for group, knob in reversed(KNOBS):  # a swept setting's values, after the batch
+            values = df[group].map(lambda s, k=knob: json.loads(s or "{}").get(k))
+            if values.nunique(dropna=False) > 1:
+                flag = "--" + knob.replace("_", "-")
+                df[flag] = values
+                cols.insert(cols.index("batch") + 1, flag)
         table(df[cols].to_dict("records"))
         print(f"\n{summary['rows']} rows ({summary['new_runs']} run now, {summary['skipped']} "
               f"already done; {summary['infeasible']} infeasible, {summary['failed']} failed)")

@@ -71,12 +71,23 @@ def load(path: str | Path) -> ModelSpec:
     return parse(cfg, str(p))
 
 
+def _name(cfg: dict) -> str:
+    """What a config calls its model: ``_name_or_path`` (``Qwen/Qwen3-4B``), else its
+    architecture (``Qwen3ForCausalLM``), else its ``model_type``; never the folder it was copied
+    into (``h-new``), which says nothing of the model."""
+    arch = cfg.get("architectures")
+    arch = arch[0] if isinstance(arch, list) and arch else arch
+    for v in (cfg.get("_name_or_path"), arch, cfg.get("model_type")):
+        if isinstance(v, str) and v.strip():
+            return v.strip().rstrip("/")
+    return "unnamed model"
+
+
 def parse(cfg: dict, where: str) -> ModelSpec:
     """The shape a config's fields describe; an ``_kvsim`` entry (the catalog's own configs)
     names it and its source."""
     from kvsim.hw.catalog import ModelSpec
     own = cfg.get("_kvsim") if isinstance(cfg.get("_kvsim"), dict) else {}
-    p = Path(where)
     top = cfg
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **cfg["text_config"]}
@@ -127,7 +138,7 @@ def parse(cfg: dict, where: str) -> ModelSpec:
                    shared_intermediate=int(shared),
                    moe_layers=layers - len(dense_layers & set(range(layers))))
     inter = _int(cfg, "intermediate_size", where, default=0, positive=False)
-    name = own.get("name") or top.get("_name_or_path") or p.parent.name or p.stem
+    name = own.get("name") or _name(top)
     note = own.get("note") or ("MoE" if experts else "")
     return ModelSpec(str(name), str(own.get("hf_id") or where), layers, heads, kv, head_dim,
                      hidden, inter, vocab,

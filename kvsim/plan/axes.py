@@ -92,3 +92,19 @@ def grid(n: int, width: float = 4.2, height: float = 3.2):
 def single(width: float, height: float):
     fig, ax = plt.subplots(figsize=(width, height), layout="constrained")
     return fig, ax
+
+
+def merge_identical(series: dict) -> dict:
+    """Series ({label: (x, y, ...)}) that are the same at every point, drawn once under their
+    labels joined by " = " (in the order given), so that no line hides another of its name."""
+    merged: dict[str, tuple] = {}
+    for label, s in series.items():
+        arrays = [np.asarray(v, float) for v in s]
+        same = next((k for k, t in merged.items() if len(t) == len(arrays) and all(
+            a.shape == np.shape(b) and np.allclose(a, b, rtol=1e-9, atol=0, equal_nan=True)
+            for a, b in zip(arrays, t))), None)
+        if same is None:
+            merged[label] = s
+        else:
+            merged[f"{same} = {label}"] = merged.pop(same)
+    return merged

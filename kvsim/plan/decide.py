@@ -18,6 +18,7 @@ import pandas as pd
 from kvsim.plan import slo
 
 CHECK_TRIES = 3  # replicas added to a configuration whose check fails, at most
+KNOBS = (("scheduling", "max_batched_tokens"), ("deployment", "host_gib"))  # swept settings
 LATENCY = ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_s")
 
 
@@ -52,9 +53,17 @@ def tp(r) -> int:
     return int(d.get("tp", 1))
 
 
+def knobs(r) -> dict:
+    """The scheduling and memory settings a plan sweeps that this configuration sets."""
+    return {knob: v for group, knob in KNOBS
+            if (v := json.loads(r.get(group) or "{}").get(knob)) is not None}
+
+
 def describe(r) -> str:
-    """A configuration in a few words: ``h100-sxm TP1 dense-resident batch 16 bf16``."""
-    return f"{r['gpu']} TP{tp(r)} {r['label']} batch {int(r['batch'])} KV {kv_dtype(r)}"
+    """A configuration in a few words: ``h100-sxm TP1 dense-resident batch 16 KV bf16`` (and
+    ``max_batched_tokens 2048``, ``host_gib 64`` where set)."""
+    return " ".join([f"{r['gpu']} TP{tp(r)} {r['label']} batch {int(r['batch'])} KV "
+                     f"{kv_dtype(r)}", *(f"{k} {v:g}" for k, v in knobs(r).items())])
 
 
 def decide(df: pd.DataFrame, target_qps: float, limits: list, check_run) -> tuple[pd.DataFrame,
@@ -111,12 +120,43 @@ def decide(df: pd.DataFrame, target_qps: float, limits: list, check_run) -> tupl
     else:
         answer |= {"gpu": None, "why": "no configuration carries the target rate within the SLO "
                                        "at a known price"}
+    answer["decided_by"] = decided_by(rows, order[0]) if order else []
     answer["rejected"] = [{"configuration": describe(rows[i]), "binding": rows[i]["binding"],
                            "why": rows[i]["why_lost"]} for i in ranked if i not in order]
     answer["pruned"] = int(out["error"].astype(str).str.startswith("pruned before").sum()) \
         if "error" in out else 0
     answer["configurations"] = len(out)
     return out, answer
+
+
+def decided_by(rows: list[dict], answer: int) -> list[dict]:
+    """The swept scheduling and memory settings that decide the answer: those for which the
+    answer's configuration with another value (all else the same) costs more or does not carry
+    the target within the SLO. Each: the knob, the answer's value and what the other values
+    give."""
+    def without(r, group, knob):  # the configuration's key but for the knob, and its value
+        key = json.loads(r.get("key") or "{}")
+        fields = json.loads(key.get(group) or "{}")
+        value = fields.pop(knob, None)
+        return json.dumps({**key, group: fields}, sort_keys=True), value
+
+    a = rows[answer]
+    out = []
+    for group, knob in KNOBS:
+        rest, mine = without(a, group, knob)
+        others = []
+        for r in rows:
+            theirs, value = without(r, group, knob)
+            if theirs != rest or value == mine:
+                continue
+            carries = r.get("status") == "ok" and _finite(r.get("usd_per_hour")) and \
+                not str(r.get("why_lost", "")).startswith(("fails at", "no rate"))
+            others.append({"value": value, "usd_per_hour": r["usd_per_hour"] if carries else None,
+                           "why": r.get("why_lost")})
+        if any(o["usd_per_hour"] is None or o["usd_per_hour"] > a["usd_per_hour"] + 1e-9
+               for o in others):
+            out.append({"knob": knob, "value": mine, "otherwise": others})
+    return out
 
 
 def _finite(v) -> bool:
@@ -153,7 +193,7 @@ def _entry(r, check) -> dict:
     d = json.loads(r["deployment"])
     return {"gpu": r["gpu"], "tp": tp(r), "replicas": replicas, "gpus": replicas * tp(r),
             "policy": r["policy"], "options": json.loads(r["options"]), "label": r["label"],
-            "batch": int(r["batch"]), "kv_dtype": kv_dtype(r),
+            "batch": int(r["batch"]), "kv_dtype": kv_dtype(r), **knobs(r),
             "weight_dtype": d.get("weight_dtype") or "bf16",
             "usd_per_hour": r["usd_per_hour"], "usd_per_m_tokens": r["usd_per_m_tokens"],
             "usd_per_request": r["usd_per_request"],

@@ -14,7 +14,8 @@ from kvsim.errors import KvsimError
 from kvsim.io import atomic_write
 
 PLOTS = ("goodput_vs_rate", "throughput_vs_batch", "tpot_vs_context", "max_batch_fit",
-         "hbm_breakdown", "link_utilisation", "crossover", "pareto")  # plots.draw_all's names
+         "hbm_breakdown", "link_utilisation", "crossover", "pareto", "cost_vs_latency",
+         "capacity_per_gpu")  # plots.draw_all's names
 MANIFEST = ".kvsim-plan-manifest.json"  # the files this directory's plans wrote
 JOURNAL = ".kvsim-plan-journal.jsonl"  # rows of finished configurations, until results.csv
 

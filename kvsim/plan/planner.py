@@ -18,6 +18,7 @@ import pandas as pd
 from kvsim import __version__
 from kvsim.errors import KvsimError
 from kvsim.io import atomic_write
+from kvsim.plan.decide import KNOBS
 from kvsim.plan.outputs import (
     JOURNAL,
     check_outputs,
@@ -231,6 +232,12 @@ PLOT_TEXT = {
     "goodput_vs_rate": "Requests per second that meet every SLO given, against the offered "
                        "Poisson rate (DistServe's goodput); where a line leaves the diagonal, "
                        "requests start missing their SLO.",
+    "cost_vs_latency": "Cost per million output tokens vs p99 TPOT (and TTFT) at each "
+                       "configuration's sustained rate, for those that carry the target within "
+                       "the SLO; the line joins the Pareto frontier (nothing both cheaper and "
+                       "faster), the star is the answer.",
+    "capacity_per_gpu": "Sustained requests per second per GPU within the SLO (one replica's "
+                        "rate over its TP size), sorted; the answer in red.",
 }
 
 
@@ -244,7 +251,9 @@ def answer_lines(answer: dict) -> list[str]:
     def one(a: dict) -> str:
         lat = a["latency_at_target"]
         return (f"{a['replicas']} x {a['gpu']} TP{a['tp']} ({a['gpus']} GPUs), {a['label']}, "
-                f"batch {a['batch']}, KV {a['kv_dtype']}: ${a['usd_per_hour']:.2f}/h, "
+                f"batch {a['batch']}, KV {a['kv_dtype']}"
+                + "".join(f", {k} {a[k]:g}" for _, k in KNOBS if a.get(k) is not None)
+                + f": ${a['usd_per_hour']:.2f}/h, "
                 f"${a['usd_per_m_tokens']:.3g} per M output tokens; at the target rate TPOT "
                 f"p50/p99 {_ms(lat['tpot_p50_ms'])}/{_ms(lat['tpot_p99_ms'])}, TTFT p50/p99 "
                 f"{_ms(lat['ttft_p50_ms'])}/{_ms(lat['ttft_p99_ms'])}; "
@@ -259,6 +268,14 @@ def answer_lines(answer: dict) -> list[str]:
     lines.append(f"{answer['configurations']} configurations, {answer['pruned']} pruned before "
                  f"simulation (weights do not fit in HBM); why each lost: `why_lost` and "
                  f"`binding` in results.csv, `rejected` in answer.json.")
+    for d in answer.get("decided_by", []):
+        flag = "--" + d["knob"].replace("_", "-")
+        alt = "; ".join(f"{o['value'] if o['value'] is not None else 'the default'}: "
+                        + (f"${o['usd_per_hour']:.2f}/h" if o["usd_per_hour"] is not None
+                           else "does not carry the target within the SLO")
+                        for o in d["otherwise"])
+        lines.append(f"Decided by {flag} {d['value'] if d['value'] is not None else '(default)'}"
+                     f": with {alt}.")
     return lines
 
 

@@ -25,6 +25,7 @@ from kvsim.io import atomic_write
 from kvsim.plan.axes import LOG_SPAN, plain, tokens  # noqa: F401  (LOG_SPAN: tests)
 from kvsim.plan.axes import grid as _grid
 from kvsim.plan.axes import legend as _legend
+from kvsim.plan.axes import merge_identical as _merge
 from kvsim.plan.axes import scale as _scale
 from kvsim.plan.axes import single as _single
 
@@ -42,6 +43,18 @@ def _save(fig, out: Path, name: str) -> list[str]:
         files.append(path.name)
     plt.close(fig)
     return files
+
+
+def _note(fig, text: str, width: int = 150) -> None:
+    """A sentence with the figure's legend (its title, wrapped to ``width`` characters): the
+    layout sizes the legend with it, so the two never overlap, as a loose text under a legend
+    placed by the layout did."""
+    import textwrap
+    wrapped = "\n".join(textwrap.wrap(text, width))
+    if fig.legends:
+        fig.legends[0].set_title(wrapped, prop={"size": 8})
+    else:
+        fig.text(0.5, 0, wrapped, ha="center", va="top", fontsize=8)
 
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
@@ -65,16 +78,24 @@ def _panels(d: pd.DataFrame, keys: list[str]):
 
 def _lines(ax, p: pd.DataFrame, x: str, y: str, series: dict, prefix: str) -> None:
     """One line per label of ``p``: ``y`` against ``x``, recorded in ``series``; where the rows
-    carry ``y_lo``/``y_hi`` (a policy profile's 90% interval), a shaded band."""
+    carry ``y_lo``/``y_hi`` (a policy profile's 90% interval), a shaded band. Labels whose lines
+    (and bands) are identical are drawn once, as "A = B"."""
+    lo, hi = f"{y}_lo", f"{y}_hi"
+    drawn = {}
     for lab, g in p.groupby("label"):
         g = g.sort_values(x)
-        line, = ax.plot(g[x], g[y], marker="o", label=lab)
-        series[f"{prefix}|{lab}"] = (g[x].tolist(), g[y].tolist())
-        lo, hi = f"{y}_lo", f"{y}_hi"
-        if lo in g and hi in g and g[lo].notna().any():
-            ax.fill_between(g[x], g[lo], g[hi], color=line.get_color(), alpha=0.18,
-                            linewidth=0, label=f"{lab}: 90% interval (policy profile)")
-            series[f"{prefix}|{lab}|band"] = (g[x].tolist(), g[lo].tolist(), g[hi].tolist())
+        band = lo in g and hi in g and g[lo].notna().any()
+        drawn[lab] = (g[x].tolist(), g[y].tolist()) + \
+            ((g[lo].tolist(), g[hi].tolist()) if band else ())
+    for lab, (xs, ys, *band) in _merge(drawn).items():
+        line, = ax.plot(xs, ys, marker="o", label=lab)
+        series[f"{prefix}|{lab}"] = (xs, ys)
+        if band:
+            ax.fill_between(xs, band[0], band[1], color=line.get_color(), alpha=0.18,
+                            linewidth=0)
+            ax.fill_between([], [], [], color="grey", alpha=0.3, linewidth=0,
+                            label="shaded: 90% interval (policy profile)")
+            series[f"{prefix}|{lab}|band"] = (xs, band[0], band[1])
 
 
 def _closed_loop(df: pd.DataFrame) -> pd.DataFrame:
@@ -128,7 +149,7 @@ def throughput_vs_batch(df: pd.DataFrame, out: Path) -> dict:
         ax.grid(alpha=0.3)
     _legend(fig, [a for a, _, _ in panels])
     fig.suptitle("Decode throughput vs batch")
-    fig.text(0.5, 0, hbm_limited_note(df), ha="center", va="top", fontsize=8, wrap=True)
+    _note(fig, hbm_limited_note(df))
     _save(fig, out, "throughput_vs_batch")
     return series
 
@@ -217,7 +238,9 @@ def hbm_breakdown(df: pd.DataFrame, out: Path) -> dict:
                          label_type="center", fontsize=7)
             series[name if len(gpus) == 1 else f"{gpu}|{name}"] = (rows.label.tolist(),
                                                                    vals.tolist())
-        ax.bar_label(bars, labels=[f"{t:.1f} GiB" for t in bottom], fontsize=7, padding=2)
+        ax.bar_label(bars, labels=[f"{t:.1f} GiB" for t in bottom], fontsize=7, padding=2,
+                     bbox=dict(facecolor="white", edgecolor="none", pad=0.5),
+                     zorder=3)  # readable where the total sits on the capacity line
         if "hbm_capacity_gib" in rows and rows.hbm_capacity_gib.notna().any():
             cap = float(rows.hbm_capacity_gib.max())
             ax.axhline(cap, color="black", lw=0.8, ls="--", label="HBM capacity")
@@ -269,15 +292,19 @@ def crossover(df: pd.DataFrame, out: Path, base: str = "dense-offload") -> dict:
     b = d[d.policy == base].groupby(["gpu", "model", "batch", "context"])["tpot_ms"].min()
     series, crossings = {}, {}
     fig, ax = _single(8, 4)
-    for lab, g in fetching.groupby("label"):
-        for (gpu, model, batch), h in g.groupby(["gpu", "model", "batch"]):
+    if fetching.groupby(["gpu", "model", "batch", "label"]).ngroups > 10:  # no colour twice
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
+    for (gpu, model, batch), g in fetching.groupby(["gpu", "model", "batch"]):
+        ratios = {}
+        for lab, h in g.groupby("label"):
             h = h.sort_values("context")
             ref = np.array([b.get((gpu, model, batch, c), np.nan) for c in h.context])
-            ratio = h.tpot_ms.to_numpy() / ref
+            ratios[lab] = (h.context.tolist(), (h.tpot_ms.to_numpy() / ref).tolist())
+        for lab, (xs, ratio) in _merge(ratios).items():  # identical lines: one, "A = B"
             name = f"{lab} / {base}, {gpu}, {model}, batch {batch}"
-            ax.plot(h.context, ratio, marker="o", label=name)
-            series[name] = (h.context.tolist(), ratio.tolist())
-            x = h.context.to_numpy(float)
+            ax.plot(xs, ratio, marker="o", label=name)
+            series[name] = (xs, ratio)
+            x = np.asarray(xs, float)
             for i in range(len(ratio) - 1):
                 if (ratio[i] - 1) * (ratio[i + 1] - 1) < 0:  # log-linear interpolation
                     t = (1 - ratio[i]) / (ratio[i + 1] - ratio[i])
@@ -361,10 +388,136 @@ def goodput_vs_rate(df: pd.DataFrame, out: Path) -> dict:
     return series
 
 
+def frontier(d: pd.DataFrame, x: str, y: str) -> list:
+    """The index of the rows of ``d`` that no other row beats: none has both ``x`` and ``y`` at
+    most as large and one of them smaller (the Pareto frontier, lower is better on both)."""
+    pts = d[[x, y]].to_numpy(float)
+    return [i for i, p in zip(d.index, pts)
+            if not ((pts <= p).all(axis=1) & (pts < p).any(axis=1)).any()]
+
+
+def _meets(d: pd.DataFrame) -> pd.Series:
+    """The rows that carry the target within the SLO at a known price (a sustained rate, a
+    cost, and no failed check at the target rate)."""
+    why = d["why_lost"].astype(str) if "why_lost" in d else pd.Series("", index=d.index)
+    return (pd.to_numeric(d["slo_max_qps"], errors="coerce") > 0) & \
+        np.isfinite(pd.to_numeric(d["usd_per_m_tokens"], errors="coerce")) & \
+        ~why.str.startswith("fails at the target rate")
+
+
+def _answer(d: pd.DataFrame) -> pd.Series:
+    return d["why_lost"].astype(str).eq("the answer") if "why_lost" in d else \
+        pd.Series(False, index=d.index)
+
+
+def _name(r) -> str:
+    from kvsim.plan.decide import describe
+    return describe(r) + (f", {r['model']} {tokens(r['context'])}" if "context" in r and
+                          r["context"] == r["context"] else "")
+
+
+def cost_vs_latency(df: pd.DataFrame, out: Path) -> dict:
+    """Cost per million output tokens against p99 TPOT (and p99 TTFT, where measured) at each
+    configuration's sustained rate: the configurations that carry the target within the SLO,
+    those that fail the check at the target rate greyed, the Pareto frontier (nothing both
+    cheaper and faster) as a line, the answer annotated. Series: {panel: {"points", "frontier",
+    "answer"}}."""
+    d = _ok(df).copy()
+    if not {"usd_per_m_tokens", "slo_max_qps", "slo_at_tpot_p99_ms"} <= set(d) or d.empty:
+        return {}
+    good, ans = _meets(d), _answer(d)
+    if not good.any():
+        return {}
+    xs = [("slo_at_tpot_p99_ms", "p99 TPOT (ms)")]
+    if "slo_at_ttft_p99_ms" in d and d.loc[good, "slo_at_ttft_p99_ms"].notna().any():
+        d = d.assign(ttft_p99_s=d.slo_at_ttft_p99_ms / 1000)  # seconds: readable ticks
+        xs.append(("ttft_p99_s", "p99 TTFT (s)"))
+    fig, axes = _grid(len(xs), width=5.2, height=4.0)
+    series = {}
+    for ax, (x, xlabel) in zip(axes, xs):
+        g = d[good & d[x].notna()]
+        grey = d[~good & d[x].notna() & np.isfinite(pd.to_numeric(d["usd_per_m_tokens"],
+                                                                  errors="coerce"))]
+        if len(grey):
+            ax.scatter(grey[x], grey.usd_per_m_tokens, color="lightgrey", s=22, zorder=1,
+                       label="fails the SLO at the target rate")
+        ax.scatter(g[x], g.usd_per_m_tokens, color="tab:blue", s=22, zorder=2,
+                   label="meets the SLO at the target rate")
+        f = g.loc[frontier(g, x, "usd_per_m_tokens")].sort_values(x)
+        ax.plot(f[x], f.usd_per_m_tokens, color="tab:orange", lw=1.2, marker="o", ms=7,
+                mfc="none", zorder=3, label="Pareto frontier (nothing cheaper and faster)")
+        a = d[ans & d[x].notna()]
+        for _, r in a.iterrows():  # named in the legend, marked here
+            ax.scatter([r[x]], [r.usd_per_m_tokens], marker="*", s=220, color="tab:red",
+                       zorder=4, label=f"the answer: {_name(r)}")
+            right = r[x] > g[x].median()
+            ax.annotate("the answer", (r[x], r.usd_per_m_tokens), fontsize=8, color="tab:red",
+                        xytext=(-9 if right else 9, 9), textcoords="offset points",
+                        ha="right" if right else "left")
+        _scale(ax, "x", pd.concat([g[x], grey[x]]))
+        _scale(ax, "y", pd.concat([g.usd_per_m_tokens, grey.usd_per_m_tokens]))
+        ax.set(xlabel=f"{xlabel} at its sustained rate", ylabel="$ per million output tokens")
+        ax.set_title(f"cost vs {xlabel.split(' (')[0]}", fontsize=10)
+        ax.grid(alpha=0.3)
+        series[x] = {"points": (g[x].tolist(), g.usd_per_m_tokens.tolist()),
+                     "frontier": (f[x].tolist(), f.usd_per_m_tokens.tolist()),
+                     "answer": (a[x].tolist(), a.usd_per_m_tokens.tolist())}
+    _legend(fig, axes)
+    fig.suptitle("Cost per output token vs latency, configurations that carry the target")
+    _save(fig, out, "cost_vs_latency")
+    return series
+
+
+def capacity_per_gpu(df: pd.DataFrame, out: Path) -> dict:
+    """Sustained requests / s per GPU (the SLO search's rate of one replica over its TP size)
+    of each configuration, sorted, the answer highlighted. Series: {"capacity": (names,
+    req/s per GPU)}."""
+    from kvsim.plan.decide import tp
+    d = _ok(df)
+    if "slo_max_qps" not in d or "usd_per_hour" not in d or d.slo_max_qps.isna().all():
+        return {}
+    d = d[d.slo_max_qps.notna()].copy()
+    d["per_gpu"] = [r["slo_max_qps"] / tp(r) for r in d.to_dict("records")]
+    none = d[d.per_gpu <= 0]
+    d = d[d.per_gpu > 0].sort_values("per_gpu")
+    if d.empty:
+        return {}
+    common = d.model.nunique() == 1 and d.context.nunique() == 1  # said once, in the title
+    names = [_name(r).removesuffix(f", {r['model']} {tokens(r['context'])}") if common
+             else _name(r) for r in d.to_dict("records")]
+    ans = _answer(d).to_numpy()
+    fig, ax = _single(8.5, 1.4 + 0.28 * len(d))
+    bars = ax.barh(range(len(d)), d.per_gpu, color=np.where(ans, "tab:red", "tab:blue"),
+                   height=0.7)
+    bars[0].set_label("configuration")
+    for i in np.flatnonzero(ans):
+        bars[i].set_label("the answer")
+    ax.bar_label(bars, labels=[plain(v) for v in d.per_gpu], fontsize=7, padding=2)
+    ax.set_yticks(range(len(d)), names, fontsize=7)
+    for lab, a in zip(ax.get_yticklabels(), ans):
+        lab.set_fontweight("bold" if a else "normal")
+    ax.margins(x=0.12)
+    ax.set(xlabel="sustained requests / s per GPU within the SLO")
+    ax.set_title("Capacity per GPU of each configuration" + (
+        f", {d.model.iloc[0]} at {tokens(d.context.iloc[0])} context" if common else ""),
+        fontsize=10)
+    ax.grid(alpha=0.3, axis="x")
+    _legend(fig, [ax])
+    if len(none):
+        from kvsim.plan.decide import describe
+        names = sorted(describe(r) for r in none.to_dict("records"))
+        more = f"; and {len(names) - 8} more" if len(names) > 8 else ""
+        _note(fig, f"{len(names)} configurations sustain no rate within the SLO (not drawn): "
+                   + "; ".join(names[:8]) + more + ".")
+    _save(fig, out, "capacity_per_gpu")
+    return {"capacity": (names, d.per_gpu.tolist())}
+
+
 def draw_all(df: pd.DataFrame, out: Path, quality: pd.DataFrame | None = None) -> dict:
     return {name: fn(df, out) for name, fn in (
         ("goodput_vs_rate", goodput_vs_rate),
         ("throughput_vs_batch", throughput_vs_batch), ("tpot_vs_context", tpot_vs_context),
         ("max_batch_fit", max_batch_fit), ("hbm_breakdown", hbm_breakdown),
         ("link_utilisation", link_utilisation), ("crossover", crossover),
-        ("pareto", lambda d, o: pareto(d, quality, o)))}
+        ("pareto", lambda d, o: pareto(d, quality, o)), ("cost_vs_latency", cost_vs_latency),
+        ("capacity_per_gpu", capacity_per_gpu))}

@@ -1,5 +1,6 @@
 """A sweep: the cross product of GPUs, models, contexts, policies (with their option grids),
-deployments (TP sizes, replicas, KV dtypes) and batch sizes or arrival rates, each simulated by
+deployments (TP sizes, replicas, KV dtypes, host memory), scheduling (tokens per step) and batch
+sizes or arrival rates, each simulated by
 :func:`kvsim.replay.run_replay`.
 
 A configuration whose weights and workspace alone exceed a GPU's HBM is pruned before it is
@@ -30,6 +31,8 @@ from kvsim.plan import slo
 from kvsim.policies.spec import PolicySpec, parse
 from kvsim.replay import ReplayConfig, report, run_replay
 
+DEPLOYMENT_AXES = ("tp", "replicas", "kv_dtype", "host_gib")  # a plan sweeps lists of these
+SCHEDULING_AXES = ("max_batched_tokens",)
 CONFIG_COLUMNS = ["gpu", "model", "context", "policy", "options", "batch", "qps", "output_len",
                   "requests", "seed", "trace", "scheduling", "engine", "deployment"]
 
@@ -49,22 +52,25 @@ class SweepSpec:
     trace: str | None = None
     slo: list[slo.Limit] = field(default_factory=list)  # search the highest sustained rate
     slo_requests: int = 1000
-    scheduling: dict = field(default_factory=dict)  # ReplayConfig scheduler fields
+    scheduling: dict = field(default_factory=dict)  # ReplayConfig scheduler fields; a list
+    # of values sweeps that field (max_batched_tokens)
     engine: dict = field(default_factory=dict)  # ReplayConfig engine and what-if fields
-    deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link; a
-    # list of values sweeps that field
+    deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link,
+    # host_gib; a list of values sweeps that field
     target_qps: float | None = None  # size each configuration's replicas for this rate
     workload: str | None = None  # a workload file (kvsim replay --workload) instead of contexts
 
     def settings(self) -> dict:
         """What makes two plans the same plan, whatever configurations each lists: everything
         but the swept axes (GPUs, models, contexts, policies, batches or rates, TP sizes,
-        replicas, KV dtypes). A plan resumes, or extends its axes, only into a DIR holding the
-        same settings."""
-        axes = ("tp", "replicas", "kv_dtype")
+        replicas, KV dtypes, host memory, tokens per step). A plan resumes, or extends its axes,
+        only into a DIR holding the same settings."""
         return {"output_len": self.output_len, "requests": self.requests, "seed": self.seed,
-                "trace": self.trace, "scheduling": self.scheduling, "engine": self.engine,
-                "deployment": {k: v for k, v in self.deployment.items() if k not in axes},
+                "trace": self.trace, "engine": self.engine,
+                "scheduling": {k: v for k, v in self.scheduling.items()
+                               if k not in SCHEDULING_AXES},
+                "deployment": {k: v for k, v in self.deployment.items()
+                               if k not in DEPLOYMENT_AXES},
                 "slo": [lim.words() for lim in self.slo], "slo_requests": self.slo_requests,
                 "target_qps": self.target_qps, "workload": self.workload}
 
@@ -83,6 +89,13 @@ class SweepSpec:
         axes = [v if isinstance(v, list) else [v] for v in self.deployment.values()]
         return [{k: v for k, v in zip(names, combo) if v != defaults.get(k)}
                 for combo in itertools.product(*axes)]
+
+    def schedulings(self) -> list[dict]:
+        """One scheduling per combination of the listed values (a single value: the fields as
+        given, so the configuration keys of earlier plans hold)."""
+        names = list(self.scheduling)
+        axes = [v if isinstance(v, list) else [v] for v in self.scheduling.values()]
+        return [dict(zip(names, combo)) for combo in itertools.product(*axes)]
 
     def policy_specs(self) -> list[PolicySpec]:
         """One validated spec per policy and combination of the option grid's values."""
@@ -115,7 +128,11 @@ class SweepSpec:
         if self.slo_requests < 10:
             raise KvsimError(f"--slo-requests must be at least 10 (the first fifth warms the "
                              f"system up); got {self.slo_requests}")
-        ReplayConfig(**self.scheduling, **self.engine).check()
+        schedulings = self.schedulings()
+        if not schedulings:
+            raise KvsimError("--max-batched-tokens needs at least one value")
+        for sched in schedulings:
+            ReplayConfig(**sched, **self.engine).check()
         from kvsim.replay import with_dtypes
         deployments = self.deployments()
         if not deployments:
@@ -147,9 +164,9 @@ def expand(spec: SweepSpec) -> list[dict]:
     configs = []
     loads = [("batch", b) for b in spec.batches] if not spec.qps else \
         [("qps", q) for q in spec.qps]
-    for gpu, model, ctx, pol, dep in itertools.product(spec.gpus, spec.models,
-                                                       spec.file_contexts(),
-                                                       spec.policy_specs(), spec.deployments()):
+    for gpu, model, ctx, pol, dep, sched in itertools.product(
+            spec.gpus, spec.models, spec.file_contexts(), spec.policy_specs(),
+            spec.deployments(), spec.schedulings()):
         for kind, value in loads:
             configs.append({**({"workload": spec.workload} if spec.workload else {}),
                 "gpu": gpu, "model": model, "context": int(ctx), "policy": pol.name,
@@ -157,7 +174,7 @@ def expand(spec: SweepSpec) -> list[dict]:
                 "batch": int(value) if kind == "batch" else int(max(spec.batches)),
                 "qps": float(value) if kind == "qps" else None,
                 "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
-                "trace": spec.trace, "scheduling": json.dumps(spec.scheduling, sort_keys=True),
+                "trace": spec.trace, "scheduling": json.dumps(sched, sort_keys=True),
                 "engine": json.dumps(spec.engine, sort_keys=True),
                 "deployment": json.dumps(dep, sort_keys=True)})
     return configs
