@@ -78,7 +78,7 @@ def _panels(d: pd.DataFrame, keys: list[str]):
 
 def _lines(ax, p: pd.DataFrame, x: str, y: str, series: dict, prefix: str) -> None:
     """One line per label of ``p``: ``y`` against ``x``, recorded in ``series``; where the rows
-    carry ``y_lo``/``y_hi`` (a policy profile's 90% interval), a shaded band. Labels whose lines
+    carry ``y_lo``/``y_hi`` (the prediction interval), a shaded band. Labels whose lines
     (and bands) are identical are drawn once, as "A = B"."""
     lo, hi = f"{y}_lo", f"{y}_hi"
     drawn = {}
@@ -94,7 +94,7 @@ def _lines(ax, p: pd.DataFrame, x: str, y: str, series: dict, prefix: str) -> No
             ax.fill_between(xs, band[0], band[1], color=line.get_color(), alpha=0.18,
                             linewidth=0)
             ax.fill_between([], [], [], color="grey", alpha=0.3, linewidth=0,
-                            label="shaded: 90% interval (policy profile)")
+                            label="shaded: prediction interval (engine error, policy profile)")
             series[f"{prefix}|{lab}|band"] = (xs, band[0], band[1])
 
 
