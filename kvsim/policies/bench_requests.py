@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -129,13 +130,14 @@ def stack_requests(requests: list) -> T.Attention:
                        f"(request 0: {a.provenance})")
 
 
-class Stacking:
+class Stacking(ABC):
     """``stack(B)`` for a bench of one request that keeps its request's attention in
     ``_requests`` and knows ``m``, ``n``, ``seed``; a subclass builds a bench of a stack with
     :meth:`_of` and says whether its requests need kvzip scores (:meth:`_kvzip`)."""
 
+    @abstractmethod
     def _of(self, attention: T.Attention):
-        raise NotImplementedError
+        """A bench of the same kind deciding on ``attention`` (a stack of requests)."""
 
     def _kvzip(self) -> bool:
         return False
