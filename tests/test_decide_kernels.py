@@ -59,8 +59,11 @@ class FakeFetch(FetchPolicy):
     def definition_stats(self):
         return {"kv_read_frac": 0.125, "output_rel_err_mean": 0.0}
 
-    def attend(self, state, q, q_pos, k, v):  # needs no trace: never called
-        raise NotImplementedError
+    def compress(self, k, v, scores, obs_q, obs_pos, generator, layer, obs_k=None):
+        raise AssertionError("needs no trace: never called")
+
+    def attend(self, state, q, q_pos, k, v):
+        raise AssertionError("needs no trace: never called")
 
     def decide_kernel(self, device, model, context, seed=0):
         return FakeBench(context)

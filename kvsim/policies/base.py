@@ -98,6 +98,7 @@ class Policy(ABC):
     def check(self, trace) -> None:  # noqa: B027  (optional: most policies run on any trace)
         """Before any work on ``trace``: a one-line error if this policy cannot run on it."""
 
+    @abstractmethod
     def compress(self, k: torch.Tensor, v: torch.Tensor, scores: dict[str, torch.Tensor],
                  obs_q: torch.Tensor, obs_pos: torch.Tensor, generator: torch.Generator,
                  layer: int, obs_k: torch.Tensor | None = None) -> Compressed:
@@ -108,11 +109,8 @@ class Policy(ABC):
         ``obs_q``, ``obs_pos``: (n_q, w, d) observation-window queries and their positions;
         ``obs_k``: (n_kv, a, d) the keys after the context (positions n_ctx ..) where the window
         lies after it (question rows), which SnapKV's softmax includes; None otherwise.
-        Default: everything stays (dense).
+        (A mask policy keeps exact tokens by default: :meth:`MaskPolicy.compress`.)
         """
-        n_kv, n_ctx, d = k.shape
-        return Compressed(None, float(n_ctx), n_ctx * 2.0 * d * KV_ELEM_BYTES,
-                          resident=torch.ones(n_kv, n_ctx, dtype=torch.bool, device=k.device))
 
     @abstractmethod
     def attend(self, state, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
