@@ -1,17 +1,25 @@
 """``kvsim fit``: measured serving points in, an engine profile out.
 
-A point is one row of a CSV: a configuration (``gpu, model, policy, context, batch`` and the
-policy's options as columns, e.g. ``eps, compression, sketch``) and what was measured there:
-``tpot_ms`` (required) and, when known, ``fetch_ms`` and ``decide_ms`` per decode step,
-``throughput_tok_s``, and ``kv_read_frac`` (the measured fetch fraction: it replaces the trace's).
-``output_len`` (default 128) sets the decode steps the TPOT averages over. ``use`` (``fit`` or
-``check``) says whether a row is fitted or only predicted (default ``fit``); ``source``,
-``certainty`` and ``note`` travel with a row into the report.
+A point is one row of a CSV: a configuration (``gpu, model, policy, context, batch``, the
+policy's options as columns, e.g. ``eps, compression, sketch``, and where they apply ``tp``,
+``weight_dtype``, ``kv_dtype``, the serving ``engine`` family and its decode ``attention``
+kernel) and what was measured there, at least one of:
 
-A point's prediction is the simulator's own cost of its decode steps
-(:meth:`kvsim.sim.steps.StepCosts.decode`): a full batch of ``batch`` requests of ``context``
-tokens decoding ``output_len`` tokens together, TPOT = the mean step. :mod:`kvsim.fit.solve` fits
-the engine's free parameters to the fit rows.
+* ``tpot_ms``: the mean decode step of a full batch of ``batch`` requests whose prompts of
+  ``context`` tokens decode ``output_len`` tokens together (default 128);
+* ``ttft_ms``: the prefill of that batch's prompts in one step;
+* ``latency_s``: the batch end to end, its prefill and ``output_len - 1`` decode steps;
+* ``throughput_tok_s``: the generated tokens of that run per second, ``batch x output_len /
+  latency``;
+* and, where the engine reports them, ``fetch_ms`` and ``decide_ms`` per decode step, and
+  ``kv_read_frac`` (the measured fetch fraction: it replaces the trace's).
+
+``use`` (``fit`` or ``check``) says whether a row is fitted or only predicted (default ``fit``);
+``source``, ``certainty``, ``where``, ``url``, ``engine_version`` and ``note`` travel with a row
+into the report.
+
+A prediction is the simulator's own cost of those steps (:class:`kvsim.sim.steps.StepCosts`).
+:mod:`kvsim.fit.solve` fits the engine's free parameters to the fit rows.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ from kvsim.hw.engine import Engine
 from kvsim.policies.spec import PolicySpec, parse
 from kvsim.sim.steps import StepCosts
 
-REQUIRED = ("gpu", "model", "policy", "context", "batch", "tpot_ms")
-MEASURED = ("tpot_ms", "fetch_ms", "decide_ms", "throughput_tok_s")
-OPTIONAL = ("kv_read_frac", "fetch_ms", "decide_ms", "throughput_tok_s", "output_len")
-METADATA = ("use", "source", "certainty", "note")
+REQUIRED = ("gpu", "model", "policy", "context", "batch")
+MEASURED = ("tpot_ms", "ttft_ms", "latency_s", "throughput_tok_s", "fetch_ms", "decide_ms")
+HEADLINE = ("tpot_ms", "throughput_tok_s", "latency_s", "ttft_ms")  # what a row is judged by
+SETUP = ("tp", "weight_dtype", "kv_dtype", "engine", "attention")
+OPTIONAL = ("kv_read_frac", "output_len", *MEASURED, *SETUP)
+METADATA = ("use", "source", "certainty", "note", "where", "url", "engine_version")
 USES = ("fit", "check")
 
 
@@ -49,12 +59,39 @@ class Point:
     kv_read_frac: float | None = None
     output_len: int = 128
     use: str = "fit"
-    meta: dict = field(default_factory=dict)  # source, certainty, note
+    meta: dict = field(default_factory=dict)  # source, certainty, note, ...
+    tp: int = 1
+    weight_dtype: str | None = None  # None: the model's own (bf16)
+    kv_dtype: str | None = None
+    engine: str = ""  # the serving engine's family (vllm, sglang, trtllm, ...)
+    attention: str | None = None  # the engine's decode attention kernel, where the row says
 
     @property
     def label(self) -> str:
         return self.spec.label
 
+    @property
+    def headline(self) -> str | None:
+        """The measured value the row is judged by: its TPOT where measured, else its
+        throughput, end-to-end latency or TTFT."""
+        return next((k for k in HEADLINE if k in self.measured), None)
+
+    def categories(self) -> list[str]:
+        """The regimes the row checks: what it measures (decode, prefill, throughput) and what
+        its setup has (tp, fp8, moe, long-context, offload)."""
+        out = []
+        if "tpot_ms" in self.measured:
+            out.append("decode")
+        if "ttft_ms" in self.measured:
+            out.append("prefill")
+        if {"throughput_tok_s", "latency_s"} & set(self.measured):
+            out.append("throughput")
+        m = catalog.model(self.model)
+        out += (["tp"] if self.tp > 1 else []) + (["moe"] if m.experts else [])
+        out += ["fp8"] if "fp8" in (self.weight_dtype, self.kv_dtype) else []
+        out += ["long-context"] if self.context >= 16384 else []
+        out += ["offload"] if self.spec.name != "dense-resident" else []
+        return out
 
 def _number(row: int, col: str, text: str, kind=float):
     try:
@@ -83,6 +120,8 @@ def read_points(path: str | Path) -> list[Point]:
         raise KvsimError(f"{path}: no measured points")
     cols = [c.strip() for c in rows[0].keys() if c is not None]
     missing = [c for c in REQUIRED if c not in cols]
+    if not any(c in cols for c in HEADLINE):
+        missing.append(f"one of {', '.join(HEADLINE)}")
     if missing:
         raise KvsimError(f"{path}: missing column(s) {', '.join(missing)} (required: "
                          f"{', '.join(REQUIRED)})")
@@ -115,6 +154,9 @@ def read_points(path: str | Path) -> list[Point]:
         if use not in USES:
             raise KvsimError(f"row {i}: use {use!r} is not one of {', '.join(USES)}")
         measured = {c: _number(i, c, r[c]) for c in MEASURED if r.get(c)}
+        if not any(c in measured for c in HEADLINE):
+            raise KvsimError(f"row {i}: no measured value (give one of {', '.join(HEADLINE)})")
+        setup = _setup(i, r)
         frac = r.get("kv_read_frac")
         frac = float(frac) if frac else None
         if frac is not None and not 0 <= frac <= 1:
@@ -123,8 +165,26 @@ def read_points(path: str | Path) -> list[Point]:
             i, r["gpu"], r["model"], specs[0], _number(i, "context", r["context"], int),
             _number(i, "batch", r["batch"], int), measured, frac,
             _number(i, "output_len", r["output_len"], int) if r.get("output_len") else 128,
-            use, {k: r[k] for k in ("source", "certainty", "note") if r.get(k)}))
+            use, {k: r[k] for k in METADATA[1:] if r.get(k)}, **setup))
     return points
+
+
+def _setup(i: int, r: dict) -> dict:
+    """The row's ``tp``, dtypes, engine family and attention kernel, each checked."""
+    from kvsim.hw.engine import ATTENTION
+    from kvsim.sim.records import KV_DTYPES, WEIGHT_DTYPES
+    out = {}
+    if r.get("tp"):
+        out["tp"] = _number(i, "tp", r["tp"], int)
+    for col, table in (("weight_dtype", WEIGHT_DTYPES), ("kv_dtype", KV_DTYPES),
+                       ("attention", dict.fromkeys(ATTENTION))):
+        if r.get(col):
+            if r[col] not in table:
+                raise KvsimError(f"row {i}: {col} {r[col]!r} is not one of {', '.join(table)}")
+            out[col] = r[col]
+    if r.get("engine"):
+        out["engine"] = r["engine"]
+    return out
 
 
 class Predictor:
@@ -152,17 +212,30 @@ class Predictor:
         return self._costs[key]
 
     def predict(self, p: Point, engine: Engine) -> dict:
-        """Predicted ``tpot_ms``, ``fetch_ms`` and ``decide_ms`` (per decode step, all layers)
-        and ``throughput_tok_s`` of the point."""
-        m = catalog.model(p.model)
+        """Predicted ``tpot_ms``, ``fetch_ms`` and ``decide_ms`` (per decode step, all layers),
+        and, for the values the row measured, ``ttft_ms``, ``latency_s`` and
+        ``throughput_tok_s`` (see the module docstring)."""
+        from kvsim.replay import with_dtypes
+        m = with_dtypes(catalog.model(p.model), p.kv_dtype, p.weight_dtype).shard(p.tp)
+        if p.attention is not None and engine.get("attention") != p.attention:
+            engine = engine.with_fields(attention=p.attention)
         costs, _ = costs_for(p.gpu, None, engine)
+        costs.set_tp(p.tp)
         steps = StepCosts(m, costs, self.cost(p))
         ctx = np.full(p.batch, float(p.context))
         step, _, _ = steps.decode(ctx, p.output_len)
         j = np.arange(p.output_len, dtype=float)
         _, decide, link = steps.layer_costs(np.full(p.output_len, p.batch),
                                             float(ctx.sum()) + p.batch * j)
-        tpot = float(step.mean())
-        return {"tpot_ms": 1e3 * tpot, "fetch_ms": 1e3 * m.layers * float(link.mean()),
-                "decide_ms": 1e3 * m.layers * float(decide.mean()),
-                "throughput_tok_s": p.batch / tpot}
+        out = {"tpot_ms": 1e3 * float(step.mean()),
+               "fetch_ms": 1e3 * m.layers * float(link.mean()),
+               "decide_ms": 1e3 * m.layers * float(decide.mean())}
+        if {"ttft_ms", "latency_s", "throughput_tok_s"} & set(p.measured):
+            n = p.batch * p.context
+            ttft = steps.step(0, 0.0, float(n), p.batch * float(m.attention_flops(p.context)),
+                              p.batch, [float(p.context)] * p.batch)[0]
+            rest = float(step[1:].sum())  # the decode steps after the first token
+            out["ttft_ms"] = 1e3 * ttft
+            out["latency_s"] = ttft + rest
+            out["throughput_tok_s"] = p.batch * p.output_len / (ttft + rest)
+        return out

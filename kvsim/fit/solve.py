@@ -36,6 +36,11 @@ from kvsim.hw.engine import BOUNDS, DecideModel, Engine, Value
 # name -> (lower, upper bound)
 PARAMS = {
     "step_overhead_ms": (0.0, 1e3),
+    "layer_overhead_us": (0.0, 1e3),
+    "token_overhead_us": (0.0, 1e3),
+    "gemm_overlap": (0.0, 1.0),
+    "gemm_half_tokens": (0.0, 1e4),
+    "moe_efficiency": (0.05, 1.0),
     "hbm_efficiency": (0.05, 1.0),
     "flop_efficiency": (0.05, 1.0),
     **{f"link.{p}.gbps": (0.05, 2e3) for p in ("h2d", "d2h", "gather")},
@@ -68,11 +73,24 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
     out = ["step_overhead_ms"]
     costs = {id(p): pred.cost(p) for p in points}
     m = {p.model: catalog.model(p.model) for p in points}
+    decodes = [p for p in points if {"tpot_ms", "latency_s", "throughput_tok_s"}
+               & set(p.measured)]  # rows whose value holds decode steps
     resident = {round(costs[id(p)].hbm_read_frac * m[p.model].kv_bytes_per_token * p.context
                       * p.batch + m[p.model].weight_bytes)
-                for p in points if costs[id(p)].host_read_frac == 0}
+                for p in decodes if costs[id(p)].host_read_frac == 0}
     if len(resident) >= 2:
         out.append("hbm_efficiency")
+    if len({m[p.model].layers for p in decodes}) >= 2:  # else it trades with the step overhead
+        out.append("layer_overhead_us")
+    if len({p.batch for p in decodes if costs[id(p)].host_read_frac == 0
+            and not costs[id(p)].decide_kernel}) >= 4:  # dense rows: nothing else grows with B
+        out.append("token_overhead_us")
+    compute = [p for p in points if "ttft_ms" in p.measured or p.batch * (
+        p.output_len if {"latency_s", "throughput_tok_s"} & set(p.measured) else 1) >= 64]
+    if len(compute) >= 3:  # prefills or large batches: the matmuls' compute side shows
+        out += ["flop_efficiency", "gemm_overlap", "gemm_half_tokens"]
+    if sum(bool(m[p.model].experts) for p in points) >= 2:
+        out.append("moe_efficiency")
     paths = {costs[id(p)].path for p in points if costs[id(p)].host_read_frac > 0}
     out += [f"link.{p}.gbps" for p in ("h2d", "gather") if p in paths]
     for kernel in decide_kernels(points, pred):
@@ -90,8 +108,10 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
 def start_values(gpu: str, kernels: list[str]) -> dict:
     """Where the search starts: the catalog's roofline figures of the fitted GPU."""
     g = catalog.gpu(gpu)
-    return {"step_overhead_ms": 0.5, "hbm_efficiency": HBM_EFFICIENCY,
-            "flop_efficiency": FLOP_EFFICIENCY, "link.h2d.gbps": g.h2d_gbps,
+    return {"step_overhead_ms": 0.5, "layer_overhead_us": 5.0, "token_overhead_us": 5.0,
+            "gemm_overlap": 0.5, "gemm_half_tokens": 32.0, "moe_efficiency": 0.7,
+            "hbm_efficiency": HBM_EFFICIENCY, "flop_efficiency": FLOP_EFFICIENCY,
+            "link.h2d.gbps": g.h2d_gbps,
             "link.d2h.gbps": g.h2d_gbps, "link.gather.gbps": g.h2d_gbps * GATHER_EFFICIENCY,
             **{f"link.{p}.launch_us": g.copy_alpha_us for p in ("h2d", "d2h", "gather")},
             **{f"decide.{k}.{f}": start for k in kernels
@@ -156,7 +176,9 @@ def solve(points: list[Point], pred: Predictor, base: Engine, free: list[str],
 
 def fit(points: list[Point], pred: Predictor, base: Engine, free: list[str] | None = None,
         fixed: dict | None = None, name: str = "fitted", description: str = "",
-        origin: str = "", progress: bool = False) -> Fit:
+        origin: str = "", progress: bool = False, loo: bool = True) -> Fit:
+    """Fit ``free`` (default: what the fit rows identify) to the fit rows of ``points``, from
+    ``base``; ``loo``: also predict each fit row from a fit of the others."""
     fixed = dict(fixed or {})
     rows = [p for p in points if p.use == "fit"]
     if not rows:
@@ -190,8 +212,9 @@ def fit(points: list[Point], pred: Predictor, base: Engine, free: list[str] | No
             row[f"predicted_{k}"] = got[k]
             row[f"err_{k}_pct"] = 100 * (got[k] / v - 1)
         table.append(row)
-    _leave_one_out(rows, pred, base, chosen, free is not None, fixed, start, gpu, model, values,
-                   table, progress)
+    if loo:
+        _leave_one_out(rows, pred, base, chosen, free is not None, fixed, start, gpu, model,
+                       values, table, progress)
     engine.fit.update({"points": table, "free": chosen, "rms_rel_err": rms,
                        "values": values, "range": fitted_range(rows, pred)})
     return Fit(engine, chosen, values, table, rms)
@@ -231,7 +254,8 @@ def _leave_one_out(rows, pred, base, chosen, forced, fixed, start, gpu, model, v
             row["loo_tpot_pct"], row["loo_note"] = None, str(e).split(";")[0]
             continue
         got = pred.predict(p, make_engine(base, v, "fit", "", gpu, model))
-        row["loo_tpot_pct"] = 100 * (got["tpot_ms"] / p.measured["tpot_ms"] - 1)
+        k = p.headline
+        row["loo_tpot_pct"] = 100 * (got[k] / p.measured[k] - 1)
 
 
 CV_BY = ("source",)  # row cells a cross-validation can hold out by
@@ -280,8 +304,9 @@ def cross_validate(points: list[Point], pred: Predictor, base: Engine,
         bounds = [p.row for p in rows if p.meta.get("certainty") in BOUNDS]
         for p in rows:
             if p.row not in bounds:
-                got = pred.predict(p, eng)["tpot_ms"]
-                res["errors_pct"].append(100 * (got / p.measured["tpot_ms"] - 1))
+                k = p.headline
+                got = pred.predict(p, eng)[k]
+                res["errors_pct"].append(100 * (got / p.measured[k] - 1))
         if bounds:
             res["note"] = f"rows {' '.join(map(str, bounds))}: a bound of TPOT, not predicted"
     return out

@@ -81,6 +81,64 @@ class LinkPath:
         return np.where(nbytes > 0, copies * t, 0.0)
 
 
+class Matmuls:
+    """One layer's GEMMs (QKV, O, the gated MLP) for ``n`` tokens, by their shape.
+
+    Compute runs at the layer GEMMs' rate (:meth:`CostModel.gemm_flops`) times a shape
+    efficiency ``M / (M + half)``, ``M`` the tokens one matmul sees (``half`` = the engine's
+    ``gemm_half_tokens``; 0: flat): every token for the dense matmuls; for a mixture of experts'
+    routed experts, grouped by expert, the tokens each expert gets, ``n k / E`` under uniform
+    routing, at the engine's ``moe_efficiency`` of the dense matmuls' efficiency (grouped GEMMs
+    reach less of the peak). The weight reads are the bytes the tokens touch
+    (:meth:`ModelSpec.layer_weight_bytes`) at achievable HBM bandwidth. The engine's
+    ``gemm_overlap`` says how much of the smaller of the two hides under the larger: 1 (the
+    default) is the roofline's max, 0 their sum.
+    ``time`` is vectorised; ``at`` is the same in floats (the simulator's hot path)."""
+
+    def __init__(self, m: ModelSpec, rate: float, hbm_bw: float, overlap: float, half: float,
+                 moe_efficiency: float = 1.0):
+        self.m, self.rate, self.hbm_bw, self.overlap, self.half = m, rate, hbm_bw, overlap, half
+        routed = 0.0
+        if m.experts:
+            share = (m.layers if m.moe_layers is None else m.moe_layers) / m.layers
+            routed = 3.0 * m.hidden * m.moe_intermediate * m.experts_per_token * share
+        self.dense_flops = 2.0 * (m.active_layer_params - routed)  # per token
+        self.routed_flops = 2.0 * routed / moe_efficiency  # per token, at the dense efficiency
+        self.per_expert = m.experts_per_token / m.experts if m.experts else 0.0
+        self.dense_bytes = float(m.layer_weight_bytes())
+
+    def _eff(self, tokens):
+        return tokens / (tokens + self.half) if self.half else 1.0
+
+    def _combine(self, compute, memory):
+        if self.overlap == 1.0:
+            return np.maximum(compute, memory)
+        return compute + memory - self.overlap * np.minimum(compute, memory)
+
+    def time(self, tokens) -> np.ndarray:
+        n = np.asarray(tokens, float)
+        g = np.maximum(n, 1e-9)
+        compute = self.dense_flops * n / (self.rate * self._eff(g))
+        if self.routed_flops:
+            compute = compute + self.routed_flops * n / (self.rate * self._eff(
+                g * self.per_expert))
+            memory = self.m.layer_weight_bytes(n) / self.hbm_bw
+        else:
+            memory = np.where(n > 0, self.dense_bytes / self.hbm_bw, 0.0)
+        return np.where(n > 0, self._combine(compute, memory), 0.0)
+
+    def at(self, n: float) -> float:
+        if n <= 0:
+            return 0.0
+        if self.routed_flops:
+            return float(self.time(n))
+        compute = self.dense_flops * n / (self.rate * self._eff(n))
+        memory = self.dense_bytes / self.hbm_bw
+        if self.overlap == 1.0:
+            return max(compute, memory)
+        return compute + memory - self.overlap * min(compute, memory)
+
+
 class CostModel:
     """Costs for one GPU and one model. Build with :meth:`from_spec` or :meth:`from_hardware`,
     then :meth:`apply` an engine profile (:mod:`kvsim.hw.engine`)."""
@@ -110,6 +168,13 @@ class CostModel:
         self.tp = 1  # tensor parallelism (set_tp)
         self.allreduce: AllReduce | None = None
         self._gemm_flops: dict[float, float] = {}  # per weight element size (gemm_flops)
+        # engine fields of kernel shape (see :class:`Matmuls`, :meth:`attention_reread`)
+        self.layer_overhead = 0.0  # seconds per layer and step
+        self.token_overhead = 0.0  # seconds per sequence that emits a token in a step
+        self.gemm_overlap = 1.0  # share of min(compute, weight reads) hidden under the max
+        self.gemm_half_tokens = 0.0  # tokens per matmul at half its large-shape efficiency
+        self.moe_efficiency = 1.0  # grouped expert matmuls' efficiency over the dense ones'
+        self.attention = "gqa"  # decode attention reads a KV head once ("gqa") or per query head
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -225,6 +290,12 @@ class CostModel:
         for key, val in sorted(engine.fields.items()):
             prov[f"engine.{key}"] = val.describe()
         self.step_overhead = engine.get("step_overhead_ms", 0.0) / 1e3
+        self.layer_overhead = engine.get("layer_overhead_us", 0.0) / 1e6
+        self.token_overhead = engine.get("token_overhead_us", 0.0) / 1e6
+        self.gemm_overlap = engine.get("gemm_overlap", 1.0)
+        self.gemm_half_tokens = engine.get("gemm_half_tokens", 0.0)
+        self.moe_efficiency = engine.get("moe_efficiency", 1.0)
+        self.attention = engine.get("attention", "gqa")
         self.launches = engine.get("link_launches", self.launches)
         self.fetch = engine.get("fetch", self.fetch)
         measured = self.spec is None  # rates from a profile, not from a catalog entry
@@ -303,8 +374,17 @@ class CostModel:
         if self.gemm_curve is not None:
             c = self.gemm_curve
             return c(batch, lambda b: np.maximum(c.y[-1] * b / c.x[-1], c.y[0]))
-        flops = 2.0 * m.active_layer_params * batch
-        return np.maximum(flops / self.gemm_flops(m), m.layer_weight_bytes(batch) / self.hbm_bw)
+        return self.matmuls(m).time(batch)
+
+    def matmuls(self, m: ModelSpec) -> Matmuls:
+        """The layer GEMMs of ``m`` on this GPU under this engine."""
+        return Matmuls(m, self.gemm_flops(m), self.hbm_bw, self.gemm_overlap,
+                       self.gemm_half_tokens, self.moe_efficiency)
+
+    def attention_reread(self, m: ModelSpec) -> float:
+        """How many times decode attention reads each cached KV head: once with a GQA-aware
+        kernel, once per query head of its group with one that is not (engine ``attention``)."""
+        return m.q_heads / m.kv_heads if self.attention == "per-query-head" else 1.0
 
     def gemm_flops(self, m: ModelSpec) -> float:
         """Achievable FLOP/s of ``m``'s layer GEMMs, by the type its weights are stored in:
@@ -335,13 +415,17 @@ class CostModel:
         return rate
 
     def head_time(self, batch, m: ModelSpec) -> np.ndarray:
-        """The LM head (vocab projection) once per step."""
+        """The LM head (vocab projection) once per step for ``batch`` sequences that emit a
+        token, and the engine's work per emitted token (``token_overhead_us``)."""
         if self.head_curve is not None:
             c = self.head_curve
-            return c(batch, lambda b: np.maximum(c.y[-1] * b / c.x[-1], c.y[0]))
-        p = m.vocab * m.hidden
-        return np.maximum(2.0 * p * np.asarray(batch, float) / self.flops,
-                          p * m.dtype_bytes / self.hbm_bw)
+            head = c(batch, lambda b: np.maximum(c.y[-1] * b / c.x[-1], c.y[0]))
+        else:
+            p = m.vocab * m.hidden
+            head = np.maximum(2.0 * p * np.asarray(batch, float) / self.flops,
+                              p * m.dtype_bytes / self.hbm_bw)
+        return head + self.token_overhead * np.asarray(batch, float) if self.token_overhead \
+            else head
 
     def summarize_decide(self) -> None:
         """``provenance["decide"]`` before a policy asks for its decide model: which policies

@@ -35,6 +35,7 @@ SOURCES = ("catalog", "profile", "fit", "paper", "override", "default")
 PATHS = ("h2d", "d2h", "gather")
 LAUNCHES = ("per-sequence", "per-layer")
 FETCHES = ("policy", "serial", "overlap")
+ATTENTION = ("gqa", "per-query-head")  # decode attention reads each KV head once, or per query head
 ENGINES_DIR = Path(__file__).resolve().parent / "engines"
 BUILTIN = {"vllm-paper": ENGINES_DIR / "vllm-paper-h100.json"}
 CATALOG_DEFAULT = "vllm-paper"  # the default engine with a catalog GPU
@@ -124,6 +125,17 @@ FIELDS = {
     "step_overhead_ms": (_nonneg, "a number >= 0 (ms per engine step, whatever its batch)"),
     "hbm_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of spec HBM"),
     "flop_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of spec compute"),
+    "layer_overhead_us": (_nonneg, "a number >= 0 (us per layer and step: launches no graph "
+                                   "hides, whatever the batch)"),
+    "token_overhead_us": (_nonneg, "a number >= 0 (us per sequence that emits a token in a "
+                          "step: sampling, detokenising, the scheduler's bookkeeping)"),
+    "gemm_overlap": (lambda v: _nonneg(v) and v <= 1, "a share in [0, 1] of the smaller of a "
+                     "matmul's compute and weight-read times hidden under the larger"),
+    "gemm_half_tokens": (_nonneg, "tokens >= 0 per matmul at which it reaches half its "
+                         "large-shape compute efficiency (0: flat)"),
+    "moe_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of the dense "
+                       "matmuls' compute efficiency that grouped expert matmuls reach"),
+    "attention": (lambda v: v in ATTENTION, f"one of {', '.join(ATTENTION)}"),
     "link_launches": (lambda v: v in LAUNCHES, f"one of {', '.join(LAUNCHES)}"),
     "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
     **{f"link.{p}.gbps": (_positive, "GB/s > 0") for p in PATHS},
@@ -185,6 +197,14 @@ class Engine:
     def decide(self, kernel: str) -> DecideModel | None:
         v = self.fields.get(f"decide.{kernel}")
         return None if v is None else DecideModel(**v.value)
+
+    def with_fields(self, source: str = "override", **values) -> Engine:
+        """A copy with these fields set (each checked), from ``source``."""
+        fields = dict(self.fields)
+        for k, v in values.items():
+            fields[k] = Value(v, source)
+            check(k, fields[k])
+        return dataclasses.replace(self, fields=fields)
 
     def with_overrides(self, **over) -> Engine:
         """A copy with what-if values (source ``override``): ``step_overhead_ms``,

@@ -86,16 +86,16 @@ class StepCosts:
         self._per_batch: dict[int, tuple[float, float]] = {}
         self._lines: dict[int, tuple] = {}
         self._forms: dict[int, tuple | None] = {}
-        self.layer_bytes = float(self.model.layer_weight_bytes())
         m, c, p = self.model, self.costs, self.policy
-        self.gemm_flops = c.gemm_flops(m)  # the layer GEMMs' rate, by the weights' type
         self.overlap = c.overlap_for(p.overlap)
         self.fixed = p.fixed  # some term holds a fixed token count: charged per sequence
         self.fetches = p.host_read_frac > 0 or p.host_read_tokens > 0
         self.writes = p.host_frac > 0 or p.host_tokens > 0  # prefilled KV goes to host memory
         w = self.prefill_work
         self.works = bool(w.flops_per_token or w.flops_per_token_sq or w.bytes_per_token)
-        self.overhead = c.step_overhead
+        self.overhead = c.step_overhead + m.layers * c.layer_overhead
+        self.matmuls = c.matmuls(m)
+        self.reread = c.attention_reread(m)  # KV heads read once per query head, or once
         self.decide = c.decide_model(p.decide_kernel, m, p.decide_bytes_per_token) \
             if p.decide_bytes_per_token > 0 else None
         if self.decide is not None and c.tp > 1:  # each GPU decides for its share of the heads
@@ -163,14 +163,16 @@ class StepCosts:
                                for t in ("hbm_read", "host_read"))
             per_layer = m.kv_bytes_per_token / m.layers
             read, fetch = np.asarray(read, float), np.asarray(fetch, float)
-            compute = gemm + c.attention_time(per_layer * read, read) + c.allreduce_time(D, m)
+            compute = gemm + c.attention_time(self.reread * per_layer * read,
+                                              self.reread * read) + c.allreduce_time(D, m)
             link = c.link_time(per_layer * fetch, p.path, copies=c.copies(
                 p.copies_per_layer, D)) if self.fetches else np.zeros_like(tokens)
             decide = self.decide.seconds(D, tokens, fetch / np.maximum(tokens, 1.0)) \
                 if self.decide is not None else np.zeros_like(tokens)
             return compute, decide, link
         kv_layer = m.kv_bytes_per_token / m.layers * tokens  # bytes of one layer's KV
-        compute = gemm + c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens) \
+        read = self.reread * p.hbm_read_frac
+        compute = gemm + c.attention_time(read * kv_layer, read * tokens) \
             + c.allreduce_time(D, m)
         link = c.link_time(p.host_read_frac * kv_layer, p.path,
                            copies=c.copies(p.copies_per_layer, D)) \
@@ -197,9 +199,7 @@ class StepCosts:
         if chunks is None:
             return alone, L * (compute + decide) + head, L * link, alone
         dec_gemm = np.where(D > 0, c.gemm_time(D, m), 0.0) if D.any() else 0.0
-        weights = m.layer_weight_bytes(D + chunks.tokens) / c.hbm_bw  # a pass over the weights
-        gemm = np.maximum(np.maximum(dec_gemm, weights),
-                          2.0 * m.active_layer_params * (D + chunks.tokens) / self.gemm_flops)
+        gemm = np.maximum(dec_gemm, self.matmuls.time(D + chunks.tokens))
         compute = compute - dec_gemm + gemm + chunks.attn_flops / L / c.flops \
             + c.allreduce_time(D + chunks.tokens, m) - c.allreduce_time(D, m)
         layers = step_time(compute, decide, link, L, self.overlap)
@@ -240,7 +240,8 @@ class StepCosts:
         elif D:
             gemm_d, head_d = self.per_batch(D)
             kv_layer = m.kv_bytes_per_token / L * tokens
-            attn = float(c.attention_time(p.hbm_read_frac * kv_layer, p.hbm_read_frac * tokens))
+            read = self.reread * p.hbm_read_frac
+            attn = float(c.attention_time(read * kv_layer, read * tokens))
             if p.host_read_frac > 0:
                 link = float(c.link_time(p.host_read_frac * kv_layer, p.path,
                                          copies=c.copies(p.copies_per_layer, D)))
@@ -249,8 +250,7 @@ class StepCosts:
             alone = float(step_time(gemm_d + attn + float(c.allreduce_time(D, m)), decide, link, L,
                                     self.overlap)) + head_d + ovh
         n = D + chunk_tokens
-        weights = (float(m.layer_weight_bytes(n)) if m.experts else self.layer_bytes) / c.hbm_bw
-        gemm = max(gemm_d, weights, 2.0 * m.active_layer_params * n / self.gemm_flops)
+        gemm = max(gemm_d, self.matmuls.at(n))
         reduce = float(c.allreduce_time(n, m)) if c.tp > 1 else 0.0  # tensor parallel
         compute = attn + gemm + attn_flops / L / c.flops + reduce
         layers = _step_time(compute, decide, link, L, self.overlap)

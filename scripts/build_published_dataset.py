@@ -1,0 +1,155 @@
+"""Build ``data/published.csv`` (the rows ``kvsim fit`` reads) from the transcriptions in
+``data/published/*.csv`` (one file per search area, every row with its source; the ``.md`` next to
+each says how each source measured).
+
+Kept: rows with a stated batch (a static batch, or one request at a time) of a model in kvsim's
+catalog on a catalog GPU, in a dense attention engine (every policy here is ``dense-resident``).
+Left out, each for a reason printed per source with ``--why``:
+
+* serving runs whose running batch is not stated (Poisson arrivals, "max throughput"), and runs
+  at a fixed concurrency with long prompts arriving while others decode (their TPOT includes
+  prefills that a static batch does not have);
+* systems that are not a dense engine (ShadowKV's sparse attention, MInference's sparse prefill,
+  QServe's 4-bit KV cache) and int8/int4 weights (no W8A8 int8 or W4 path in kvsim's rates);
+* batches whose weights and KV cache do not fit in the GPUs' memory: the engine ran fewer
+  sequences at once than the table says;
+* LMDeploy's first-token latency at batch > 1 (requests sent at once queue for the prefill:
+  their mean TTFT is not one prefill step, the source's own minimum is 100x lower);
+Families: the ``engine`` column, except that vLLM before 0.4 (the early-2024 pull requests) is
+``vllm-0.3``: its per-step costs are several times today's (``kvsim fit --cv source`` fitted one
+vLLM family to both and missed either by 30-90%).
+
+* end-to-end latency where the row also gives throughput (the same measurement: B x O / latency),
+  and a decode-only throughput where the row gives its TPOT (batch / TPOT).
+
+    python scripts/build_published_dataset.py [--why]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RAW = ROOT / "data" / "published"
+OUT = ROOT / "data" / "published.csv"
+
+MODELS = {  # Hugging Face id (lower case) -> catalog name
+    "meta-llama/llama-2-7b-hf": "llama-2-7b", "meta-llama/llama-2-7b-chat-hf": "llama-2-7b",
+    "meta-llama/llama-2-13b-hf": "llama-2-13b", "meta-llama/llama-2-13b-chat-hf": "llama-2-13b",
+    "meta-llama/llama-2-70b-hf": "llama-2-70b", "meta-llama/llama-2-70b-chat-hf": "llama-2-70b",
+    "meta-llama/meta-llama-3-8b": "llama-3-8b", "meta-llama/meta-llama-3-70b": "llama-3.1-70b",
+    "gradientai/llama-3-8b-instruct-gradient-1048k": "llama-3-8b-1048k",
+    "meta-llama/llama-3.1-8b": "llama-3.1-8b", "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama/meta-llama-3.1-8b-instruct": "llama-3.1-8b",
+    "neuralmagic/meta-llama-3.1-8b-fp8": "llama-3.1-8b",
+    "neuralmagic/meta-llama-3.1-8b-instruct-fp8": "llama-3.1-8b",
+    "neuralmagic/meta-llama-3-8b-instruct-fp8": "llama-3-8b",
+    "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
+    "meta-llama/llama-3.3-70b-instruct": "llama-3.1-70b",
+    "neuralmagic/meta-llama-3.1-70b-instruct-fp8": "llama-3.1-70b",
+    "meta-llama/llama-3.1-405b-instruct": "llama-3.1-405b",
+    "meta-llama/meta-llama-3.1-405b-instruct-fp8": "llama-3.1-405b",
+    "mistralai/mistral-7b-v0.1": "mistral-7b", "mistralai/mistral-7b-instruct-v0.3": "mistral-7b",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+    "mistralai/mixtral-8x22b-v0.1": "mixtral-8x22b",
+    "mistralai/mixtral-8x22b-instruct-v0.1": "mixtral-8x22b",
+    "01-ai/yi-9b-200k": "yi-9b-200k", "01-ai/yi-34b": "yi-34b",
+    "qwen/qwen1.5-72b": "qwen1.5-72b", "qwen/qwen2-72b": "qwen2-72b",
+}
+FAMILIES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "trtllm", "lmdeploy": "lmdeploy",
+            "other:hf-transformers-fa2": "hf", "other:shadowkv-fullattn-baseline": "hf"}
+LEGACY_VLLM = ("~0.2", "~0.3")  # vLLM before 0.4 (before mid-2024): its own family, "vllm-0.3"
+DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "": ""}
+COLUMNS = ("use", "engine", "engine_version", "gpu", "tp", "model", "weight_dtype", "kv_dtype",
+           "policy", "context", "batch", "output_len", "tpot_ms", "ttft_ms", "throughput_tok_s",
+           "latency_s", "certainty", "source", "where", "url", "note")
+
+
+def convert(r: dict) -> tuple[dict | None, str]:
+    """The fit row of a transcribed row, or None and why it is left out."""
+    if not r["batch"]:
+        return None, "running batch not stated (a serving run)"
+    if "fixed concurrency" in r["note"] and int(r["batch"]) > 1:
+        return None, "fixed concurrency with prompts arriving during decode"
+    fam = FAMILIES.get(r["engine"])
+    if fam is None:
+        return None, f"not a dense engine ({r['engine']})"
+    model = MODELS.get(r["model"].lower())
+    if model is None:
+        return None, f"model {r['model']} not in the catalog"
+    w, kv = r["weight_dtype"], r["kv_dtype"]
+    if w not in DTYPES or kv not in DTYPES:
+        return None, f"dtype {w}/{kv} has no rate in kvsim"
+    out = {c: "" for c in COLUMNS}
+    if fam == "vllm" and r["engine_version"].startswith(LEGACY_VLLM):
+        fam = "vllm-0.3"  # no custom all-reduce, per-sequence Python sampling: another engine
+    out.update(use="fit", engine=fam, engine_version=r["engine_version"], gpu=r["gpu"],
+               tp=r["tp"] or "1", model=model, weight_dtype=DTYPES[w], kv_dtype=DTYPES[kv],
+               policy="dense-resident", context=r["input_len"], batch=r["batch"],
+               output_len=r["output_len"] or "1")
+    for k in ("tpot_ms", "ttft_ms", "throughput_tok_s", "latency_s", "certainty", "source",
+              "where", "url", "note"):
+        out[k] = r[k]
+    if fam == "lmdeploy" and int(r["batch"]) > 1:
+        out["ttft_ms"] = ""
+    if out["throughput_tok_s"] and out["latency_s"]:
+        out["latency_s"] = ""
+    if "Decode-only throughput" in r["note"] and out["tpot_ms"]:
+        out["throughput_tok_s"] = ""  # batch / TPOT: the same measurement as the TPOT
+    if not out["context"]:
+        return None, "prompt length not stated"
+    need, have = _memory(out)
+    if need > have:
+        return None, (f"the batch does not fit ({need / 2**30:.0f} of {have / 2**30:.0f} GiB per "
+                      f"GPU): the engine ran fewer at once")
+    if not any(out[k] for k in ("tpot_ms", "ttft_ms", "throughput_tok_s", "latency_s")):
+        return None, "no measured value left (LMDeploy TTFT at batch > 1)"
+    return out, ""
+
+
+def _memory(row: dict) -> tuple[float, float]:
+    """Bytes one GPU needs to hold the batch (its weights, and every sequence's KV cache at its
+    longest), and its HBM."""
+    from kvsim.hw import catalog
+    from kvsim.replay import with_dtypes
+    tp = int(row["tp"])
+    m = with_dtypes(catalog.model(row["model"]), row["kv_dtype"] or None,
+                    row["weight_dtype"] or None).shard(tp)
+    tokens = int(row["batch"]) * (int(row["context"]) + int(row["output_len"]))
+    return m.weight_bytes + m.kv_bytes_per_token * tokens, catalog.gpu(row["gpu"]).hbm_gib * 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--why", action="store_true", help="print what was left out and why")
+    args = ap.parse_args()
+    rows, left = [], collections.Counter()
+    for path in sorted(RAW.glob("*.csv")):
+        for r in csv.DictReader(path.open(newline="")):
+            row, why = convert(r)
+            if row is None:
+                left[(r["source"], why)] += 1
+            else:
+                rows.append(row)
+    with OUT.open("w", newline="") as f:
+        f.write("# Published serving measurements, built by scripts/build_published_dataset.py "
+                "from data/published/*.csv (see data/published/README.md)\n")
+        w = csv.DictWriter(f, COLUMNS, lineterminator="\n")
+        w.writeheader()
+        w.writerows(rows)
+    per = collections.Counter(r["source"] for r in rows)
+    print(f"wrote {OUT.relative_to(ROOT)}: {len(rows)} rows from {len(per)} sources")
+    for s, n in per.most_common():
+        print(f"  {n:4d}  {s}")
+    if args.why:
+        print("left out:")
+        for (s, why), n in sorted(left.items()):
+            print(f"  {n:4d}  {s}: {why}")
+
+
+if __name__ == "__main__":
+    main()
