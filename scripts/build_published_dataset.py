@@ -123,6 +123,25 @@ def _memory(row: dict) -> tuple[float, float]:
     return m.weight_bytes + m.kv_bytes_per_token * tokens, catalog.gpu(row["gpu"]).hbm_gib * 2**30
 
 
+def verkv_paper_dense() -> list[dict]:
+    """The VerKV paper's dense rows (``data/verkv-paper-h100.csv``: vLLM, one H100, Qwen3-4B at
+    32K; resident and offloaded to host memory), as one source: its offload rows are the
+    dataset's only measurement of a KV cache read over PCIe."""
+    out = []
+    with (ROOT / "data" / "verkv-paper-h100.csv").open(newline="") as f:
+        for r in csv.DictReader(line for line in f if not line.startswith("#")):
+            if not r["policy"].startswith("dense"):
+                continue
+            row = {c: "" for c in COLUMNS}
+            row.update({k: r[k] for k in ("gpu", "model", "policy", "context", "batch",
+                                          "output_len", "tpot_ms", "certainty", "note")},
+                       use="fit", engine="vllm-paper", tp="1", weight_dtype="bf16",
+                       kv_dtype="bf16", source="verkv-paper", where=r["source"],
+                       url="../shared/seeds/000_e722851d81b01a2a.txt (data/verkv-paper-h100.csv)")
+            out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--why", action="store_true", help="print what was left out and why")
@@ -135,6 +154,7 @@ def main() -> None:
                 left[(r["source"], why)] += 1
             else:
                 rows.append(row)
+    rows += verkv_paper_dense()
     with OUT.open("w", newline="") as f:
         f.write("# Published serving measurements, built by scripts/build_published_dataset.py "
                 "from data/published/*.csv (see data/published/README.md)\n")

@@ -42,10 +42,11 @@ def test_every_registered_policy_gets_every_interval_key(name, trace):
         assert math.isfinite(lo) and math.isfinite(hi)
         assert 0 < lo < r[key] < hi, key
         assert row[f"{key}_lo"] == lo and row[f"{key}_hi"] == hi
-    s = E.load("vllm-paper").spread()[0]
-    assert r["interval"]["spread"] == pytest.approx(s)  # the engine's own regime: no widening
+    eng = E.load("vllm")  # the catalog default: checked on published points, by regime
+    s, ttft = eng.spread("decode")[0], eng.spread("prefill")[0]
+    assert r["interval"]["spread"] == pytest.approx(s)  # H100, bf16, TP 1, dense: checked
     assert r["tpot_ms_hi"] == pytest.approx(r["tpot_ms"] * math.exp(s))
-    assert r["ttft_ms_hi"] == pytest.approx(r["ttft_ms"] * math.exp(2 * s))  # TTFT unchecked
+    assert r["ttft_ms_hi"] == pytest.approx(r["ttft_ms"] * math.exp(ttft))
 
 
 def test_the_shipped_engine_spread_is_its_out_of_sample_errors():
@@ -62,12 +63,19 @@ def test_the_shipped_engine_spread_is_its_out_of_sample_errors():
 
 def test_outside_the_checked_regime_the_interval_widens_and_says_why(trace):
     s = E.load("vllm-paper").spread()[0]
-    far = _replay(trace, gpu="a100-80gb", tp=2, weight_dtype="fp8")
+    far = _replay(trace, gpu="a100-80gb", tp=2, weight_dtype="fp8", engine="vllm-paper")
     assert far["interval"]["spread"] == pytest.approx(4 * s)  # three dimensions unchecked
     warn = next(w for w in far["warnings"] if w.startswith("outside what engine"))
     assert "GPU a100-80gb (checked on h100-sxm)" in warn and "TP 2" in warn
     assert "weights 1 B per element" in warn and "x4" in warn
     assert far["tpot_ms_lo"] == pytest.approx(far["tpot_ms"] * math.exp(-4 * s))
+    # a published family names what its points cover: here a GPU none of them ran on
+    eng = E.load("vllm")
+    assert "h20" not in eng.fit["checked"]["gpu"]
+    h20 = _replay(trace, gpu="h20")
+    warn = next(w for w in h20["warnings"] if w.startswith("outside what engine vllm"))
+    assert "GPU h20 (checked on" in warn
+    assert h20["interval"]["spread"] == pytest.approx(2 * eng.spread("decode")[0])
     rough = _replay(trace, engine="roofline")
     assert rough["interval"]["spread"] == pytest.approx(math.log(2))
     assert any("no out-of-sample check" in w for w in rough["warnings"])

@@ -44,7 +44,7 @@ def run(args) -> int:
                               "hidden", "intermediate", "vocab", "kv_kib_per_token")}
            for m in models])
     print()
-    table([{"engine": e.name, "fitted_on": "/".join(e.fitted_on.values()) or "-",
+    table([{"engine": e.name, "fitted_on": _fitted(e.fitted_on),
             "fields": ", ".join(e.fields) or "none (the hardware as it is)"} for e in engines])
     print("\nsources")
     for g in catalog.GPUS.values():
@@ -59,3 +59,10 @@ def run(args) -> int:
         for name, grid in p["policies"].items():
             print(f"    {name}: {grid}")
     return 0
+
+
+def _fitted(on: dict) -> str:
+    """``h100-sxm/qwen3-4b`` for one setup; ``9 GPUs, 16 models`` for published points."""
+    if "gpus" in on:
+        return f"{len(on['gpus'])} GPUs, {len(on.get('models', []))} models"
+    return "/".join(on.values()) or "-"

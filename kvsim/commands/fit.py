@@ -26,6 +26,12 @@ what the rows can tell apart (see kvsim.fit.solve); --free and --fix change that
 row: the fitted error and the leave-one-out error (the row predicted by a fit of the others);
 check rows are predicted only.
 
+Published points of several engines (an ``engine`` column: vllm, sglang, trtllm, ...), like
+the shipped data/published.csv, fit in two levels (kvsim.fit.families): the kernel shapes and
+efficiencies shared by every row, then one engine's overheads and efficiencies from its own rows
+(--family NAME; without it the shared level is written):
+  kvsim fit data/published.csv --family vllm --out vllm.json --cv source
+
 --cv source: leave one source out. For each value of the source column (one publication), an
 engine fitted on the fit rows of every other source predicts that source's rows; printed per
 source with the errors, and how many of all the held-out predictions fall within 20%.
@@ -56,6 +62,9 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--cv", choices=["source"],
                    help="also cross-validate, leaving out one source (publication) at a time")
+    p.add_argument("--family", metavar="ENGINE",
+                   help="with an engine column: the engine family whose profile to write "
+                        "(its rows refit its overheads and efficiencies on the shared fit)")
     p.add_argument("--json", action="store_true", help="print the fit as one JSON object")
     p.set_defaults(run=run)
 
@@ -88,12 +97,17 @@ def run(args) -> int:
     import dataclasses
     from pathlib import Path
 
+    from kvsim.errors import KvsimError
     from kvsim.fit import Predictor, read_points
     from kvsim.fit.solve import fit
     from kvsim.hw.engine import Value, load
     from kvsim.io import check_destination
     check_destination(args.out, args.force)  # before the work
     points = read_points(args.measured)
+    if any(p.engine for p in points):
+        return _run_families(args, points)
+    if args.family:
+        raise KvsimError(f"--family {args.family}: {args.measured} has no engine column")
     base = load(args.base)
     fields = dict(base.fields)
     for key, val in (("link_launches", args.launches), ("fetch", args.fetch)):
@@ -168,3 +182,60 @@ def _print_cv(cv: dict) -> None:
         print(f"within {s['within_pct']:g}%: {s['within']} of {s['predicted']} held-out "
               f"predictions; median |err| {s['median_abs_pct']:.1f}%, largest "
               f"{s['max_abs_pct']:.1f}%")
+
+
+def _run_families(args, points) -> int:
+    """``kvsim fit`` of published points of several engines (:mod:`kvsim.fit.families`)."""
+    import dataclasses
+    from pathlib import Path
+
+    from kvsim.errors import KvsimError
+    from kvsim.fit import Predictor
+    from kvsim.fit import families as F
+    from kvsim.hw.engine import load
+    names = sorted({p.engine for p in points if p.engine})
+    if args.family is not None and args.family not in names:
+        raise KvsimError(f"--family {args.family}: no such engine in {args.measured} (engines: "
+                         f"{', '.join(names)})")
+    if args.free or args.fix or args.launches or args.fetch:
+        raise KvsimError("--free, --fix, --launches and --fetch apply to one engine's points; "
+                         "a fit of engine families chooses its parameters (kvsim.fit.families)")
+    pred, base = Predictor(args.trace), load(args.base)
+    rows = [p for p in points if p.use == "fit"]
+    if not args.json:
+        print(f"fitting {len(rows)} points of {args.measured} ({len(names)} engines: "
+              f"{', '.join(names)})", flush=True)
+    shared, engine, free = F.fit_levels(rows, pred, base, args.family)
+    name = args.name or Path(args.out).stem
+    cv = summary = None
+    if args.cv:
+        cv = F.cross_validate(points, pred, base, progress=not args.json)
+        summary = F.summary(cv)
+    engine = dataclasses.replace(engine, name=name, description=args.describe or (
+        f"{args.family or 'every engine'}, fitted by kvsim fit on {args.measured}"),
+        fit=F.record(points, rows, pred, engine, args.family, free, cv, summary))
+    engine.save(args.out, args.force)
+    if args.json:
+        print_json({"engine": engine.to_json(), "out": args.out,
+                    **({"cv": {"by": "source", "values": cv, "summary": summary}}
+                       if cv else {})})
+        return 0
+    print(f"shared: {', '.join(free['shared'])}; {args.family or 'shared'}: "
+          f"{', '.join(free['family']) or '(the shared values)'}")
+    table([{"parameter": k, "shared": shared.get(k), "value": engine.get(k)}
+           for k in (*free["shared"], *[f for f in free["family"] if f not in free["shared"]])])
+    if summary:
+        print_cv_summary(summary)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def print_cv_summary(summary: list[dict]) -> None:
+    """The leave-one-source-out table, per category and overall."""
+    print("\nleave-one-source-out: each source's values predicted by a fit of the others")
+    table([{"category": r["category"], "values": r["values"], "sources": r.get("sources", 0),
+            "within 20%": f"{100 * r['within_share']:.0f}%" if r["values"] else "-",
+            "median |err|": f"{r['median_abs_pct']:.1f}%" if r["values"] else "-",
+            "largest": f"{r['max_abs_pct']:.0f}%" if r["values"] else "-",
+            "in interval": f"{100 * r['covered_share']:.0f}%" if r["values"] else "-"}
+           for r in summary])

@@ -108,10 +108,10 @@ def add_engine_flags(p) -> None:
         "engine", "what the serving engine adds to the hardware (kvsim fit writes a profile); "
                   "each override below is recorded in provenance as such")
     g.add_argument("--engine", metavar="NAME|JSON",
-                   help="engine profile: roofline (the bare hardware), vllm-paper (fitted to the "
-                        "VerKV paper's vLLM measurements on an H100) or a file from kvsim fit "
-                        "[default: vllm-paper with a catalog GPU, roofline with a profiled "
-                        "trace's hardware]")
+                   help="engine profile: vllm, sglang, trtllm (fitted to published measurements, "
+                        "data/published.csv), vllm-paper (the VerKV paper's vLLM on one H100), "
+                        "roofline (the bare hardware) or a file from kvsim fit [default: vllm "
+                        "with a catalog GPU, roofline with a profiled trace's hardware]")
     g.add_argument("--policy-profile", metavar="FILE|default|none",
                    help="policy statistics from this profile (kvsim policy-profile), fitted to "
                         "the planned context with a 90%% interval; 'none': from the trace only "

@@ -20,17 +20,19 @@ interval the other publications' errors give its regime (:func:`spread`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from kvsim.errors import KvsimError
 from kvsim.fit import HEADLINE, Point, Predictor
-from kvsim.fit.solve import identified, make_engine, solve, start_values
+from kvsim.fit.solve import identified, make_engine, start_values
 from kvsim.hw.engine import BOUNDS, Engine
 
 FAMILY_PARAMS = ("step_overhead_ms", "layer_overhead_us", "token_overhead_us", "hbm_efficiency",
-                 "flop_efficiency")
+                 "flop_efficiency", "allreduce_us")
+LOSS = "soft_l1"  # published points disagree: a far-off source should not drag the rest
 MIN_FAMILY_ROWS = 3
 COVERAGE = 0.9  # the interval is the 90% quantile of the regime's held-out |log errors|
 REGIMES = {"tpot_ms": "decode", "ttft_ms": "prefill", "throughput_tok_s": "throughput",
@@ -42,33 +44,122 @@ def _mode(values):
     return max(set(values), key=list(values).count)
 
 
+def family_free(own: list[Point], pred: Predictor) -> list[str]:
+    """The family parameters an engine's own rows identify (overheads only with decode rows)."""
+    free = [k for k in identified(own, pred) if k in FAMILY_PARAMS]
+    if not any({"tpot_ms", "latency_s", "throughput_tok_s"} & set(p.measured) for p in own):
+        free = [k for k in free if not k.endswith("overhead_us") and k != "step_overhead_ms"]
+    return free
+
+
+# a family parameter is an offset from the shared value: a log factor for an efficiency, a
+# difference for an overhead (clipped to its bounds); the prior pulls each offset to 0 with the
+# weight of a 10% error per SCALE of offset, so the shared engine stays the typical one
+SCALE = {"hbm_efficiency": 0.5, "flop_efficiency": 0.5, "step_overhead_ms": 1.0,
+         "layer_overhead_us": 50.0, "token_overhead_us": 50.0, "allreduce_us": 20.0}
+PRIOR = 0.1
+
+
+def _offset(k: str, shared: float, x: float) -> float:
+    from kvsim.fit.solve import bounds
+    lo, hi = bounds(k)
+    v = shared * math.exp(x) if k.endswith("efficiency") else shared + x
+    return min(max(v, lo), hi)
+
+
+def fit_joint(rows: list[Point], pred: Predictor, base: Engine) -> tuple[Engine, dict, dict]:
+    """The shared engine and one engine per family with at least :data:`MIN_FAMILY_ROWS` rows,
+    fitted together in one bounded least-squares problem: each family's parameters are offsets
+    from the shared values (:data:`SCALE`, :data:`PRIOR`) that move only its rows' predictions
+    (a sparse Jacobian). Returns (shared, {family: engine}, what was free: ``{"shared": [...],
+    family: [...]}``)."""
+    from scipy.optimize import least_squares
+
+    from kvsim.fit.solve import bounds
+    gpu, model = _mode([p.gpu for p in rows]), _mode([p.model for p in rows])
+    # links are the hardware's (catalog or profile): an engine family spans GPUs
+    free = {"shared": [k for k in identified(rows, pred) if not k.startswith("link.")]}
+    for fam in sorted({p.engine for p in rows}):
+        own = [p for p in rows if p.engine == fam]
+        if len(own) >= MIN_FAMILY_ROWS and (ff := family_free(own, pred)):
+            free[fam] = [k for k in ff if k in free["shared"]]
+    names = [(lvl, k) for lvl, ks in free.items() for k in ks]
+    start = start_values(gpu, [])
+    span = {k: (-3.0, 3.0) if k.endswith("efficiency") else (-bounds(k)[1], bounds(k)[1])
+            for k in FAMILY_PARAMS}
+    lo = np.array([bounds(k)[0] if lvl == "shared" else span[k][0] for lvl, k in names])
+    hi = np.array([bounds(k)[1] if lvl == "shared" else span[k][1] for lvl, k in names])
+    x0 = np.array([start[k] if lvl == "shared" else 0.0 for lvl, k in names])
+    x0 = np.clip(x0, lo + 1e-9 * (hi - lo), hi - 1e-9 * (hi - lo))
+    cells = [(i, k) for i, p in enumerate(rows) for k in p.measured]
+    fam_cols = [j for j, (lvl, _) in enumerate(names) if lvl != "shared"]
+
+    def engines(x):
+        shared = {k: v for (lvl, k), v in zip(names, x) if lvl == "shared"}
+        out = {"shared": make_engine(base, shared, "fit", "", gpu, model)}
+        for fam in free:
+            if fam != "shared":
+                own = {k: _offset(k, shared[k], v) for (lvl, k), v in zip(names, x)
+                       if lvl == fam}
+                out[fam] = make_engine(out["shared"], own, "fit", "", gpu, model)
+        return out
+
+    fam_of = {lvl: [i for i, p in enumerate(rows) if p.engine == lvl] for lvl in free}
+    fam_of["shared"] = list(range(len(rows)))
+    at = np.cumsum([0] + [len(p.measured) for p in rows])  # row i's cells: at[i]:at[i + 1]
+
+    def fit_part(x, idx):
+        """The relative errors of rows ``idx`` (their cells, in order)."""
+        eng = engines(x)
+        out = []
+        for i in idx:
+            p = rows[i]
+            got = pred.predict(p, eng.get(p.engine, eng["shared"]))
+            out += [got[k] / v - 1.0 for k, v in p.measured.items()]
+        return np.array(out)
+
+    def residuals(x):
+        prior = [PRIOR * x[j] / SCALE[names[j][1]] for j in fam_cols]
+        return np.concatenate([fit_part(x, fam_of["shared"]), prior])
+
+    def jacobian(x):
+        """Forward differences, each column over the rows it moves: a family's parameters
+        move only that family's rows (and their own prior term)."""
+        J = np.zeros((len(cells) + len(fam_cols), len(names)))
+        base_parts = {}
+        for j, (lvl, _) in enumerate(names):
+            idx = fam_of[lvl]
+            if lvl not in base_parts:
+                base_parts[lvl] = fit_part(x, idx)
+            h = 1e-6 * max(1.0, abs(x[j]))
+            step = h if x[j] + h <= hi[j] else -h
+            xp = x.copy()
+            xp[j] += step
+            cols = np.concatenate([np.arange(at[i], at[i + 1]) for i in idx])
+            J[cols, j] = (fit_part(xp, idx) - base_parts[lvl]) / step
+        for r, j in enumerate(fam_cols):
+            J[len(cells) + r, j] = PRIOR / SCALE[names[j][1]]
+        return J
+
+    res = least_squares(residuals, x0, jac=jacobian, bounds=(lo, hi), x_scale="jac",
+                        method="trf", loss=LOSS, f_scale=0.1, xtol=1e-5, ftol=1e-5)
+    rms = float(np.sqrt(np.mean(res.fun[:len(cells)] ** 2)))
+    eng = engines(res.x)
+    note = (f"fitted with {len(rows)} published points of {len({p.engine for p in rows})} "
+            f"engines, RMS relative error {100 * rms:.1f}%")
+    out = {fam: dataclasses.replace(e, fields={
+        k: dataclasses.replace(v, note=note) if v.source == "fit" else v
+        for k, v in e.fields.items()}) for fam, e in eng.items()}
+    return out.pop("shared"), out, free
+
+
 def fit_levels(rows: list[Point], pred: Predictor, base: Engine, family: str | None,
                progress=None) -> tuple[Engine, Engine, dict]:
-    """(shared engine, family engine, what was free at each level) fitted to ``rows``."""
-    gpu, model = _mode([p.gpu for p in rows]), _mode([p.model for p in rows])
-    free = identified(rows, pred)
-    start = start_values(gpu, [])
-    values, rms = solve(rows, pred, base, free, start, gpu, model)
-    note = f"shared fit of {len(rows)} published points, RMS relative error {100 * rms:.1f}%"
-    shared = make_engine(base, values, "fit", note, gpu, model)
-    if progress:
-        progress()
-    own = [p for p in rows if p.engine == family]
-    if family is None or len(own) < MIN_FAMILY_ROWS:
-        return shared, shared, {"shared": free, "family": []}
-    ffree = [k for k in identified(own, pred) if k in FAMILY_PARAMS]
-    if not any({"tpot_ms", "latency_s", "throughput_tok_s"} & set(p.measured) for p in own):
-        ffree = [k for k in ffree if not k.endswith("overhead_us") and k != "step_overhead_ms"]
-    if not ffree:
-        return shared, shared, {"shared": free, "family": []}
-    fvalues, frms = solve(own, pred, shared, ffree, {**start, **values},
-                          _mode([p.gpu for p in own]), _mode([p.model for p in own]))
-    fnote = (f"{family}'s {len(own)} published points, from the shared fit; RMS relative "
-             f"error {100 * frms:.1f}%")
-    fam = make_engine(shared, fvalues, "fit", fnote, gpu, model)
-    if progress:
-        progress()
-    return shared, fam, {"shared": free, "family": ffree}
+    """(shared engine, ``family``'s engine (the shared one where it has too few rows), what
+    was free: ``{"shared": [...], "family": [...]}``), from :func:`fit_joint`."""
+    shared, fams, free = fit_joint(rows, pred, base)
+    return shared, fams.get(family, shared), {"shared": free["shared"],
+                                               "family": free.get(family, [])}
 
 
 def held_values(p: Point, got: dict) -> list[dict]:
@@ -101,16 +192,12 @@ def cross_validate(points: list[Point], pred: Predictor, base: Engine,
         rest = [p for p in points if p.use == "fit" and p.meta.get("source") != s]
         if not rest:
             continue
-        engines = {}
-        for fam in sorted({p.engine for p in held}):
-            try:
-                _, engines[fam], _ = fit_levels(rest, pred, base, fam)
-            except KvsimError:
-                continue
+        try:
+            shared, engines, _ = fit_joint(rest, pred, base)
+        except KvsimError:
+            continue
         for p in held:
-            eng = engines.get(p.engine)
-            if eng is None:
-                continue
+            eng = engines.get(p.engine, shared)
             own = sum(q.engine == p.engine for q in rest) >= MIN_FAMILY_ROWS
             for v in held_values(p, pred.predict(p, eng)):
                 v["fitted_as"] = p.engine if own else "shared"
@@ -147,3 +234,36 @@ def summary(values: list[dict], within: float = 20.0) -> list[dict]:
                     "median_abs_pct": float(np.median(errs)), "max_abs_pct": float(errs.max()),
                     "covered_share": float(np.mean([cover[i] for i in idx]))})
     return out
+
+
+def record(points: list[Point], rows: list[Point], pred: Predictor, engine: Engine,
+           family: str | None, free: dict, cv: list[dict] | None,
+           summary_rows: list[dict] | None) -> dict:
+    """What an engine file keeps of its fit: each fitted row's in-sample errors, what was free,
+    the configurations its rows cover (``checked``: a plan outside them is warned and its
+    interval widened) and, with a cross-validation, every held-out error (``cv``: the intervals'
+    spread per regime) and its summary."""
+    own = [p for p in rows if family is None or p.engine == family] or rows
+    points_out = []
+    for p in own:
+        for v in held_values(p, pred.predict(p, engine)):
+            points_out.append({k: v[k] for k in ("row", "source", "metric", "measured",
+                                                 "predicted", "err_pct")})
+    fam = [p for p in rows if family is not None and p.engine == family]
+    out = {"family": family, "free": free, "points": points_out,
+           "checked": checked(rows), "checked_family": checked(fam) if fam else None}
+    if cv is not None:
+        out["cv"] = [{k: v[k] for k in ("source", "engine", "metric", "regime", "categories",
+                                        "err_pct", "log_err")} for v in cv]
+        out["cv_summary"] = summary_rows
+    return out
+
+
+def checked(rows: list[Point]) -> dict:
+    """The GPUs, weight and KV types, TP sizes and model kinds (dense, MoE) the rows cover."""
+    from kvsim.hw import catalog
+    return {"gpu": sorted({p.gpu for p in rows}),
+            "weight_dtype": sorted({p.weight_dtype or "bf16" for p in rows}),
+            "kv_dtype": sorted({p.kv_dtype or p.weight_dtype or "bf16" for p in rows}),
+            "tp": sorted({p.tp for p in rows}),
+            "moe": any(catalog.model(p.model).experts for p in rows)}

@@ -38,6 +38,7 @@ PARAMS = {
     "step_overhead_ms": (0.0, 1e3),
     "layer_overhead_us": (0.0, 1e3),
     "token_overhead_us": (0.0, 1e3),
+    "allreduce_us": (0.0, 1e3),
     "gemm_overlap": (0.0, 1.0),
     "gemm_half_tokens": (0.0, 1e4),
     "moe_efficiency": (0.05, 1.0),
@@ -89,6 +90,8 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
         p.output_len if {"latency_s", "throughput_tok_s"} & set(p.measured) else 1) >= 64]
     if len(compute) >= 3:  # prefills or large batches: the matmuls' compute side shows
         out += ["flop_efficiency", "gemm_overlap", "gemm_half_tokens"]
+    if sum(p.tp > 1 for p in decodes) >= 2:
+        out.append("allreduce_us")
     if sum(bool(m[p.model].experts) for p in points) >= 2:
         out.append("moe_efficiency")
     paths = {costs[id(p)].path for p in points if costs[id(p)].host_read_frac > 0}
@@ -109,6 +112,7 @@ def start_values(gpu: str, kernels: list[str]) -> dict:
     """Where the search starts: the catalog's roofline figures of the fitted GPU."""
     g = catalog.gpu(gpu)
     return {"step_overhead_ms": 0.5, "layer_overhead_us": 5.0, "token_overhead_us": 5.0,
+            "allreduce_us": 5.0,
             "gemm_overlap": 0.5, "gemm_half_tokens": 32.0, "moe_efficiency": 0.7,
             "hbm_efficiency": HBM_EFFICIENCY, "flop_efficiency": FLOP_EFFICIENCY,
             "link.h2d.gbps": g.h2d_gbps,
@@ -158,8 +162,9 @@ def _residuals(points, pred, base, free, x, gpu, model):
 
 
 def solve(points: list[Point], pred: Predictor, base: Engine, free: list[str],
-          start: dict, gpu: str, model: str) -> tuple[dict, float]:
-    """Values of ``free`` minimising the squared relative errors, and their RMS."""
+          start: dict, gpu: str, model: str, loss: str = "linear") -> tuple[dict, float]:
+    """Values of ``free`` minimising the squared relative errors (``loss``: scipy's, e.g.
+    ``soft_l1`` to let a few far-off points weigh less), and their RMS."""
     from scipy.optimize import least_squares
     n_values = sum(len(p.measured) for p in points)
     if n_values < len(free):
@@ -169,7 +174,8 @@ def solve(points: list[Point], pred: Predictor, base: Engine, free: list[str],
     hi = np.array([bounds(k)[1] for k in free])
     x0 = np.clip([start[k] for k in free], lo + 1e-9 * (hi - lo), hi - 1e-9 * (hi - lo))
     res = least_squares(lambda x: _residuals(points, pred, base, free, x, gpu, model), x0,
-                        bounds=(lo, hi), x_scale="jac", method="trf", xtol=1e-10, ftol=1e-10)
+                        bounds=(lo, hi), x_scale="jac", method="trf", xtol=1e-10, ftol=1e-10,
+                        loss=loss, f_scale=0.1)
     r = res.fun
     return dict(zip(free, map(float, res.x))), float(np.sqrt(np.mean(r ** 2))) if len(r) else 0.0
 

@@ -171,6 +171,7 @@ class CostModel:
         # engine fields of kernel shape (see :class:`Matmuls`, :meth:`attention_reread`)
         self.layer_overhead = 0.0  # seconds per layer and step
         self.token_overhead = 0.0  # seconds per sequence that emits a token in a step
+        self.allreduce_extra = 0.0  # seconds the engine adds to each all-reduce
         self.gemm_overlap = 1.0  # share of min(compute, weight reads) hidden under the max
         self.gemm_half_tokens = 0.0  # tokens per matmul at half its large-shape efficiency
         self.moe_efficiency = 1.0  # grouped expert matmuls' efficiency over the dense ones'
@@ -289,13 +290,7 @@ class CostModel:
         fitted = engine.fitted_on.get("gpu")
         for key, val in sorted(engine.fields.items()):
             prov[f"engine.{key}"] = val.describe()
-        self.step_overhead = engine.get("step_overhead_ms", 0.0) / 1e3
-        self.layer_overhead = engine.get("layer_overhead_us", 0.0) / 1e6
-        self.token_overhead = engine.get("token_overhead_us", 0.0) / 1e6
-        self.gemm_overlap = engine.get("gemm_overlap", 1.0)
-        self.gemm_half_tokens = engine.get("gemm_half_tokens", 0.0)
-        self.moe_efficiency = engine.get("moe_efficiency", 1.0)
-        self.attention = engine.get("attention", "gqa")
+        self._kernel_fields(engine)
         self.launches = engine.get("link_launches", self.launches)
         self.fetch = engine.get("fetch", self.fetch)
         measured = self.spec is None  # rates from a profile, not from a catalog entry
@@ -355,6 +350,17 @@ class CostModel:
             prov["engine"] += (f"; fitted on {fitted}: per-step overhead and decide times "
                                f"applied to {self.gpu_name} unscaled")
         return self
+
+    def _kernel_fields(self, engine: Engine) -> None:
+        """The engine's overheads and kernel-shape fields (absent: the roofline's)."""
+        self.step_overhead = engine.get("step_overhead_ms", 0.0) / 1e3
+        self.layer_overhead = engine.get("layer_overhead_us", 0.0) / 1e6
+        self.token_overhead = engine.get("token_overhead_us", 0.0) / 1e6
+        self.allreduce_extra = engine.get("allreduce_us", 0.0) / 1e6
+        self.gemm_overlap = engine.get("gemm_overlap", 1.0)
+        self.gemm_half_tokens = engine.get("gemm_half_tokens", 0.0)
+        self.moe_efficiency = engine.get("moe_efficiency", 1.0)
+        self.attention = engine.get("attention", "gqa")
 
     # ------------------------------------------------------------------------- cost functions
     def link_time(self, nbytes, path: str = "h2d", copies=1) -> np.ndarray:
@@ -496,11 +502,12 @@ class CostModel:
 
     def allreduce_time(self, tokens, m: ModelSpec) -> np.ndarray:
         """One layer's all-reduces (after attention and after the MLP) of ``tokens`` hidden
-        states in a tensor-parallel group."""
+        states in a tensor-parallel group, each with what the engine adds (``allreduce_us``)."""
         t = np.asarray(tokens, float)
         if self.tp == 1:
             return np.zeros_like(t)
-        return 2 * self.allreduce.time(t * m.hidden * m.dtype_bytes)
+        reduce = self.allreduce.time(t * m.hidden * m.dtype_bytes)
+        return 2 * (reduce + self.allreduce_extra) if self.allreduce_extra else 2 * reduce
 
     def overlap_for(self, policy_overlap: bool) -> bool:
         return {"policy": policy_overlap, "serial": False, "overlap": True}[self.fetch]

@@ -37,8 +37,10 @@ LAUNCHES = ("per-sequence", "per-layer")
 FETCHES = ("policy", "serial", "overlap")
 ATTENTION = ("gqa", "per-query-head")  # decode attention reads each KV head once, or per query head
 ENGINES_DIR = Path(__file__).resolve().parent / "engines"
-BUILTIN = {"vllm-paper": ENGINES_DIR / "vllm-paper-h100.json"}
-CATALOG_DEFAULT = "vllm-paper"  # the default engine with a catalog GPU
+BUILTIN = {"vllm": ENGINES_DIR / "vllm.json", "sglang": ENGINES_DIR / "sglang.json",
+           "trtllm": ENGINES_DIR / "trtllm.json",
+           "vllm-paper": ENGINES_DIR / "vllm-paper-h100.json"}
+CATALOG_DEFAULT = "vllm"  # the default engine with a catalog GPU
 BOUNDS = ("plot-kernel",)  # certainties of measured values that only bound TPOT
 
 
@@ -129,6 +131,8 @@ FIELDS = {
                                    "hides, whatever the batch)"),
     "token_overhead_us": (_nonneg, "a number >= 0 (us per sequence that emits a token in a "
                           "step: sampling, detokenising, the scheduler's bookkeeping)"),
+    "allreduce_us": (_nonneg, "microseconds >= 0 an engine's all-reduce adds to the NCCL "
+                     "measurement per call (its launch, synchronisation, no custom kernel)"),
     "gemm_overlap": (lambda v: _nonneg(v) and v <= 1, "a share in [0, 1] of the smaller of a "
                      "matmul's compute and weight-read times hidden under the larger"),
     "gemm_half_tokens": (_nonneg, "tokens >= 0 per matmul at which it reaches half its "
@@ -176,7 +180,24 @@ class Engine:
                 out.append({"row": p.get("row"), "use": p.get("use"), "err_pct": float(err)})
         return out
 
-    def spread(self) -> tuple[float | None, str]:
+    def spread(self, regime: str = "decode") -> tuple[float | None, str]:
+        """How far this engine's predictions of ``regime`` (decode, prefill, throughput) have
+        been seen off, as a log ratio ``s``: a prediction ``P`` puts the measured value in
+        ``[P e^-s, P e^s]``. An engine fitted on published points with a leave-one-source-out
+        check (``fit["cv"]``) takes the 90% quantile of that regime's held-out
+        ``|ln(predicted / measured)|``; otherwise :meth:`_spread_loo`. With the words to say
+        so."""
+        cv = [v for v in self.fit.get("cv") or [] if v.get("regime") == regime]
+        if not cv:
+            return self._spread_loo()
+        logs = sorted(abs(float(v["log_err"])) for v in cv)
+        s = float(np.quantile(logs, 0.9))
+        n_src = len({v.get("source") for v in cv})
+        return s, (f"engine {self.name}: the 90% quantile of {len(cv)} held-out {regime} errors "
+                   f"of published points ({n_src} sources, each predicted by a fit of the "
+                   f"others): x{math.exp(s):.3g} either way")
+
+    def _spread_loo(self) -> tuple[float | None, str]:
         """How far this engine's TPOT has been seen off, as a log ratio ``s``: a prediction
         ``P`` puts the measured value in ``[P e^-s, P e^s]``. ``s`` is the largest
         ``|ln(1 + err)|`` of :meth:`residuals` (with a handful of points, their largest rather

@@ -37,6 +37,14 @@ SUMMARY = ["gpu", "model", "context", "label", "tp", "replicas_needed", "batch",
 
 
 
+def _range(ends) -> str:
+    """`` (interval a-b)`` for a pair of finite numbers, else nothing."""
+    import math
+    if not ends or any(e is None or not math.isfinite(float(e)) for e in ends):
+        return ""
+    return f" (interval {float(ends[0]):.3g}-{float(ends[1]):.3g})"
+
+
 def _ms(x: float) -> str:
     """A latency for a sentence: ``21.7 ms``, or ``13.1 s`` from a second up (never 1.3e+04)."""
     return f"{x:.3g} ms" if x < 1000 else f"{x / 1000:.3g} s"
@@ -257,7 +265,9 @@ def answer_lines(answer: dict) -> list[str]:
                 f"${a['usd_per_m_tokens']:.3g} per M output tokens; at the target rate TPOT "
                 f"p50/p99 {_ms(lat['tpot_p50_ms'])}/{_ms(lat['tpot_p99_ms'])}, TTFT p50/p99 "
                 f"{_ms(lat['ttft_p50_ms'])}/{_ms(lat['ttft_p99_ms'])}; "
-                f"{a['qps_capacity_per_replica']:.3g} req/s per replica ({a['binding']} binds)")
+                f"{a['qps_capacity_per_replica']:.3g} req/s per replica"
+                + _range(a.get("qps_capacity_per_replica_interval"))
+                + f" ({a['binding']} binds)")
 
     lines = [f"Answer for {answer['target_qps']:g} req/s with {answer['slo']}: "
              + one(answer) + f"; a replay of {answer['check']['requests']} requests at the "
@@ -341,14 +351,19 @@ def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality
                          f"pace with arrivals, the queue stays bounded) with "
                          f"{slo.describe(spec.slo)} ({spec.slo_requests} requests per probe, "
                          f"confirmed on a run twice as long): "
-                         f"column `slo_max_qps`, with the p50/p99 TPOT and TTFT measured at it "
+                         f"column `slo_max_qps` (`slo_max_qps_lo`/`_hi`: the same search with "
+                         f"the engine's times at the ends of their prediction interval), with "
+                         f"the p50/p99 TPOT and TTFT measured at it "
                          f"(`slo_at_*`), what binds there (`slo_binding`) and what failed at the "
                          f"next rate (`slo_fails_because`).")]
         items = []
         for r in ok.itertuples():
             if getattr(r, "slo_max_qps", None) is not None:
+                ends = [getattr(r, "slo_max_qps_lo", None), getattr(r, "slo_max_qps_hi", None)]
                 items.append(f"{r.gpu}, {r.model}, {r.context}, {r.label}, batch {r.batch}: "
-                             f"{r.slo_max_qps:.3g} req/s (TPOT p50/p99 "
+                             f"{r.slo_max_qps:.3g} req/s"
+                             f"{_range(ends)}"
+                             f" (TPOT p50/p99 "
                              f"{_ms(r.slo_at_tpot_p50_ms)}/{_ms(r.slo_at_tpot_p99_ms)}, TTFT "
                              f"p50/p99 {_ms(r.slo_at_ttft_p50_ms)}/{_ms(r.slo_at_ttft_p99_ms)}; "
                              f"{r.slo_binding}); at "

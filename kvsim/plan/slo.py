@@ -155,6 +155,21 @@ def max_qps(run: Callable[[float, int], dict], limits: list[Limit], requests: in
     return result(good, bad)
 
 
+def capacity_interval(search: Callable[[list[Limit], float], SLOResult], limits: list[Limit],
+                      qps: float, spread: float) -> tuple[float, float]:
+    """The SLO capacity ``qps`` if the engine's times are off by ``e^-spread`` .. ``e^spread``
+    (its prediction interval), by time rescaling: an engine ``f`` times slower at rate ``q`` is
+    the predicted one at rate ``q f`` with every latency ``f`` times longer, so it meets a limit
+    ``L`` where the prediction meets ``L / f``: its capacity is the predicted capacity under the
+    limits ``L / f``, divided by ``f``. ``search(limits, start)``: :func:`max_qps` under other
+    limits."""
+    out = []
+    for f in (math.exp(spread), math.exp(-spread)):
+        scaled = [Limit(lim.metric, lim.value / f, lim.at) for lim in limits]
+        out.append(search(scaled, qps * f).qps / f if qps > 0 else 0.0)
+    return out[0], out[1]
+
+
 def binding(at: dict) -> str:
     """What limits the deployment at the found rate, in words."""
     if not at:

@@ -272,9 +272,15 @@ def run_config(c: dict, limits: list, probe_requests: int) -> dict:
         row["provenance"] = json.dumps(r["provenance"], sort_keys=True)
         row["status"], row["error"] = "ok", ""
         if limits:
-            found = slo.max_qps(lambda q, n: run_replay(_replay_config(
-                c, **at_rate(c, q, n), slo=goodput_slo)), limits, probe_requests,
-                start=r["sim"]["requests_per_s"])
+            def search(lims, start):
+                return slo.max_qps(lambda q, n: run_replay(_replay_config(
+                    c, **at_rate(c, q, n), slo=goodput_slo)), lims, probe_requests, start=start)
+
+            found = search(limits, r["sim"]["requests_per_s"])
+            spread = (r.get("interval") or {}).get("spread")
+            if spread:
+                row["slo_max_qps_lo"], row["slo_max_qps_hi"] = slo.capacity_interval(
+                    search, limits, found.qps, spread)
             row.update({"slo_max_qps": found.qps, "slo_qps_fails": found.fails_at,
                         "slo_fails_because": found.why_fails,
                         "slo_evaluations": found.evaluations,

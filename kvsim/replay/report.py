@@ -294,16 +294,40 @@ INTERVAL_KEYS = ("tpot_ms", "ttft_ms", "throughput_tok_s")
 UNCHECKED_SPREAD = math.log(2)  # an engine never checked on measured points: x2 either way
 INTERVAL_RULE = (
     "each figure's ends (the policy profile's where it gives one, else the figure) widened by "
-    "the engine's spread s: lo x e^-s, hi x e^s. s = the largest |ln(predicted / measured)| "
-    "of the engine's out-of-sample TPOT errors (leave-one-out fit rows, check rows), times "
-    "1 + k for k dimensions of this configuration its points did not cover (another GPU, "
-    "another dtype than bf16, TP > 1, MoE); an engine with no such check: s = ln 2. TTFT was "
-    "never measured: its s counts one more uncovered dimension. Throughput takes TPOT's s")
+    "the engine's spread s for its regime: lo x e^-s, hi x e^s. An engine fitted on published "
+    "points: s = the 90% quantile of the regime's leave-one-source-out |ln(predicted / "
+    "measured)| (TPOT: decode, TTFT: prefill, throughput: throughput); an engine fitted on one "
+    "setup: the largest of its out-of-sample TPOT errors, TTFT counting one more uncovered "
+    "dimension. Times 1 + k for k dimensions of this configuration its points did not cover "
+    "(GPU, weight or KV type, TP size, MoE); an engine with no check: s = ln 2")
 
 
 def unchecked(costs, model, tp: int) -> list[str]:
-    """What of this configuration the engine's measured points do not cover: ``kvsim fit``
-    takes points at TP 1 in the model's bf16, on the GPU and model it names."""
+    """What of this configuration the engine's measured points do not cover: the GPUs, types,
+    TP sizes and model kinds of its rows (``fit["checked"]``), or for an engine fitted on one
+    setup (``kvsim fit`` without families), TP 1 in bf16 on the GPU and model it names."""
+    eng = costs.engine
+    got = eng.fit.get("checked")
+    if got is None:
+        return _unchecked_one_setup(costs, model, tp)
+    out = []
+    if costs.gpu_name not in got["gpu"]:
+        out.append(f"GPU {costs.gpu_name} (checked on {', '.join(got['gpu'])})")
+    for what, elem, have in (("weights", model.weight_elem, got["weight_dtype"]),
+                             ("KV", model.kv_elem, got["kv_dtype"])):
+        if not any(ELEM[t] == elem for t in have if t in ELEM):
+            out.append(f"{what} at {elem:g} B per element (checked: {', '.join(have)})")
+    if tp not in got["tp"]:
+        out.append(f"TP {tp} (checked at TP {', '.join(map(str, got['tp']))})")
+    if model.experts and not got["moe"]:
+        out.append(f"MoE model {model.name} (checked on dense models only)")
+    return out
+
+
+ELEM = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+
+
+def _unchecked_one_setup(costs, model, tp: int) -> list[str]:
     fitted = costs.engine.fitted_on
     out = []
     if fitted.get("gpu") and fitted["gpu"] != costs.gpu_name:
@@ -323,19 +347,29 @@ def add_intervals(out: dict, costs, model, tp: int) -> None:
     """``<key>_lo``/``<key>_hi`` for TPOT, TTFT and throughput (and the decode rate where a
     policy profile gave it an interval) by :data:`INTERVAL_RULE`, what went into them under
     ``interval``, and a warning naming what the engine's points do not cover."""
-    s0, why = costs.engine.spread()
+    eng = costs.engine
     missing = unchecked(costs, model, tp)
+    k = 1 + len(missing)
+    spreads, why = {}, ""
+    for regime in ("decode", "prefill", "throughput"):
+        s0, w = eng.spread(regime)
+        why = why or w
+        spreads[regime] = s0
+    s0 = spreads["decode"]
     if s0 is None:
-        s = UNCHECKED_SPREAD
         out["warnings"].append(f"{why}: every interval is a factor of 2 either way")
+        widths = dict.fromkeys(("tpot_ms", "throughput_tok_s", "decode_tok_s", "ttft_ms"),
+                               UNCHECKED_SPREAD)
     else:
-        s = s0 * (1 + len(missing))
         if missing:
             out["warnings"].append(
-                f"outside what engine {costs.engine.name} was checked on: {'; '.join(missing)}: "
-                f"intervals widened x{1 + len(missing)} (s {s0:.3g} -> {s:.3g})")
-    widths = {"tpot_ms": s, "throughput_tok_s": s, "decode_tok_s": s,
-              "ttft_ms": s + (s0 if s0 is not None else UNCHECKED_SPREAD)}
+                f"outside what engine {eng.name} was checked on: {'; '.join(missing)}: "
+                f"intervals widened x{k} (s {s0:.3g} -> {k * s0:.3g})")
+        published = "cv" in eng.fit  # else TTFT was never measured: one more dimension
+        ttft = k * spreads["prefill"] if published and spreads["prefill"] else (k + 1) * s0
+        thr = spreads["throughput"] if published and spreads["throughput"] else s0
+        widths = {"tpot_ms": k * s0, "throughput_tok_s": k * thr, "decode_tok_s": k * s0,
+                  "ttft_ms": ttft}
     before = {}
     for key, w in widths.items():
         if key not in INTERVAL_KEYS and f"{key}_lo" not in out:
@@ -343,9 +377,9 @@ def add_intervals(out: dict, costs, model, tp: int) -> None:
         here = out[key] if key in out else out["sim"][key]
         lo, hi = before[key] = [out.get(f"{key}_lo", here), out.get(f"{key}_hi", here)]
         out[f"{key}_lo"], out[f"{key}_hi"] = lo * math.exp(-w), hi * math.exp(w)
-    out["interval"] = {"engine_spread": s0, "spread": s, "ttft_spread": widths["ttft_ms"],
-                       "unchecked": missing, "engine_check": why, "before_engine": before,
-                       "rule": INTERVAL_RULE}
+    out["interval"] = {"engine_spread": s0, "spread": widths["tpot_ms"],
+                       "ttft_spread": widths["ttft_ms"], "unchecked": missing,
+                       "engine_check": why, "before_engine": before, "rule": INTERVAL_RULE}
 
 
 def flatten(report: dict, skip=("provenance", "warnings", "policy_options")) -> dict:

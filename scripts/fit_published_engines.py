@@ -1,0 +1,143 @@
+"""Fit the built-in engine families on the published points and check them on sources they
+never saw (each takes the VerKV paper's fitted decide model, the only measured one); writes ``kvsim/hw/engines/{vllm,sglang,trtllm}.json`` and ``docs/published_check.md``.
+
+The same fits as ``kvsim fit data/published.csv --family NAME --out NAME.json --cv source``
+(one leave-one-source-out pass shared by the three files):
+
+    python scripts/build_published_dataset.py     # data/published/*.csv -> data/published.csv
+    python scripts/fit_published_engines.py       # ~2-5 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from kvsim.fit import Predictor, read_points
+from kvsim.fit import families as F
+from kvsim.hw.engine import ENGINES_DIR, load
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "data" / "published.csv"
+PAGE = ROOT / "docs" / "published_check.md"
+FAMILIES = ("vllm", "sglang", "trtllm")
+
+
+def by(values: list[dict], key) -> list[dict]:
+    """:func:`F.summary`'s overall row for each value of ``key(v)``."""
+    out = []
+    for name in sorted({key(v) for v in values}):
+        row = F.summary([v for v in values if key(v) == name])[0]
+        out.append({**row, "category": name})
+    return out
+
+
+def md_table(rows: list[dict], first: str) -> str:
+    lines = [f"| {first} | values | sources | within 20% | median abs err | largest | "
+             f"in 90% interval |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if not r["values"]:
+            lines.append(f"| {r['category']} | 0 | | | | | |")
+            continue
+        lines.append(f"| {r['category']} | {r['values']} | {r['sources']} | "
+                     f"{100 * r['within_share']:.0f}% | {r['median_abs_pct']:.1f}% | "
+                     f"{r['max_abs_pct']:.0f}% | {100 * r['covered_share']:.0f}% |")
+    return "\n".join(lines)
+
+
+def with_paper_decide(eng):
+    """The family with the VerKV paper's fitted decide model (no published engine runs a fetching
+    policy; the paper's vLLM is the only measured one), said so in each field's note."""
+    paper = load("vllm-paper")
+    fields = dict(eng.fields)
+    for k, v in paper.fields.items():
+        if k.startswith("decide."):
+            fields[k] = dataclasses.replace(v, note=f"from engine vllm-paper (the VerKV paper's "
+                                                    f"vLLM on one H100): {v.note}")
+    return dataclasses.replace(eng, fields=fields)
+
+
+def main() -> None:
+    points = read_points(DATA)
+    rows = [p for p in points if p.use == "fit"]
+    pred, base = Predictor(None), load("roofline")
+    print(f"{len(points)} points, {len({p.meta.get('source') for p in points})} sources; "
+          f"leave-one-source-out ...", flush=True)
+    cv = F.cross_validate(points, pred, base, progress=True)
+    summary = F.summary(cv)
+    for fam in FAMILIES:
+        shared, eng, free = F.fit_levels(rows, pred, base, fam)
+        n = sum(p.engine == fam for p in rows)
+        how = (f"its {n} published points refit {', '.join(free['family'])} on the shared fit"
+               if free["family"] else f"{n} published point(s) of its own: the shared fit of "
+               f"every engine's points")
+        eng = dataclasses.replace(
+            eng, name=fam, fitted_on={"gpus": sorted({p.gpu for p in rows}),
+                                      "models": sorted({p.model for p in rows})},
+            description=f"{fam}: kernel shapes and efficiencies shared by {len(rows)} published "
+                        f"points of {len({p.engine for p in rows})} engines; {how} "
+                        f"(data/published.csv, scripts/fit_published_engines.py)",
+            fit=F.record(points, rows, pred, eng, fam, free, cv, summary))
+        eng = with_paper_decide(eng)
+        path = ENGINES_DIR / f"{fam}.json"
+        eng.save(path, force=True)
+        print(f"wrote {path.relative_to(ROOT)}: {how}")
+    per_engine = by(cv, lambda v: v["engine"])
+    per_source = by(cv, lambda v: v["source"])
+    worst = sorted(cv, key=lambda v: -abs(v["log_err"]))[:12]
+    spreads = {r: F.spread(cv, r) for r in ("decode", "prefill", "throughput")}
+    page = f"""# Published-measurement check
+
+Every value below was predicted by an engine fitted **without** the source it comes from
+(leave-one-source-out): the shared kernel shapes and the engine family's own overheads are
+refitted on the other sources, then the held-out source's static-batch TPOT, TTFT and
+throughput are predicted. "In 90% interval": the value falls inside the prediction interval
+that the *other* sources' held-out errors of the same regime give (their 90% quantile of
+`|ln(predicted / measured)|`).
+
+Data: `data/published.csv` ({len(points)} points from
+{len({p.meta.get('source') for p in points})} publications; how each was measured:
+`data/published/*.md`). Regenerate: `python scripts/build_published_dataset.py &&
+python scripts/fit_published_engines.py` (or `kvsim fit data/published.csv --family vllm
+--out E.json --cv source`, which prints the first table). Hardware: none; this is arithmetic
+on published figures, run on a 2-vCPU VM.
+
+## By category
+
+A value counts in every category its row belongs to (a TP-4 FP8 decode row is in decode, tp
+and fp8).
+
+{md_table(summary, "category")}
+
+## By engine family
+
+{md_table(per_engine, "engine")}
+
+## By source
+
+{md_table(per_source, "source")}
+
+## Interval half-widths (90% of held-out |log error|)
+
+| regime | factor either way |
+|---|---:|
+""" + "\n".join(f"| {r} | x{np.exp(s):.3g} |" for r, s in spreads.items() if s) + """
+
+## The largest misses
+
+| source | engine | metric | measured | predicted | error |
+|---|---|---|---:|---:|---:|
+""" + "\n".join(f"| {v['source']} | {v['engine']} | {v['metric']} | {v['measured']:.4g} | "
+                f"{v['predicted']:.4g} | {v['err_pct']:+.0f}% |" for v in worst) + "\n"
+    PAGE.write_text(page)
+    (ROOT / "data" / "published-cv.json").write_text(json.dumps(
+        {"summary": summary, "values": cv}, indent=0) + "\n")
+    print(f"wrote {PAGE.relative_to(ROOT)} and data/published-cv.json")
+    print(md_table(summary, "category"))
+
+
+if __name__ == "__main__":
+    main()

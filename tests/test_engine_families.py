@@ -1,0 +1,215 @@
+"""The engine model's kernel-shape terms against hand computations, the published dataset, and
+the two-level family fit with its leave-one-source-out check."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvsim.fit import Point, Predictor, read_points
+from kvsim.fit import families as F
+from kvsim.fit.solve import make_engine
+from kvsim.hw import catalog
+from kvsim.hw import engine as E
+from kvsim.hw.costs import FLOP_EFFICIENCY, HBM_EFFICIENCY, costs_for
+from kvsim.policies.spec import parse
+from kvsim.sim.steps import StepCosts
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+
+
+def _costs(gpu="h100-sxm", **fields):
+    eng = E.ROOFLINE.with_fields(**fields) if fields else E.ROOFLINE
+    return costs_for(gpu, None, eng)[0]
+
+
+# ------------------------------------------------------------------- cost terms, by hand
+def test_matmul_overlap_and_shape_efficiency_by_hand():
+    m = catalog.model("llama-3.1-8b")
+    rate = 989e12 * FLOP_EFFICIENCY
+    bw = 3350 * GB * HBM_EFFICIENCY
+    flops, weights = 2 * m.active_layer_params, m.layer_params * 2
+    for n in (1.0, 64.0, 4096.0):
+        c, w = flops * n / rate, weights / bw
+        assert _costs().gemm_time(n, m) == pytest.approx(max(c, w), rel=1e-12)  # roofline
+        got = _costs(gemm_overlap=0.25).gemm_time(n, m)
+        assert got == pytest.approx(c + w - 0.25 * min(c, w), rel=1e-12)
+        eff = n / (n + 100.0)
+        got = _costs(gemm_overlap=0.0, gemm_half_tokens=100.0).gemm_time(n, m)
+        assert got == pytest.approx(c / eff + w, rel=1e-12)
+    mm = _costs(gemm_overlap=0.5, gemm_half_tokens=30.0).matmuls(m)
+    assert mm.at(77.0) == pytest.approx(float(mm.time(77.0)), rel=1e-12)
+
+
+def test_grouped_expert_matmuls_by_hand():
+    """Mixtral: the routed experts' FLOPs at the tokens each expert gets (n k / E) and at the
+    engine's MoE efficiency; the rest at n tokens."""
+    m = catalog.model("mixtral-8x7b")
+    routed = 3 * m.hidden * m.moe_intermediate * m.experts_per_token
+    dense = m.active_layer_params - routed
+    rate = 989e12 * FLOP_EFFICIENCY
+    n, half, moe = 256.0, 64.0, 0.5
+    per_expert = n * m.experts_per_token / m.experts
+    c = 2 * dense * n / (rate * n / (n + half)) \
+        + 2 * routed / moe * n / (rate * per_expert / (per_expert + half))
+    w = float(m.layer_weight_bytes(n)) / (3350 * GB * HBM_EFFICIENCY)
+    got = _costs(gemm_overlap=0.0, gemm_half_tokens=half, moe_efficiency=moe).gemm_time(n, m)
+    assert got == pytest.approx(c + w, rel=1e-12)
+
+
+def test_attention_per_query_head_rereads_kv_and_overheads_add_by_hand():
+    m = catalog.model("llama-3.1-70b")  # 64 query heads over 8 KV heads
+    (spec,), _ = parse("dense-resident")
+    cost = Predictor(None).cost(Point(0, "h100-sxm", m.name, spec, 1, 1, {}))
+    tokens = 8 * 32768.0
+    base = StepCosts(m, _costs(), cost)
+    slow = StepCosts(m, _costs(attention="per-query-head"), cost)
+    kv_layer = m.kv_bytes_per_token / m.layers * tokens
+    extra = 7 * kv_layer / (3350 * GB * HBM_EFFICIENCY)  # 8 reads instead of 1
+    (c0,), _, _ = base.layer_costs(8, np.array([tokens]))
+    (c1,), _, _ = slow.layer_costs(8, np.array([tokens]))
+    assert c1 - c0 == pytest.approx(extra, rel=1e-9)
+    over = StepCosts(m, _costs(layer_overhead_us=10.0, step_overhead_ms=1.0,
+                               token_overhead_us=20.0), cost)
+    s0 = base.decode(np.full(8, 32768.0), 1)[0][0]
+    s1 = over.decode(np.full(8, 32768.0), 1)[0][0]
+    assert s1 - s0 == pytest.approx(1e-3 + 80 * 10e-6 + 8 * 20e-6, rel=1e-9)
+
+
+def test_engine_allreduce_latency_adds_per_call():
+    m = catalog.model("llama-3.1-70b").shard(4)
+    a, b = _costs(), _costs(allreduce_us=15.0)
+    a.set_tp(4), b.set_tp(4)
+    assert float(b.allreduce_time(8, m) - a.allreduce_time(8, m)) == pytest.approx(30e-6)
+    assert float(_costs(allreduce_us=15.0).allreduce_time(8, m)) == 0.0  # TP 1: none
+
+
+def test_default_engine_fields_leave_the_roofline_unchanged():
+    """An engine that sets none of the new fields prices exactly as before they existed."""
+    m = catalog.model("qwen3-4b")
+    c = _costs()
+    for B in (1, 8, 256):
+        rate, bw = c.gemm_flops(m), c.hbm_bw
+        want = np.maximum(2.0 * m.active_layer_params * B / rate, m.layer_weight_bytes(B) / bw)
+        assert float(c.gemm_time(B, m)) == float(want)
+
+
+def test_engine_fields_are_checked():
+    for key, bad in (("gemm_overlap", 1.5), ("attention", "per-head"), ("moe_efficiency", 0),
+                     ("token_overhead_us", -1.0), ("allreduce_us", float("nan"))):
+        with pytest.raises(E.KvsimError, match=key):
+            E.ROOFLINE.with_fields(**{key: bad})
+
+
+# ------------------------------------------------------------------------ the dataset
+def test_published_dataset_is_what_the_build_script_makes_and_names_its_sources(tmp_path):
+    text = (ROOT / "data" / "published.csv").read_text()
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_published_dataset.py")],
+                   check=True, capture_output=True)
+    assert (ROOT / "data" / "published.csv").read_text() == text  # fresh
+    rows = list(csv.DictReader(line for line in text.splitlines() if not line.startswith("#")))
+    assert len(rows) >= 60
+    assert len({r["source"] for r in rows}) >= 8
+    for r in rows:
+        assert r["source"] and r["where"] and r["url"] and r["certainty"], r
+    points = read_points(ROOT / "data" / "published.csv")
+    cats = {c for p in points for c in p.categories()}
+    assert {"decode", "prefill", "throughput", "tp", "fp8", "moe", "long-context",
+            "offload"} <= cats
+    assert {p.tp for p in points} >= {1, 2, 4, 8}
+
+
+# ------------------------------------------------------------------ the family fit
+def _synthetic(pred, truth_shared, truth_family):
+    """Points two engine families would measure: family "a" is the shared engine with its own
+    overhead, family "b" the shared engine; two sources each."""
+    shared = make_engine(E.ROOFLINE, truth_shared, "default", "", "h100-sxm", "qwen3-4b")
+    fam_a = make_engine(shared, truth_family, "default", "", "h100-sxm", "qwen3-4b")
+    (spec,), _ = parse("dense-resident")
+    pts = []
+    for i, (model, ctx, b, out) in enumerate((
+            ("qwen3-4b", 1024, 1, 128), ("qwen3-4b", 8192, 8, 128), ("qwen3-4b", 2048, 64, 256),
+            ("llama-3.1-8b", 1024, 1, 128), ("llama-3.1-8b", 4096, 16, 128),
+            ("llama-3.1-8b", 2048, 128, 128), ("qwen3-8b", 512, 4, 1),
+            ("qwen3-8b", 16384, 2, 64))):
+        for fam, eng in (("a", fam_a), ("b", shared)):
+            p = Point(len(pts) + 2, "h100-sxm", model, spec, ctx, b, {}, None, out,
+                      meta={"source": f"{fam}{i % 2}"}, engine=fam)
+            p.measured = {"ttft_ms": 1.0}
+            got = pred.predict(p, eng)
+            p.measured = {"tpot_ms": got["tpot_ms"], "ttft_ms": got["ttft_ms"]}
+            pts.append(p)
+    return pts
+
+
+def test_joint_fit_reproduces_two_families_made_by_known_engines():
+    """Family "a" has 2 ms more per-step overhead than family "b"; the joint fit reproduces
+    every point with its family's engine, and family "a"'s engine is the slower one."""
+    pred = Predictor(None)
+    pts = _synthetic(pred, {"hbm_efficiency": 0.8, "layer_overhead_us": 20.0},
+                     {"step_overhead_ms": 2.0})
+    shared, fams, free = F.fit_joint(pts, pred, E.ROOFLINE)
+    assert set(fams) == {"a", "b"} and "step_overhead_ms" in free["a"]
+    for p in pts:
+        got = pred.predict(p, fams[p.engine])
+        for k, v in p.measured.items():
+            assert got[k] == pytest.approx(v, rel=4e-2), (p, k)
+    p = pts[0]
+    slow, fast = (pred.predict(p, fams[f])["tpot_ms"] for f in ("a", "b"))
+    assert slow - fast == pytest.approx(2.0, rel=0.15)
+    _, fam_a, levels = F.fit_levels(pts, pred, E.ROOFLINE, "a")
+    assert levels["family"] == free["a"]
+    assert fam_a.get("step_overhead_ms") == fams["a"].get("step_overhead_ms")
+
+
+def test_cross_validation_never_fits_on_the_held_out_source(monkeypatch):
+    pred = Predictor(None)
+    pts = _synthetic(pred, {"hbm_efficiency": 0.8}, {"step_overhead_ms": 2.0})
+    seen = []
+    real = F.fit_joint
+
+    def spy(rows, *a, **k):
+        seen.append({p.meta["source"] for p in rows})
+        return real(rows, *a, **k)
+
+    monkeypatch.setattr(F, "fit_joint", spy)
+    vals = F.cross_validate(pts, pred, E.ROOFLINE)
+    sources = {p.meta["source"] for p in pts}
+    assert {v["source"] for v in vals} == sources
+    assert all(len(s) == len(sources) - 1 for s in seen)
+    assert all(abs(v["err_pct"]) < 15 for v in vals)  # the truth is in the model family
+    rows = {r["category"]: r for r in F.summary(vals)}
+    assert rows["all"]["values"] == len(vals) == 2 * len(pts)
+    assert 0 <= rows["all"]["covered_share"] <= 1
+
+
+def test_interval_coverage_uses_only_other_sources():
+    """A source whose errors are far larger than every other's is not covered: its own errors
+    never widen its interval."""
+    vals = [{"source": s, "regime": "decode", "categories": ["decode"], "err_pct": e,
+             "log_err": math.log1p(e / 100)} for s, e in
+            (("x", 5.0), ("x", -4.0), ("y", 3.0), ("y", -6.0), ("z", 80.0))]
+    rows = {r["category"]: r for r in F.summary(vals)}
+    assert rows["all"]["covered_share"] == pytest.approx(4 / 5)
+
+
+# ------------------------------------------------------------------ the shipped engines
+def test_builtin_families_load_and_vllm_is_the_catalog_default():
+    for name in ("vllm", "sglang", "trtllm", "vllm-paper"):
+        eng = E.load(name)
+        assert eng.name == name
+    assert E.CATALOG_DEFAULT == "vllm"
+    costs, _ = costs_for("h100-sxm", None)
+    assert costs.engine.name == "vllm"
+    for name in ("vllm", "sglang", "trtllm"):
+        eng = E.load(name)
+        assert eng.fit["cv"] and eng.fit["checked"]["gpu"]
+        s, why = eng.spread("decode")
+        assert 0 < s < 1 and "held-out" in why
