@@ -1,9 +1,11 @@
-"""Safe files: reading a kvsim ``.npz`` (a JSON ``meta`` plus arrays, never pickles), and writing
-outputs (check the destination first, write to a temporary name, then rename)."""
+"""Safe files: reading JSON (:func:`read_json`, every JSON input's one reader), reading a kvsim
+``.npz`` (a JSON ``meta`` plus arrays, never pickles), and writing outputs (check the destination
+first, write to a temporary name, then rename)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import zipfile
@@ -16,6 +18,10 @@ import numpy as np
 from kvsim.errors import KvsimError
 
 MAX_NPZ_BYTES = 16 * 2**30  # what a kvsim file may inflate to (a capture set is ~0.2 GiB)
+MAX_JSON_BYTES = 256 * 2**20  # a JSON input (the largest, a policy profile, is a few MiB)
+MAX_JSON_DEPTH = 32  # nesting of a JSON input (kvsim's own are at most 5 deep)
+_TYPES = {dict: "a JSON object", list: "a JSON array", str: "a string", int: "a number",
+          float: "a number", bool: "true or false", type(None): "null"}
 
 
 def regular_file(path: str | os.PathLike, what: str) -> Path:
@@ -30,9 +36,77 @@ def regular_file(path: str | os.PathLike, what: str) -> Path:
         raise KvsimError(f"{p}: cannot read the {what} file ({e.strerror})") from None
     import stat
     if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        kind = "is a directory" if stat.S_ISDIR(st.st_mode) else "is not a regular file"
         raise KvsimError(f"{p}: {kind} (give a {what} file)")
     return p
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise _NotFinite(text)
+    return x
+
+
+def _refuse(text: str):
+    raise _NotFinite(text)
+
+
+def _depth(obj) -> int:
+    """How deep ``obj`` nests (without recursion: a hostile file cannot blow the stack)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_JSON_DEPTH:
+                stack += [(v, d + 1) for v in (o.values() if isinstance(o, dict) else o)]
+    return deepest
+
+
+def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict):
+    """``text`` parsed as JSON, refused in one line naming ``where`` when it is not JSON, holds
+    NaN, Infinity or a number beyond a float, nests deeper than :data:`MAX_JSON_DEPTH`, or is
+    not a ``top`` (None: any type)."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            packed = " (gzip-compressed: decompress it first)" * text.startswith(b"\x1f\x8b")
+            raise KvsimError(f"{where}: not a {what} (not UTF-8 text{packed})") from None
+    try:
+        obj = json.loads(text, parse_float=_finite, parse_constant=_refuse)
+    except _NotFinite as e:
+        raise KvsimError(f"{where}: {what} holds {e}; every number must be finite") from None
+    except RecursionError:
+        raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
+        raise KvsimError(f"{where}: not a {what} (invalid JSON: {e})") from None
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    if top is not None and not isinstance(obj, top):
+        raise KvsimError(f"{where}: a {what} is {_TYPES[top]}, not {_TYPES[type(obj)]}")
+    return obj
+
+
+def read_json(path: str | os.PathLike, what: str, top: type | None = dict,
+              max_bytes: int = MAX_JSON_BYTES):
+    """The JSON file ``path`` (a ``what``), checked as :func:`loads_json` does, after the file
+    itself: a regular file (:func:`regular_file`) of at most ``max_bytes``."""
+    p = regular_file(path, what)
+    try:
+        size = p.stat().st_size
+        if size > max_bytes:
+            raise KvsimError(f"{p}: {size / 2**20:.3g} MiB, beyond what kvsim reads as a {what} "
+                             f"({max_bytes / 2**20:g} MiB)")
+        data = p.read_bytes()
+    except OSError as e:
+        raise KvsimError(f"{p}: cannot read the {what} file ({e.strerror or e})") from None
+    return loads_json(data, str(p), what, top)
 
 
 def _check_members(z: zipfile.ZipFile, where: str, what: str) -> None:
@@ -76,10 +150,7 @@ def read_npz(path: str | os.PathLike, what: str, fmt: str) -> tuple[dict, dict[s
             from None
     if "meta" not in arrays:
         raise KvsimError(f"{where}: not a kvsim {what} (no 'meta' entry)")
-    try:
-        meta = json.loads(str(arrays.pop("meta")))
-    except json.JSONDecodeError as e:
-        raise KvsimError(f"{where}: meta is not valid JSON ({e})") from None
+    meta = loads_json(str(arrays.pop("meta")), f"{where}: meta", what, top=None)
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         raise KvsimError(f"{where}: not a kvsim {what} (meta.format != {fmt!r})")
     return meta, arrays
