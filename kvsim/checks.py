@@ -74,7 +74,7 @@ def share(v, name: str = "") -> float:
 
 def positive(v, name: str = "") -> float:
     """A finite number > 0."""
-    return real(v, name, above=0.0)
+    return real(v, name, above=0.0, what="positive")
 
 
 def flag_type(check, **bounds):

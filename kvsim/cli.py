@@ -64,7 +64,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit as e:  # --help, --version, a bad flag (one line printed): its status
+        return e.code or 0
     try:
         return args.run(args) or 0
     except KvsimError as e:

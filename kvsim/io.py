@@ -77,7 +77,7 @@ def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict
             text = text.decode("utf-8-sig")
         except UnicodeDecodeError:
             packed = " (gzip-compressed: decompress it first)" * text.startswith(b"\x1f\x8b")
-            raise KvsimError(f"{where}: not a {what} (not UTF-8 text{packed})") from None
+            raise KvsimError(f"{where}: not UTF-8 text{packed} (a {what} is JSON)") from None
     try:
         obj = json.loads(text, parse_float=_finite, parse_constant=_refuse)
     except _NotFinite as e:
@@ -85,11 +85,13 @@ def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict
     except RecursionError:
         raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
-        raise KvsimError(f"{where}: not a {what} (invalid JSON: {e})") from None
+        raise KvsimError(f"{where}: not JSON ({getattr(e, 'msg', e)}; a {what} is JSON)") \
+            from None
     if _depth(obj) > MAX_JSON_DEPTH:
         raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
     if top is not None and not isinstance(obj, top):
-        raise KvsimError(f"{where}: a {what} is {_TYPES[top]}, not {_TYPES[type(obj)]}")
+        raise KvsimError(f"{where}: not {_TYPES[top]} but {_TYPES[type(obj)]} (a {what} is "
+                         f"{_TYPES[top]})")
     return obj
 
 
