@@ -48,19 +48,17 @@ def load_quality(paths: list[str], df: pd.DataFrame) -> pd.DataFrame | None:
     if not paths:
         return None
     records = []
+    from kvsim.io import loads_json, read_json
     for p in paths:
-        try:
-            text = Path(p).read_text()
-        except OSError as e:
-            raise KvsimError(f"--quality {p}: {e.strerror}") from None
         try:  # one JSON document (object or list), else JSON lines
-            whole = json.loads(text)
+            whole = read_json(p, "kvsim eval result", top=None)
             objs = whole if isinstance(whole, list) else [whole]
-        except json.JSONDecodeError:
-            try:
-                objs = [json.loads(line) for line in text.splitlines() if line.strip()]
-            except json.JSONDecodeError as e:
-                raise KvsimError(f"--quality {p}: not JSON ({e})") from None
+        except KvsimError as e:
+            if "not JSON" not in str(e):
+                raise
+            objs = [loads_json(line, f"--quality {p} line {i}", "kvsim eval result", None)
+                    for i, line in enumerate(Path(p).read_bytes().splitlines(), 1)
+                    if line.strip()]
         for o in objs:
             if not isinstance(o, dict) or "policy" not in o or "relative_accuracy" not in o:
                 raise KvsimError(f"--quality {p}: each record needs 'policy' and "
