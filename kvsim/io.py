@@ -56,6 +56,10 @@ def _refuse(text: str):
     raise _NotFinite(text)
 
 
+def _nan(text: str) -> float:
+    return math.nan if text == "NaN" else _refuse(text)
+
+
 def _depth(obj) -> int:
     """How deep ``obj`` nests (without recursion: a hostile file cannot blow the stack)."""
     deepest, stack = 0, [(obj, 1)]
@@ -68,10 +72,12 @@ def _depth(obj) -> int:
     return deepest
 
 
-def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict):
+def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict,
+               nan: bool = False):
     """``text`` parsed as JSON, refused in one line naming ``where`` when it is not JSON, holds
-    NaN, Infinity or a number beyond a float, nests deeper than :data:`MAX_JSON_DEPTH`, or is
-    not a ``top`` (None: any type)."""
+    NaN (unless ``nan``: kvsim's own tables, where it means "not measured"), Infinity or a
+    number beyond a float, nests deeper than :data:`MAX_JSON_DEPTH`, or is not a ``top``
+    (None: any type)."""
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8-sig")
@@ -79,7 +85,8 @@ def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict
             packed = " (gzip-compressed: decompress it first)" * text.startswith(b"\x1f\x8b")
             raise KvsimError(f"{where}: not UTF-8 text{packed} (a {what} is JSON)") from None
     try:
-        obj = json.loads(text, parse_float=_finite, parse_constant=_refuse)
+        obj = json.loads(text, parse_float=_finite,
+                         parse_constant=_nan if nan else _refuse)
     except _NotFinite as e:
         raise KvsimError(f"{where}: {what} holds {e}; every number must be finite") from None
     except RecursionError:

@@ -56,11 +56,13 @@ def load(path: str | Path) -> ModelSpec:
     """The :class:`ModelSpec` of a ``config.json`` (or of a directory's)."""
     from kvsim.io import read_json
     p = Path(path)
-    if p.is_dir():
+    folder = p.is_dir()
+    if folder:
         p = p / "config.json"
     if not p.exists() and not p.is_symlink():
-        raise KvsimError(f"{path}: no such config.json (kvsim reads local files only; download "
-                         f"the model's config.json first)")
+        raise KvsimError(f"{path}: {'is a directory without a' if folder else 'no such'} "
+                         f"config.json (kvsim reads local files only; download the model's "
+                         f"config.json first)")
     return parse(read_json(p, "Hugging Face config.json"), str(p))
 
 

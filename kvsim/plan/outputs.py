@@ -120,7 +120,8 @@ def journal_rows(path: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            group = loads_json(line, f"{path} line {i + 1}", "plan journal line", list)
+            group = loads_json(line, f"{path} line {i + 1}", "plan journal line", list,
+                               nan=True)
             if not all(isinstance(r, dict) and isinstance(r.get("key"), str) for r in group):
                 raise KvsimError(f"{path} line {i + 1}: not a list of finished configurations")
         except KvsimError as e:

@@ -176,6 +176,7 @@ def _previous_rows(out: Path, spec: SweepSpec, force: bool) -> tuple[set, dict, 
     if replace or edited:  # --force: the other plan's rows are dropped, not merged
         for name in ("results.csv", "answer.json", JOURNAL):
             (out / name).unlink(missing_ok=True)
+    journaled = pd.DataFrame([r for r in journal_rows(out / JOURNAL) if r.get("status") in DONE])
     record(out, written, settings)  # a plan killed before its table still names its settings
     old = pd.DataFrame()
     if (out / "results.csv").exists():
@@ -186,8 +187,6 @@ def _previous_rows(out: Path, spec: SweepSpec, force: bool) -> tuple[set, dict, 
         if "key" not in old or "status" not in old:
             raise KvsimError(f"{out / 'results.csv'} is not a kvsim plan table")
         old = old[old.status.isin(DONE)]
-    jpath = out / JOURNAL
-    journaled = pd.DataFrame([r for r in journal_rows(jpath) if r.get("status") in DONE])
     if len(journaled):
         journaled = journaled[~journaled.key.isin(set(old["key"]) if len(old) else set())]
         old = pd.concat([old, journaled], ignore_index=True) if len(old) else journaled
