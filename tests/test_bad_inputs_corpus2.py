@@ -394,18 +394,25 @@ def test_fit_csv_with_a_bom_and_crlf_reads_its_header(tmp_path):
 # -------------------------------------------------------------------- interrupted plans
 @pytest.fixture(scope="module")
 def done_plan(tmp_path_factory):
-    """A finished plan over a model config and a workload file, to damage copies of."""
+    """A finished plan over a model config, a workload and an engine file, to damage copies
+    of."""
     root = tmp_path_factory.mktemp("plan")
-    _write(root / "config.json", GOOD_CONFIG)
-    _write(root / "w.csv", "arrival,prompt,output\n0,512,4\n0.1,512,4\n0.2,256,4\n")
+    _inputs(root)
     with contextlib.chdir(root):
         assert main(_plan_argv()) == 0
     return root
 
 
+def _inputs(root: Path) -> None:
+    _write(root / "config.json", GOOD_CONFIG)
+    _write(root / "w.csv", "arrival,prompt,output\n0,512,4\n0.1,512,4\n0.2,256,4\n")
+    _write(root / "engine.json", ENGINE)
+
+
 def _plan_argv(*extra) -> list[str]:
     """The plan, its paths relative to the folder it runs in (a copy of the folder resumes)."""
-    return [*PLAN[:4], "config.json", "--workload", "w.csv", *PLAN[7:], "--out", "out", *extra]
+    return [*PLAN[:4], "config.json", "--workload", "w.csv", "--engine", "engine.json",
+            *PLAN[7:], "--out", "out", *extra]
 
 
 def _copy_of(done: Path, tmp_path: Path, monkeypatch) -> Path:
@@ -450,6 +457,8 @@ PLAN_DAMAGE = {  # name -> (what is done to a finished plan's copy, keyword; Non
                       "changed since"),
     "workload edited": (lambda r: _write(r / "w.csv", "arrival,prompt,output\n0,999,4\n"),
                         "changed since"),
+    "engine edited": (lambda r: _write(r / "engine.json", _engine(description="edited")),
+                      "changed since"),
     "nothing changed": (lambda r: None, None),
 }
 
@@ -486,8 +495,7 @@ def test_two_plans_at_once_in_one_directory(done_plan, tmp_path, capsys, monkeyp
     ("fsync", "no space left"), ("mkstemp", "read-only file system"), ("mkdir", "read-only")])
 def test_a_full_or_read_only_disk(fail, word, tmp_path, capsys, monkeypatch):
     """Every write fails: one line, and nothing partial left behind."""
-    _write(tmp_path / "config.json", GOOD_CONFIG)
-    _write(tmp_path / "w.csv", "arrival,prompt,output\n0,512,4\n")
+    _inputs(tmp_path)
     monkeypatch.chdir(tmp_path)
     code = errno.ENOSPC if fail == "fsync" else errno.EROFS
 
