@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -60,16 +61,17 @@ def _nan(text: str) -> float:
     return math.nan if text == "NaN" else _refuse(text)
 
 
-def _depth(obj) -> int:
-    """How deep ``obj`` nests (without recursion: a hostile file cannot blow the stack)."""
-    deepest, stack = 0, [(obj, 1)]
-    while stack:
-        o, d = stack.pop()
-        if isinstance(o, (dict, list)):
-            deepest = max(deepest, d)
-            if d <= MAX_JSON_DEPTH:
-                stack += [(v, d + 1) for v in (o.values() if isinstance(o, dict) else o)]
-    return deepest
+def _scan(text: str) -> tuple[int, bool]:
+    """How deep JSON ``text`` nests (its brackets outside strings, counted before it is parsed:
+    a hostile file cannot reach the parser's recursion), and whether a number in it may be
+    beyond a float (an exponent of 3 digits, or 300 digits in a row)."""
+    b = np.frombuffer(re.sub(r'"(?:[^"\\]|\\.)*"', "", text).encode(), np.uint8)
+    step = np.isin(b, (91, 123)).astype(np.int32) - np.isin(b, (93, 125))  # [{ and ]}
+    edges = np.flatnonzero(np.diff(((b >= 48) & (b <= 57)).astype(np.int8), prepend=0,
+                                   append=0))
+    longest = int((edges[1::2] - edges[::2]).max(initial=0))
+    return int(np.cumsum(step).max(initial=0)), longest >= 300 or \
+        re.search(r"[eE][+-]?\d{3}", text) is not None
 
 
 def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict,
@@ -84,18 +86,21 @@ def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict
         except UnicodeDecodeError:
             packed = " (gzip-compressed: decompress it first)" * text.startswith(b"\x1f\x8b")
             raise KvsimError(f"{where}: not UTF-8 text{packed} (a {what} is JSON)") from None
+    depth, huge = _scan(text)
+    if depth > MAX_JSON_DEPTH:
+        raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
-        obj = json.loads(text, parse_float=_finite,
+        obj = json.loads(text, parse_float=_finite if huge else None,
                          parse_constant=_nan if nan else _refuse)
     except _NotFinite as e:
-        raise KvsimError(f"{where}: {what} holds {e}; every number must be finite") from None
+        shown = str(e) if len(str(e)) <= 40 else str(e)[:37] + "..."
+        raise KvsimError(f"{where}: {what} holds {shown}; every number must be finite") \
+            from None
     except RecursionError:
         raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels") from None
     except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
         raise KvsimError(f"{where}: not JSON ({getattr(e, 'msg', e)}; a {what} is JSON)") \
             from None
-    if _depth(obj) > MAX_JSON_DEPTH:
-        raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
     if top is not None and not isinstance(obj, top):
         raise KvsimError(f"{where}: not {_TYPES[top]} but {_TYPES[type(obj)]} (a {what} is "
                          f"{_TYPES[top]})")
@@ -159,7 +164,7 @@ def read_npz(path: str | os.PathLike, what: str, fmt: str) -> tuple[dict, dict[s
             from None
     if "meta" not in arrays:
         raise KvsimError(f"{where}: not a kvsim {what} (no 'meta' entry)")
-    meta = loads_json(str(arrays.pop("meta")), f"{where}: meta", what, top=None)
+    meta = loads_json(str(arrays.pop("meta")), f"{where}: meta", what, top=None, nan=True)
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         raise KvsimError(f"{where}: not a kvsim {what} (meta.format != {fmt!r})")
     return meta, arrays
