@@ -383,6 +383,19 @@ def test_fit_files(name, tmp_path, capsys):
     _fit(tmp_path, capsys, *FIT_FILES[name])
 
 
+@pytest.mark.parametrize("argv, word", [
+    (["--fix", "step_overhead_ms=inf"], "finite"), (["--fix", "step_overhead_ms=abc"], "--fix"),
+    (["--fix", "step_overhead_ms"], "NAME=NUMBER"), (["--base", "deep.json"], "nests deeper"),
+    (["--base", "nan.json"], "NaN"), (["--base", "."], "is a directory")])
+def test_fit_flags(argv, word, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "deep.json", _deep())
+    _write(tmp_path / "nan.json", json.dumps(ENGINE).replace('"version": 1', '"version": NaN'))
+    _write(tmp_path / "points.csv", FIT_HEAD + ",".join(FIT_ROW) + "\n")
+    _check(["fit", "points.csv", "--out", "engine.json", *argv], capsys, tmp_path, word)
+    assert not (tmp_path / "engine.json").exists()
+
+
 def test_fit_csv_with_a_bom_and_crlf_reads_its_header(tmp_path):
     from kvsim.fit import read_points
     path = _write(tmp_path / "p.csv", ("\ufeff" + FIT_HEAD + ",".join(FIT_ROW) + "\n")
