@@ -540,3 +540,10 @@ def test_a_lost_worker_is_one_line(tmp_path):
                              wait=lambda refs, num_returns: (refs[:1], refs[1:]))
     with pytest.raises(KvsimError, match="Ray worker was lost.*resume"):
         run_all(ex, abs, [1], progress=False)
+
+
+def test_a_killed_worker_process_is_one_line():
+    from kvsim.errors import KvsimError
+    from kvsim.plan.executors import LocalExecutor, run_all
+    with pytest.raises(KvsimError, match="worker process died.*resume"):
+        run_all(LocalExecutor(2), os._exit, [9, 9], progress=False)  # the worker dies at once
