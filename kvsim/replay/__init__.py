@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kvsim import trace as tracefile
-from kvsim.checks import positive, share, whole
+from kvsim.checks import positive, real, share, whole
 from kvsim.contract import PolicyResult, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
@@ -108,9 +108,8 @@ class ReplayConfig(Scheduling, Deployment):
             share(self.kv_read_frac, "--kv-read-frac")
         whole(self.seed, "--seed")
         for name in ("decide_ms", "step_overhead_ms"):
-            v = getattr(self, name)
-            if v is not None and not v >= 0:
-                raise KvsimError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+            if getattr(self, name) is not None:
+                real(getattr(self, name), f"--{name.replace('_', '-')}", least=0)
         if self.jobs is not None and (isinstance(self.jobs, bool) or
                                       not isinstance(self.jobs, int) or self.jobs < 1):
             raise KvsimError(f"--jobs must be a whole number >= 1, got {self.jobs!r}")
