@@ -65,13 +65,15 @@ def _scan(text: str) -> tuple[int, bool]:
     """How deep JSON ``text`` nests (its brackets outside strings, counted before it is parsed:
     a hostile file cannot reach the parser's recursion), and whether a number in it may be
     beyond a float (an exponent of 3 digits, or 300 digits in a row)."""
+    huge = re.search(r"[eE][+-]?\d{3}", text) is not None
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH and len(text) < 300:  # a short line
+        return 0, huge
     b = np.frombuffer(re.sub(r'"(?:[^"\\]|\\.)*"', "", text).encode(), np.uint8)
     step = np.isin(b, (91, 123)).astype(np.int32) - np.isin(b, (93, 125))  # [{ and ]}
     edges = np.flatnonzero(np.diff(((b >= 48) & (b <= 57)).astype(np.int8), prepend=0,
                                    append=0))
     longest = int((edges[1::2] - edges[::2]).max(initial=0))
-    return int(np.cumsum(step).max(initial=0)), longest >= 300 or \
-        re.search(r"[eE][+-]?\d{3}", text) is not None
+    return int(np.cumsum(step).max(initial=0)), huge or longest >= 300
 
 
 def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict,
