@@ -328,10 +328,10 @@ def _why(spec: _Format, k: int, raw, value) -> str:
     if k == 0 and spec.datetime:
         return f"{column} {text!r} is not a date and time like 2023-11-16 18:15:46.6805900"
     if k == 0:
-        return (f"{column} {text!r} is not a finite number of seconds"
+        return (f"{column} {_show(text)} is not a finite number of seconds"
                 if not math.isfinite(value) else f"{column} {text} is negative" if value < 0
                 else f"{column} {text} is beyond {MAX_SECONDS:g} s")
-    return _token_problem(column, repr(text), value, k == 1)
+    return _token_problem(column, _show(text), value, k == 1)
 
 
 def _token_problem(column: str, shown: str, value, prompt: bool) -> str:
