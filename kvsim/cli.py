@@ -3,7 +3,8 @@ with ``HELP`` (one line), ``add_parser(subparsers)`` and ``run(args) -> int``; t
 the library. Only the command being run builds its full parser, so ``kvsim --help`` and a
 command's start load no tensor or plotting code they do not need.
 
-User errors (:class:`KvsimError`) print one line on stderr and exit with status 2.
+User errors (:class:`KvsimError`) print one line on stderr and exit with status 2. Every plain
+``int`` flag is a whole number >= 0 and every plain ``float`` flag finite (:mod:`kvsim.checks`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 import kvsim.commands
 from kvsim import __version__
+from kvsim.checks import checked_flags
 from kvsim.errors import KvsimError
 
 DESCRIPTION = ("Capacity planner for long-context LLM serving with the KV cache partly in host "
@@ -54,6 +56,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         mod = importlib.import_module(f"kvsim.commands.{name.replace('-', '_')}")
         if name == chosen:
             mod.add_parser(sub)
+            checked_flags(sub.choices[name])
         else:
             sub.add_parser(name, help=mod.HELP)
     return parser
@@ -61,7 +64,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    try:
+        args = build_parser(argv).parse_args(argv)
+    except SystemExit as e:  # --help, --version, a bad flag (one line printed): its status
+        return e.code or 0
     try:
         return args.run(args) or 0
     except KvsimError as e:

@@ -1,10 +1,13 @@
-"""Safe files: reading a kvsim ``.npz`` (a JSON ``meta`` plus arrays, never pickles), and writing
-outputs (check the destination first, write to a temporary name, then rename)."""
+"""Safe files: reading JSON (:func:`read_json`, every JSON input's one reader), reading a kvsim
+``.npz`` (a JSON ``meta`` plus arrays, never pickles), and writing outputs (check the destination
+first, write to a temporary name, then rename)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import tempfile
 import zipfile
 from collections.abc import Callable
@@ -16,6 +19,10 @@ import numpy as np
 from kvsim.errors import KvsimError
 
 MAX_NPZ_BYTES = 16 * 2**30  # what a kvsim file may inflate to (a capture set is ~0.2 GiB)
+MAX_JSON_BYTES = 256 * 2**20  # a JSON input (the largest, a policy profile, is a few MiB)
+MAX_JSON_DEPTH = 32  # nesting of a JSON input (kvsim's own are at most 5 deep)
+_TYPES = {dict: "a JSON object", list: "a JSON array", str: "a string", int: "a number",
+          float: "a number", bool: "true or false", type(None): "null"}
 
 
 def regular_file(path: str | os.PathLike, what: str) -> Path:
@@ -30,9 +37,92 @@ def regular_file(path: str | os.PathLike, what: str) -> Path:
         raise KvsimError(f"{p}: cannot read the {what} file ({e.strerror})") from None
     import stat
     if not stat.S_ISREG(st.st_mode):
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        kind = "is a directory" if stat.S_ISDIR(st.st_mode) else "is not a regular file"
         raise KvsimError(f"{p}: {kind} (give a {what} file)")
     return p
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise _NotFinite(text)
+    return x
+
+
+def _refuse(text: str):
+    raise _NotFinite(text)
+
+
+def _nan(text: str) -> float:
+    return math.nan if text == "NaN" else _refuse(text)
+
+
+def _scan(text: str) -> tuple[int, bool]:
+    """How deep JSON ``text`` nests (its brackets outside strings, counted before it is parsed:
+    a hostile file cannot reach the parser's recursion), and whether a number in it may be
+    beyond a float (an exponent of 3 digits, or 300 digits in a row)."""
+    huge = re.search(r"[eE][+-]?\d{3}", text) is not None
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH and len(text) < 300:  # a short line
+        return 0, huge
+    b = np.frombuffer(re.sub(r'"(?:[^"\\]|\\.)*"', "", text).encode(), np.uint8)
+    step = np.isin(b, (91, 123)).astype(np.int32) - np.isin(b, (93, 125))  # [{ and ]}
+    edges = np.flatnonzero(np.diff(((b >= 48) & (b <= 57)).astype(np.int8), prepend=0,
+                                   append=0))
+    longest = int((edges[1::2] - edges[::2]).max(initial=0))
+    return int(np.cumsum(step).max(initial=0)), huge or longest >= 300
+
+
+def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict,
+               nan: bool = False):
+    """``text`` parsed as JSON, refused in one line naming ``where`` when it is not JSON, holds
+    NaN (unless ``nan``: kvsim's own tables, where it means "not measured"), Infinity or a
+    number beyond a float, nests deeper than :data:`MAX_JSON_DEPTH`, or is not a ``top``
+    (None: any type)."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8-sig")
+        except UnicodeDecodeError:
+            packed = " (gzip-compressed: decompress it first)" * text.startswith(b"\x1f\x8b")
+            raise KvsimError(f"{where}: not UTF-8 text{packed} (a {what} is JSON)") from None
+    depth, huge = _scan(text)
+    if depth > MAX_JSON_DEPTH:
+        raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        obj = json.loads(text, parse_float=_finite if huge else None,
+                         parse_constant=_nan if nan else _refuse)
+    except _NotFinite as e:
+        shown = str(e) if len(str(e)) <= 40 else str(e)[:37] + "..."
+        raise KvsimError(f"{where}: {what} holds {shown}; every number must be finite") \
+            from None
+    except RecursionError:
+        raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
+        raise KvsimError(f"{where}: not JSON ({getattr(e, 'msg', e)}; a {what} is JSON)") \
+            from None
+    if top is not None and not isinstance(obj, top):
+        raise KvsimError(f"{where}: not {_TYPES[top]} but {_TYPES[type(obj)]} (a {what} is "
+                         f"{_TYPES[top]})")
+    return obj
+
+
+def read_json(path: str | os.PathLike, what: str, top: type | None = dict,
+              max_bytes: int = MAX_JSON_BYTES):
+    """The JSON file ``path`` (a ``what``), checked as :func:`loads_json` does, after the file
+    itself: a regular file (:func:`regular_file`) of at most ``max_bytes``."""
+    p = regular_file(path, what)
+    try:
+        size = p.stat().st_size
+        if size > max_bytes:
+            raise KvsimError(f"{p}: {size / 2**20:.3g} MiB, beyond what kvsim reads as a {what} "
+                             f"({max_bytes / 2**20:g} MiB)")
+        data = p.read_bytes()
+    except OSError as e:
+        raise KvsimError(f"{p}: cannot read the {what} file ({e.strerror or e})") from None
+    return loads_json(data, str(p), what, top)
 
 
 def _check_members(z: zipfile.ZipFile, where: str, what: str) -> None:
@@ -76,10 +166,7 @@ def read_npz(path: str | os.PathLike, what: str, fmt: str) -> tuple[dict, dict[s
             from None
     if "meta" not in arrays:
         raise KvsimError(f"{where}: not a kvsim {what} (no 'meta' entry)")
-    try:
-        meta = json.loads(str(arrays.pop("meta")))
-    except json.JSONDecodeError as e:
-        raise KvsimError(f"{where}: meta is not valid JSON ({e})") from None
+    meta = loads_json(str(arrays.pop("meta")), f"{where}: meta", what, top=None, nan=True)
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         raise KvsimError(f"{where}: not a kvsim {what} (meta.format != {fmt!r})")
     return meta, arrays

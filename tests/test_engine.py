@@ -154,7 +154,7 @@ def test_fit_refuses_what_it_cannot_fit(tmp_path):
         (f"{HEADER}\nh100-sxm,qwen9,dense,32768,1,5\n", "row 2: unknown model"),
         (f"{HEADER}\nh100-sxm,qwen3-4b,warpdrive,32768,1,5\n", "row 2: unknown policy"),
         (f"{HEADER}\nh100-sxm,qwen3-4b,dense,32768,1,-5\n", "row 2: tpot_ms must be positive"),
-        (f"{HEADER}\nh100-sxm,qwen3-4b,dense,32768,1.5,5\n", "not a whole number"),
+        (f"{HEADER}\nh100-sxm,qwen3-4b,dense,32768,1.5,5\n", "batch must be a whole number"),
         (f"{HEADER},colour\nh100-sxm,qwen3-4b,dense,32768,1,5,red\n", "unknown column"),
         ("gpu,model,policy,batch,tpot_ms\nh100-sxm,qwen3-4b,dense,1,5\n", "missing column"),
         (f"{HEADER},use\nh100-sxm,qwen3-4b,dense,32768,1,5,maybe\n", "use 'maybe'"),

@@ -209,8 +209,8 @@ def test_bad_files_one_line_exit_2(tmp_path, capsys, name, text, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--time-scale", "0"], "--time-scale must be positive and finite"),
-    (["--time-scale", "nan"], "--time-scale must be positive and finite"),
-    (["--time-scale=-inf"], "--time-scale must be positive and finite"),
+    (["--time-scale", "nan"], "--time-scale: must be finite, got nan"),
+    (["--time-scale=-inf"], "--time-scale: must be finite, got -inf"),
     (["--limit", "0"], "--limit must be a positive number"),
     (["--workload-format", "vidur"], "invalid choice"),
     (["--workload-format", "burstgpt"], "burstgpt format needs columns Timestamp, Request tokens"),

@@ -39,9 +39,12 @@ def _defaults_text(owners: dict) -> str:
 
 
 def parse_list(kind_, text: str) -> list:
-    """``"8,16,32"`` -> [8.0, 16.0, 32.0] for a float option (bools: true/false)."""
+    """``"8,16,32"`` -> [8.0, 16.0, 32.0] for a float option (bools: true/false); each number
+    checked as a single flag's is (:func:`kvsim.checks.checked_flags`)."""
+    from kvsim.checks import flag_type, real, whole
+    one = {int: flag_type(whole), float: flag_type(real)}.get(kind_)
     try:
-        return [convert(kind_, v) for v in text.split(",") if v.strip()]
+        return [one(v) if one else convert(kind_, v) for v in text.split(",") if v.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

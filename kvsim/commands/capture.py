@@ -119,10 +119,8 @@ def _run_nested(args, out: Path) -> int:
         raise KvsimError("--prompts does not apply with --lengths (the task builds the prompt)")
     weights = None
     if args.layer_weights:
-        w = [float(x) for x in args.layer_weights.split(",")]
-        if not all(x > 0 for x in w):
-            raise KvsimError("--layer-weights must be positive")
-        weights = w
+        from kvsim.checks import parse, positive
+        weights = [positive(parse(x), "--layer-weights") for x in args.layer_weights.split(",")]
     lm = load_model(args.model)
     layers = parse_layers(args.layers, lm.info["layers"])
     if weights is not None and len(weights) != len(layers):

@@ -70,16 +70,14 @@ def add_parser(sub) -> None:
 
 
 def _fixed(items: list[str]) -> dict:
+    from kvsim.checks import parse, real
     from kvsim.errors import KvsimError
     out = {}
     for item in items:
         k, sep, v = item.partition("=")
-        try:
-            out[k.strip()] = float(v)
-        except ValueError:
-            raise KvsimError(f"--fix {item!r}: give NAME=NUMBER") from None
         if not sep:
             raise KvsimError(f"--fix {item!r}: give NAME=NUMBER")
+        out[k.strip()] = real(parse(v), f"--fix {k.strip()}")
     return out
 
 

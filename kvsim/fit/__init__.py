@@ -25,12 +25,12 @@ A prediction is the simulator's own cost of those steps (:class:`kvsim.sim.steps
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from kvsim import checks
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.costs import costs_for
@@ -94,25 +94,24 @@ class Point:
         return out
 
 def _number(row: int, col: str, text: str, kind=float):
-    try:
-        v = kind(float(text)) if kind is int else float(text)
-    except ValueError:
-        raise KvsimError(f"row {row}: {col} {text!r} is not a number") from None
-    if kind is int and float(text) != int(float(text)):
-        raise KvsimError(f"row {row}: {col} {text!r} is not a whole number")
-    if not math.isfinite(v) or v <= 0:
-        raise KvsimError(f"row {row}: {col} must be positive, got {text}")
-    return v
+    """A cell as a number > 0, checked as the flag of the same name is (a batch or a context
+    beyond what kvsim replay simulates is refused before anything is allocated for it)."""
+    from kvsim.replay import MAX_BATCH
+    from kvsim.sim.workload import MAX_TOKENS
+    name = f"row {row}: {col}"
+    if kind is not int:
+        return checks.positive(checks.parse(text), name)
+    return checks.whole(checks.parse(text), name, 1, {"batch": MAX_BATCH}.get(col, MAX_TOKENS))
 
 
 def read_points(path: str | Path) -> list[Point]:
     """The CSV's rows, each checked: every problem is one line naming the row and column."""
     import csv
-    path = Path(path)
-    if not path.is_file():
-        raise KvsimError(f"{path}: no such file")
+
+    from kvsim.io import regular_file
+    path = regular_file(path, "measured points CSV")
     try:
-        with path.open(newline="") as f:
+        with path.open(newline="", encoding="utf-8-sig") as f:
             rows = list(csv.DictReader(row for row in f if not row.lstrip().startswith("#")))
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise KvsimError(f"{path}: not a readable CSV ({e})") from None
@@ -158,9 +157,7 @@ def read_points(path: str | Path) -> list[Point]:
             raise KvsimError(f"row {i}: no measured value (give one of {', '.join(HEADLINE)})")
         setup = _setup(i, r)
         frac = r.get("kv_read_frac")
-        frac = float(frac) if frac else None
-        if frac is not None and not 0 <= frac <= 1:
-            raise KvsimError(f"row {i}: kv_read_frac must be a share in [0, 1], got {frac}")
+        frac = checks.share(checks.parse(frac), f"row {i}: kv_read_frac") if frac else None
         points.append(Point(
             i, r["gpu"], r["model"], specs[0], _number(i, "context", r["context"], int),
             _number(i, "batch", r["batch"], int), measured, frac,

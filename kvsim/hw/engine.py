@@ -237,9 +237,8 @@ class Engine:
         if over.get("step_overhead_ms") is not None:
             fields["step_overhead_ms"] = Value(float(over["step_overhead_ms"]), "override")
         if over.get("link_gbps") is not None:
-            x = float(over["link_gbps"])
-            if not _positive(x):
-                raise KvsimError(f"--link-gbps must be positive, got {x:g}")
+            from kvsim.checks import positive
+            x = positive(over["link_gbps"], "--link-gbps")
             fields["link_gbps"] = Value(x, "override", f"--link-gbps {x:g}")
         if over.get("decide_ms") is not None:
             d = float(over["decide_ms"])
@@ -312,12 +311,10 @@ def load(name_or_path: str | Path | Engine | None) -> Engine | None:
     if text == "roofline":
         return ROOFLINE
     path = BUILTIN.get(text, Path(text))
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise KvsimError(f"engine {text!r}: no such file (built-in engines: roofline, "
                          f"{', '.join(BUILTIN)})")
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise KvsimError(f"{path}: cannot read an engine profile ({e})") from None
+    from kvsim.io import read_json
+    obj = read_json(path, "kvsim engine profile", top=None)
     origin = f"built-in, kvsim/hw/engines/{path.name}" if text in BUILTIN else str(path)
     return from_json(obj, origin)

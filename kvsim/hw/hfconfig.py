@@ -15,17 +15,18 @@ line rather than planned wrong.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvsim.checks import real, whole
 from kvsim.errors import KvsimError
 
 if TYPE_CHECKING:  # catalog imports this module: a runtime import would be circular
     from kvsim.hw.catalog import ModelSpec
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
+MAX_SIZE = 2**40  # any layer count, width or vocabulary beyond this is a broken config
 MODELS_DIR = Path(__file__).resolve().parent / "models"
 
 
@@ -40,35 +41,29 @@ def builtin() -> dict:
 
 
 def _int(cfg: dict, key: str, where: str, default=None, positive=True) -> int:
-    v = cfg.get(key, default)
+    v = cfg.get(key)
+    v = default if v is None else v
     if v is None:
         raise KvsimError(f"{where}: config has no {key}")
     if isinstance(v, list):  # per-layer lists (some MoE configs): the first layer's
         if not v:
             raise KvsimError(f"{where}: {key} is an empty list")
         v = v[0]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or \
-            (positive and v < 1) or v < 0:
-        raise KvsimError(f"{where}: {key} must be a {'positive ' if positive else ''}whole "
-                         f"number, got {v!r}")
-    return int(v)
+    return whole(v, f"{where}: {key}", least=1 if positive else 0, most=MAX_SIZE)
 
 
 def load(path: str | Path) -> ModelSpec:
     """The :class:`ModelSpec` of a ``config.json`` (or of a directory's)."""
+    from kvsim.io import read_json
     p = Path(path)
-    if p.is_dir():
+    folder = p.is_dir()
+    if folder:
         p = p / "config.json"
-    if not p.is_file():
-        raise KvsimError(f"{path}: no such config.json (kvsim reads local files only; download "
-                         f"the model's config.json first)")
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise KvsimError(f"{p}: not a readable JSON config ({e})") from None
-    if not isinstance(cfg, dict):
-        raise KvsimError(f"{p}: a config.json holds a JSON object")
-    return parse(cfg, str(p))
+    if not p.exists() and not p.is_symlink():
+        raise KvsimError(f"{path}: {'is a directory without a' if folder else 'no such'} "
+                         f"config.json (kvsim reads local files only; download the model's "
+                         f"config.json first)")
+    return parse(read_json(p, "Hugging Face config.json"), str(p))
 
 
 def _name(cfg: dict) -> str:
@@ -107,13 +102,14 @@ def parse(cfg: dict, where: str) -> ModelSpec:
     if dtype not in DTYPE_BYTES:
         raise KvsimError(f"{where}: dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
-    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    theta = real(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+                 f"{where}: rope_theta", above=0)
     max_pos = _int(cfg, "max_position_embeddings", where, default=4096)
     scaling = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
     factor = scaling.get("factor")
     if scaling.get("rope_type", scaling.get("type")) in ("yarn", "linear", "dynamic") and \
             isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 1:
-        base = scaling.get("original_max_position_embeddings") or max_pos
+        base = _int(scaling, "original_max_position_embeddings", where, default=max_pos)
         max_pos = max(max_pos, int(base * factor))
     experts = 0
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
@@ -126,13 +122,17 @@ def parse(cfg: dict, where: str) -> ModelSpec:
                        else "moe_topk", where)
         size = _int(cfg, "moe_intermediate_size" if cfg.get("moe_intermediate_size")
                     else "intermediate_size", where)
-        shared = cfg.get("shared_expert_intermediate_size") or \
-            (cfg.get("n_shared_experts") or cfg.get("num_shared_expert") or 0) * size
-        if isinstance(shared, list):
-            shared = shared[0] * size
-        dense_layers = set(range(int(cfg.get("first_k_dense_replace") or 0)))
-        dense_layers |= {int(x) for x in cfg.get("mlp_only_layers") or []}
-        step = int(cfg.get("decoder_sparse_step") or 1)
+        if per_tok > experts:
+            raise KvsimError(f"{where}: {per_tok} experts per token but only {experts} experts")
+        n_shared = next((k for k in ("n_shared_experts", "num_shared_expert") if cfg.get(k)), "")
+        shared = _int(cfg, "shared_expert_intermediate_size", where, 0, False) or \
+            (_int(cfg, n_shared, where) * size if n_shared else 0)
+        dense_layers = set(range(_int(cfg, "first_k_dense_replace", where, 0, False)))
+        only = cfg.get("mlp_only_layers") or []
+        if not isinstance(only, list):
+            raise KvsimError(f"{where}: mlp_only_layers must be a list of layers, got {only!r}")
+        dense_layers |= {whole(x, f"{where}: mlp_only_layers") for x in only}
+        step = _int(cfg, "decoder_sparse_step", where, 1)
         dense_layers |= {i for i in range(layers) if (i + 1) % step}
         moe = dict(experts=experts, experts_per_token=per_tok, moe_intermediate=size,
                    shared_intermediate=int(shared),

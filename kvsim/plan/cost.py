@@ -44,12 +44,8 @@ def parse_price(text: str) -> tuple[str, float]:
 
 def load_prices(path: str | Path) -> dict[str, float]:
     """A JSON object ``{gpu: usd_per_gpu_hour}`` (``--prices FILE``)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise KvsimError(f"--prices {path}: {e.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KvsimError(f"--prices {path}: not JSON ({e})") from None
+    from kvsim.io import read_json
+    data = read_json(path, "--prices file", top=None)
     if not isinstance(data, dict) or not data:
         raise KvsimError(f"--prices {path}: give a JSON object of GPU names to US dollars per "
                          f"GPU-hour, e.g. {{\"h100-sxm\": 2.49}}")

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from kvsim.errors import KvsimError
+from kvsim.plan.outputs import LOST
 
 
 class LocalExecutor:
@@ -29,8 +30,12 @@ class LocalExecutor:
         ctx = mp.get_context("spawn")  # fork is unsafe once torch has started threads
         with cf.ProcessPoolExecutor(self.jobs, mp_context=ctx) as pool:
             futures = {pool.submit(fn, t): t for t in tasks}
-            for fut in cf.as_completed(futures):
-                yield futures[fut], fut.result()
+            try:
+                for fut in cf.as_completed(futures):
+                    yield futures[fut], fut.result()
+            except cf.process.BrokenProcessPool:
+                raise KvsimError(f"a worker process died (killed, or out of memory); "
+                                 f"{LOST}") from None
 
 
 class RayExecutor:
@@ -51,9 +56,16 @@ class RayExecutor:
         remote = self.ray.remote(_apply)
         refs = {remote.remote(fn, t): t for t in tasks}
         pending = list(refs)
+        E = self.ray.exceptions
         while pending:
             done, pending = self.ray.wait(pending, num_returns=1)
-            yield refs[done[0]], self.ray.get(done[0])
+            try:
+                result = self.ray.get(done[0])
+            except (E.WorkerCrashedError, E.NodeDiedError, E.ObjectLostError,
+                    E.OwnerDiedError, E.LocalRayletDiedError, E.RaySystemError) as e:
+                raise KvsimError(f"a Ray worker was lost ({type(e).__name__}); {LOST}") \
+                    from None
+            yield refs[done[0]], result
 
 
 def make_executor(name: str, jobs: int | None = None) -> LocalExecutor | RayExecutor:

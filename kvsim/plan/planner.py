@@ -7,7 +7,6 @@ import datetime
 import html
 import io
 import json
-import os
 import platform
 import re
 from pathlib import Path
@@ -24,7 +23,9 @@ from kvsim.plan.outputs import (
     check_outputs,
     differences,
     journal_rows,
+    journal_writer,
     jsonable,
+    only_plan,
     record,
 )
 from kvsim.plan.sweep import SweepSpec, label, sweep
@@ -55,19 +56,17 @@ def load_quality(paths: list[str], df: pd.DataFrame) -> pd.DataFrame | None:
     if not paths:
         return None
     records = []
+    from kvsim.io import loads_json, read_json
     for p in paths:
-        try:
-            text = Path(p).read_text()
-        except OSError as e:
-            raise KvsimError(f"--quality {p}: {e.strerror}") from None
         try:  # one JSON document (object or list), else JSON lines
-            whole = json.loads(text)
+            whole = read_json(p, "kvsim eval result", top=None)
             objs = whole if isinstance(whole, list) else [whole]
-        except json.JSONDecodeError:
-            try:
-                objs = [json.loads(line) for line in text.splitlines() if line.strip()]
-            except json.JSONDecodeError as e:
-                raise KvsimError(f"--quality {p}: not JSON ({e})") from None
+        except KvsimError as e:
+            if "not JSON" not in str(e):
+                raise
+            objs = [loads_json(line, f"--quality {p} line {i}", "kvsim eval result", None)
+                    for i, line in enumerate(Path(p).read_bytes().splitlines(), 1)
+                    if line.strip()]
         for o in objs:
             if not isinstance(o, dict) or "policy" not in o or "relative_accuracy" not in o:
                 raise KvsimError(f"--quality {p}: each record needs 'policy' and "
@@ -112,15 +111,20 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
         raise KvsimError(f"--out {out} exists and is not a directory")
     if not out.parent.is_dir():
         raise KvsimError(f"--out {out}: directory {out.parent} does not exist")
-    out.mkdir(exist_ok=True)
+    try:
+        out.mkdir(exist_ok=True)
+    except OSError as e:
+        raise KvsimError(f"--out {out}: cannot make the directory ({e.strerror})") from None
+    with only_plan(out):
+        return _plan(spec, out, executor, quality, progress, command, force, gpu_prices)
+
+
+def _plan(spec, out: Path, executor, quality, progress, command, force, gpu_prices) -> dict:
+    from kvsim.plan import cost
     written, settings, old = _previous_rows(out, spec, force)
     jpath = out / JOURNAL
-    with open(jpath, "a") as journal:
-        def on_rows(rows):
-            journal.write(json.dumps(rows, default=jsonable) + "\n")
-            journal.flush()
-            os.fsync(journal.fileno())
-
+    journal, on_rows = journal_writer(jpath)
+    with journal:
         new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress, on_rows)
     df = pd.concat([old, new], ignore_index=True) if len(old) else new
     if df.empty:
@@ -164,14 +168,23 @@ def _previous_rows(out: Path, spec: SweepSpec, force: bool) -> tuple[set, dict, 
     ``force`` replaced."""
     written, held = check_outputs(out, force)
     settings = json.loads(json.dumps(spec.settings(), default=str))
+    held_inputs = (held or {}).pop("inputs", None) or {}  # older plans recorded none
+    inputs = _input_hashes(spec)
     replace = held is not None and held != settings
     if replace and not force:
         raise KvsimError(f"--out {out} holds a different plan "
                          f"({'; '.join(differences(held, settings))}); choose another --out, "
                          f"or pass --force to replace it")
-    if replace:  # --force: the other plan's rows are dropped, not merged
+    edited = [p for p, h in inputs.items() if held_inputs.get(p, h) != h]
+    if edited and not force:
+        raise KvsimError(f"--out {out}: {edited[0]} changed since the plan there ran on it; its "
+                         f"rows would not match: choose another --out, or pass --force to run "
+                         f"the plan again")
+    settings["inputs"] = held_inputs | inputs
+    if replace or edited:  # --force: the other plan's rows are dropped, not merged
         for name in ("results.csv", "answer.json", JOURNAL):
             (out / name).unlink(missing_ok=True)
+    journaled = pd.DataFrame([r for r in journal_rows(out / JOURNAL) if r.get("status") in DONE])
     record(out, written, settings)  # a plan killed before its table still names its settings
     old = pd.DataFrame()
     if (out / "results.csv").exists():
@@ -182,12 +195,22 @@ def _previous_rows(out: Path, spec: SweepSpec, force: bool) -> tuple[set, dict, 
         if "key" not in old or "status" not in old:
             raise KvsimError(f"{out / 'results.csv'} is not a kvsim plan table")
         old = old[old.status.isin(DONE)]
-    jpath = out / JOURNAL
-    journaled = pd.DataFrame([r for r in journal_rows(jpath) if r.get("status") in DONE])
     if len(journaled):
         journaled = journaled[~journaled.key.isin(set(old["key"]) if len(old) else set())]
         old = pd.concat([old, journaled], ignore_index=True) if len(old) else journaled
     return written, settings, old
+
+
+def _input_hashes(spec: SweepSpec) -> dict[str, str]:
+    """SHA-256 of each file the plan reads, by its path."""
+    import hashlib
+    out = {}
+    for p in spec.input_files():
+        try:
+            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        except OSError as e:
+            raise KvsimError(f"{p}: cannot read ({e.strerror})") from None
+    return out
 
 
 def _decide(df: pd.DataFrame, spec: SweepSpec) -> tuple[pd.DataFrame, dict]:

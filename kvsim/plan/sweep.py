@@ -74,6 +74,16 @@ class SweepSpec:
                 "slo": [lim.words() for lim in self.slo], "slo_requests": self.slo_requests,
                 "target_qps": self.target_qps, "workload": self.workload}
 
+    def input_files(self) -> list[Path]:
+        """The files the plan reads (model configs, profiled GPUs, the trace, the workload, an
+        engine or policy profile): a resumed plan checks they are what its rows were run on."""
+        from kvsim.hw.hfconfig import looks_like_path
+        names = [n for n in (*self.models, *self.gpus) if looks_like_path(n)] + [
+            self.trace, self.workload, self.engine.get("engine"),
+            self.engine.get("policy_profile")]
+        paths = [Path(n) / "config.json" if Path(n).is_dir() else Path(n) for n in names if n]
+        return [p for p in paths if p.is_file()]
+
     def file_contexts(self) -> list[int]:
         """The contexts swept: the workload file's mean prompt where there is one."""
         if self.workload is None:

@@ -334,21 +334,11 @@ def _short(params: dict) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _load(path: str, mtime: float) -> Profile:
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise KvsimError(f"{path}: not a policy profile (invalid JSON: {e})") from None
-    except UnicodeDecodeError:
-        raise KvsimError(f"{path}: not a policy profile (not text)") from None
-    if not isinstance(data, dict):
-        raise KvsimError(f"{path}: not a kvsim policy profile")
-    return Profile(data, path)
+    from kvsim.io import read_json
+    return Profile(read_json(path, "kvsim policy profile"), path)
 
 
 def load(path: str | os.PathLike) -> Profile:
-    p = Path(path)
-    if not p.exists():
-        raise KvsimError(f"{p}: no such policy profile")
-    if not p.is_file():
-        raise KvsimError(f"{p}: not a regular file")
+    from kvsim.io import regular_file
+    p = regular_file(path, "policy profile")
     return _load(str(p.resolve()), p.stat().st_mtime)

@@ -47,12 +47,16 @@ def _read_journal(path: Path, signature: dict) -> dict[str, list]:
     if head != {"signature": signature}:
         raise KvsimError(f"{path} is the journal of a different build (other captures, grid "
                          f"or seed); delete it to start over")
+    from kvsim.io import loads_json
     done = {}
-    for line in lines[1:]:
+    for i, line in enumerate(lines[1:], 2):
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+            rec = loads_json(line, f"{path} line {i}", "policy-profile build journal line")
+        except KvsimError:
+            continue  # torn by a kill mid-write: that job runs again
+        if not isinstance(rec.get("job"), str) or not isinstance(rec.get("rows"), list):
+            raise KvsimError(f"{path} line {i}: not a finished job; delete the journal to start "
+                             f"over")
         done[rec["job"]] = rec["rows"]
     return done
 

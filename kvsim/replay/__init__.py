@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kvsim import trace as tracefile
+from kvsim.checks import positive, real, share, whole
 from kvsim.contract import PolicyResult, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
@@ -103,17 +104,17 @@ class ReplayConfig(Scheduling, Deployment):
                                  f"or --slo-e2e-s")
         Scheduling.check(self)
         Deployment.check(self)
-        if self.kv_read_frac is not None and not 0 <= self.kv_read_frac <= 1:
-            raise KvsimError(f"--kv-read-frac must be a share in [0, 1], got {self.kv_read_frac}")
+        if self.kv_read_frac is not None:
+            share(self.kv_read_frac, "--kv-read-frac")
+        whole(self.seed, "--seed")
         for name in ("decide_ms", "step_overhead_ms"):
-            v = getattr(self, name)
-            if v is not None and not v >= 0:
-                raise KvsimError(f"--{name.replace('_', '-')} must be >= 0, got {v}")
+            if getattr(self, name) is not None:
+                real(getattr(self, name), f"--{name.replace('_', '-')}", least=0)
         if self.jobs is not None and (isinstance(self.jobs, bool) or
                                       not isinstance(self.jobs, int) or self.jobs < 1):
             raise KvsimError(f"--jobs must be a whole number >= 1, got {self.jobs!r}")
-        if self.link_gbps is not None and not self.link_gbps > 0:
-            raise KvsimError(f"--link-gbps must be positive, got {self.link_gbps}")
+        if self.link_gbps is not None:
+            positive(self.link_gbps, "--link-gbps")
         if self.workload_format != "auto" and self.workload_format not in workload.FORMATS:
             raise KvsimError(f"--workload-format {self.workload_format!r}: one of auto, "
                              f"{', '.join(workload.FORMATS)}")

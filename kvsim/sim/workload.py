@@ -42,10 +42,12 @@ from pathlib import Path
 import numpy as np
 
 from kvsim.errors import KvsimError
+from kvsim.io import loads_json
 
 FORMATS = ("kvsim", "azure", "burstgpt", "mooncake")
 CHUNK_ROWS = 1 << 20
 MAX_TOKENS = 2**31 - 1  # a token count above this is a broken file, not a request
+MAX_SECONDS = 1e10  # a time beyond this (300 years; the epoch is 1.8e9 s) is a broken file
 
 
 @dataclass
@@ -290,7 +292,8 @@ def _check_chunk(path, spec: _Format, t, p, o, offset: int, fast: bool):
         tv = _times(t) if spec.datetime else pd.to_numeric(t, errors="coerce").to_numpy(float)
         pv, ov = (pd.to_numeric(s, errors="coerce").to_numpy(float) for s in (p, o))
     with np.errstate(invalid="ignore"):
-        bad = [np.isnat(tv) if spec.datetime else ~np.isfinite(tv) | (tv < 0),
+        bad = [np.isnat(tv) if spec.datetime else ~np.isfinite(tv) | (tv < 0) |
+               (tv * spec.unit > MAX_SECONDS),
                _bad_tokens(pv, 1), _bad_tokens(ov, 0 if spec.failures else 1)]
     firsts = [(int(np.flatnonzero(b & keep)[0]), k) for k, b in enumerate(bad) if (b & keep).any()]
     if firsts:
@@ -325,9 +328,10 @@ def _why(spec: _Format, k: int, raw, value) -> str:
     if k == 0 and spec.datetime:
         return f"{column} {text!r} is not a date and time like 2023-11-16 18:15:46.6805900"
     if k == 0:
-        return (f"{column} {text!r} is not a finite number of seconds"
-                if not math.isfinite(value) else f"{column} {text} is negative")
-    return _token_problem(column, repr(text), value, k == 1)
+        return (f"{column} {_show(text)} is not a finite number of seconds"
+                if not math.isfinite(value) else f"{column} {text} is negative" if value < 0
+                else f"{column} {text} is beyond {MAX_SECONDS:g} s")
+    return _token_problem(column, _show(text), value, k == 1)
 
 
 def _token_problem(column: str, shown: str, value, prompt: bool) -> str:
@@ -362,18 +366,14 @@ def _read_mooncake(path) -> tuple:
                 if not line.strip():
                     continue
                 where = f"{path} line {line_no}"
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    raise KvsimError(f"{where}: not JSON ({getattr(e, 'msg', e)})") from None
-                if not isinstance(obj, dict):
-                    raise KvsimError(f"{where}: not a JSON object")
+                obj = loads_json(line, where, "Mooncake trace line")
                 if missing := [k for k in _keys(SPECS["mooncake"]) if k not in obj]:
                     raise KvsimError(f"{where}: no {missing[0]!r}")
                 ts, inp, out = (_number(obj[k]) for k in _keys(SPECS["mooncake"]))
-                if not math.isfinite(ts) or ts < 0:
+                if not math.isfinite(ts) or ts < 0 or ts * 1e-3 > MAX_SECONDS:
                     raise KvsimError(f"{where}: timestamp {_show(obj['timestamp'])} is " + (
-                        "negative" if ts < 0 else "not a finite number of milliseconds"))
+                        "negative" if ts < 0 else f"beyond {MAX_SECONDS:g} s"
+                        if math.isfinite(ts) else "not a finite number of milliseconds"))
                 for key, v in (("input_length", inp), ("output_length", out)):
                     if _bad_tokens(v, 1):
                         raise KvsimError(f"{where}: " + _token_problem(
