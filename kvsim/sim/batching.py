@@ -31,10 +31,26 @@ from kvsim.sim.records import MAX_CHUNK, Chunks
 from kvsim.sim.rules import RULES
 
 
+class Clock:
+    """The clock of a run alone: its one process only waits for time to pass, so it needs no
+    event queue. ``run`` adds each delay the process yields to ``now``, the sum simpy's
+    ``Timeout`` makes (``now + delay``), so the times are simpy's to the last bit."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def timeout(self, delay: float) -> float:
+        return delay
+
+    def run(self, process) -> None:
+        for delay in process:
+            self.now += delay
+
+
 class Run:
     """``routed``: requests arrive only when a router (:mod:`kvsim.sim.replicas`) hands them
-    over on the shared ``env`` (a simpy Environment; a new one if not given); the run ends when
-    the router is done and it has served what it was given."""
+    over on the shared ``env`` (a simpy Environment); the run ends when the router is done and
+    it has served what it was given. A run alone keeps its time on a :class:`Clock`."""
 
     SLOTS = ("arrival", "first_token", "admitted", "ctx", "prompt", "target", "prefilled",
              "left", "output", "held_hbm", "held_host", "order", "swap_host")
@@ -46,10 +62,7 @@ class Run:
         self.scheduler_rule, self.admission, self.preemption = sched.rules()
         self.growing = self.admission.grows  # memory held grows per token
         self.fixed = sim.steps.fixed  # the policy charges each sequence on its own
-        if env is None:
-            import simpy  # (loaded only to simulate: importing the simulator stays light)
-            env = simpy.Environment()
-        self.env = env
+        self.env = env if env is not None else Clock()
         self.routed, self.assigned, self.router_done = routed, 0, False
         self.open = work.concurrency is None
         self.pulls = self.open and not routed  # reads arrivals when it looks
@@ -74,7 +87,7 @@ class Run:
         self.pressure = False
         self.in_system, self.area, self.t = 0, 0.0, 0.0
         self.peak_hbm = self.peak_host = 0
-        self.wake = env.event()
+        self.wake = self.env.event() if routed else None
         if work.concurrency is not None and not routed:
             for i in range(min(work.concurrency, self.n)):
                 self.arrive(i)
