@@ -1,6 +1,5 @@
 import contextlib
 import io
-import subprocess
 import sys
 import traceback
 
@@ -64,11 +63,3 @@ def run_cli(*args):
             traceback.print_exc()
             code = 1
     return code, out.getvalue(), err.getvalue()
-
-
-def run_cli_process(*args):
-    """``kvsim ARGS`` in a subprocess, where the test needs one (a fresh interpreter's imports,
-    signals); no time limit (a slow machine is not a failure)."""
-    p = subprocess.run([sys.executable, "-m", "kvsim.cli", *map(str, args)],
-                       capture_output=True, text=True)
-    return p.returncode, p.stdout, p.stderr
