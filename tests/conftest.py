@@ -1,5 +1,7 @@
-import subprocess
+import contextlib
+import io
 import sys
+import traceback
 
 import numpy as np
 import pytest
@@ -45,7 +47,19 @@ def hw_trace(tmp_path):
 
 
 def run_cli(*args):
-    """Run ``kvsim ARGS`` in a subprocess; return (exit status, stdout, stderr)."""
-    p = subprocess.run([sys.executable, "-m", "kvsim.cli", *map(str, args)],
-                       capture_output=True, text=True, timeout=300)
-    return p.returncode, p.stdout, p.stderr
+    """Run ``kvsim ARGS`` in this process (a subprocess would only add an interpreter and its
+    imports); return (exit status, stdout, stderr). An uncaught exception is status 1 with its
+    traceback on stderr, as from the command line."""
+    from kvsim.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    return code, out.getvalue(), err.getvalue()

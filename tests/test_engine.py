@@ -220,6 +220,7 @@ def test_kvsim_fit_cli_fits_prints_leave_one_out_and_plans_with_it(tmp_path):
     assert "(fit" in prov["hw.engine.hbm_efficiency"]
 
 
+@pytest.mark.slow  # kvsim fit over the shipped points: a minute or more of CPU
 def test_the_shipped_engine_is_what_kvsim_fit_makes_of_the_shipped_points(tmp_path):
     shipped = E.load("vllm-paper")
     out = tmp_path / "again.json"

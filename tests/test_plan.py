@@ -137,6 +137,7 @@ def test_slo_search_brackets_the_answer_and_is_monotone(default_trace_ok):
     assert slo.max_qps(_probe, [slo.Limit("tpot_ms", 0.001)], requests=80).qps == 0.0
 
 
+@pytest.mark.slow  # starts a local Ray cluster
 def test_ray_and_local_give_identical_results(attn_trace):
     pytest.importorskip("ray")
     import ray
@@ -152,6 +153,7 @@ def test_ray_and_local_give_identical_results(attn_trace):
     pd.testing.assert_frame_equal(local, remote[local.columns])
 
 
+@pytest.mark.slow  # starts a local Ray cluster
 def test_ray_and_local_give_the_same_answer(tmp_path):
     pytest.importorskip("ray")
     import ray
@@ -230,6 +232,7 @@ def _plan_cmd(out, trace):
             "--trace", str(trace), "--out", str(out), "--jobs", "1", "--json"]
 
 
+@pytest.mark.slow  # three plans in fresh processes, one killed
 def test_a_plan_killed_mid_sweep_resumes_to_the_same_table(attn_trace, tmp_path):
     """kill -9 by PID after the first journaled group, rerun: results.csv is byte-identical to
     an uninterrupted plan's."""
@@ -242,8 +245,7 @@ def test_a_plan_killed_mid_sweep_resumes_to_the_same_table(attn_trace, tmp_path)
     p = subprocess.Popen(_plan_cmd(killed, attn_trace), stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)
     journal = killed / ".kvsim-plan-journal.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and p.poll() is None:
+    while p.poll() is None:  # (no time limit: a slow machine only waits longer)
         if journal.exists() and journal.read_text().count("\n") >= 1:
             break
         time.sleep(0.05)

@@ -188,6 +188,7 @@ def test_an_interrupted_build_resumes_to_the_same_profile(sets, profile, tmp_pat
         build(sets, specs, tmp_path / "p.json", progress=False, force=True)
 
 
+@pytest.mark.slow  # two builds in fresh processes, one killed
 def test_a_build_killed_by_signal_resumes_to_the_same_profile(sets, profile, tmp_path):
     """kill -9 mid-build, by PID, then the same command: the same rows as a clean build."""
     import os
@@ -199,8 +200,7 @@ def test_a_build_killed_by_signal_resumes_to_the_same_profile(sets, profile, tmp
            str(out), "--no-progress"]
     p = subprocess.Popen(cmd)
     journal = out.with_name(f".{out.name}.journal")
-    deadline = time.time() + 120
-    while time.time() < deadline and p.poll() is None:
+    while p.poll() is None:  # (no time limit: a slow machine only waits longer)
         if journal.exists() and len(journal.read_text().splitlines()) >= 3:
             break
         time.sleep(0.05)

@@ -181,7 +181,7 @@ def _browser():
 def _dump_dom(browser, url):
     p = subprocess.run([browser, "--headless", "--disable-gpu", "--no-sandbox",
                         "--no-first-run", "--dump-dom", url],
-                       capture_output=True, text=True, timeout=90)
+                       capture_output=True, text=True, timeout=900)  # only a hung browser
     assert p.returncode == 0, p.stderr[-2000:]
     return p.stdout
 

@@ -37,7 +37,7 @@ def finish_order(order: str) -> list[int]:
     run = Run(sim, work)
     seen = []
     run.requests.record_one = lambda arrival, admitted, first, end, output: seen.append(output)
-    run.env.run(until=run.env.process(run.scheduler()))
+    run.env.run(run.scheduler())
     return seen
 
 

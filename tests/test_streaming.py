@@ -165,7 +165,7 @@ def test_per_request_state_follows_the_requests_in_the_system():
     sim = sim_for(DENSE)
     work = poisson(2.0, 30_000, 2048, 128, 0)
     run = Run(sim, work)
-    run.env.run(until=run.env.process(run.scheduler()))
+    run.env.run(run.scheduler())
     assert run.requests.count == 30_000 and run.done == 30_000
     assert run.slots <= 256  # a few requests in the system at a time
     assert len(sim.chunks.kept) == sim.chunks.keep < sim.chunks.count
@@ -179,7 +179,7 @@ def test_requests_arriving_at_one_instant_are_seen_together():
     sim = sim_for(DENSE)
     work = Workload(np.array([0.0] * 4 + [5.0] * 4), np.full(8, 1024), np.full(8, 8), None, "")
     run = Run(sim, work)
-    run.env.run(until=run.env.process(run.scheduler()))
+    run.env.run(run.scheduler())
     prefills = [c for c in sim.chunks if c.kind in ("prefill", "mixed") and c.prefill_tokens]
     assert [c.prefill_tokens for c in prefills] == [4 * 1024, 4 * 1024]
     assert run.requests.count == 8
@@ -198,7 +198,7 @@ def test_requests_in_system_integrate_to_their_summed_latencies(concurrency):
     work = Workload(np.sort(rng.uniform(0, 40, n)), rng.integers(100, 4000, n),
                     rng.integers(1, 200, n), concurrency, "")
     run = Run(sim, work)
-    run.env.run(until=run.env.process(run.scheduler()))
+    run.env.run(run.scheduler())
     run.mark(0)
     assert run.done == n and run.in_system == 0
     assert run.area == pytest.approx(run.requests.e2e.total, rel=1e-9)

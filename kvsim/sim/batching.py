@@ -31,10 +31,26 @@ from kvsim.sim.records import MAX_CHUNK, Chunks
 from kvsim.sim.rules import RULES
 
 
+class Clock:
+    """The clock of a run alone: its one process only waits for time to pass, so it needs no
+    event queue. ``run`` adds each delay the process yields to ``now``, the sum simpy's
+    ``Timeout`` makes (``now + delay``), so the times are simpy's to the last bit."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def timeout(self, delay: float) -> float:
+        return delay
+
+    def run(self, process) -> None:
+        for delay in process:
+            self.now += delay
+
+
 class Run:
     """``routed``: requests arrive only when a router (:mod:`kvsim.sim.replicas`) hands them
-    over on the shared ``env`` (a simpy Environment; a new one if not given); the run ends when
-    the router is done and it has served what it was given."""
+    over on the shared ``env`` (a simpy Environment); the run ends when the router is done and
+    it has served what it was given. A run alone keeps its time on a :class:`Clock`."""
 
     SLOTS = ("arrival", "first_token", "admitted", "ctx", "prompt", "target", "prefilled",
              "left", "output", "held_hbm", "held_host", "order", "swap_host")
@@ -42,14 +58,15 @@ class Run:
     def __init__(self, sim, work, env=None, routed: bool = False,
                  requests: Requests | None = None):
         self.sim, self.work, self.n = sim, work, work.n
+        # the workload's columns as Python lists (a turn reads a few scalars of them)
+        self.arrivals, self.prompts, self.outputs = (np.asarray(work.arrival, float).tolist(),
+                                                     work.prompt.tolist(),
+                                                     work.output.tolist())
         self.sched = sched = sim.scheduling
         self.scheduler_rule, self.admission, self.preemption = sched.rules()
         self.growing = self.admission.grows  # memory held grows per token
         self.fixed = sim.steps.fixed  # the policy charges each sequence on its own
-        if env is None:
-            import simpy  # (loaded only to simulate: importing the simulator stays light)
-            env = simpy.Environment()
-        self.env = env
+        self.env = env if env is not None else Clock()
         self.routed, self.assigned, self.router_done = routed, 0, False
         self.open = work.concurrency is None
         self.pulls = self.open and not routed  # reads arrivals when it looks
@@ -74,7 +91,7 @@ class Run:
         self.pressure = False
         self.in_system, self.area, self.t = 0, 0.0, 0.0
         self.peak_hbm = self.peak_host = 0
-        self.wake = env.event()
+        self.wake = self.env.event() if routed else None
         if work.concurrency is not None and not routed:
             for i in range(min(work.concurrency, self.n)):
                 self.arrive(i)
@@ -110,8 +127,8 @@ class Run:
         s = self.free.pop()
         self.arrival[s] = self.env.now if at is None else at
         self.first_token[s] = self.admitted[s] = math.nan
-        self.prompt[s] = self.target[s] = int(self.work.prompt[i])
-        self.output[s] = self.left[s] = int(self.work.output[i])
+        self.prompt[s] = self.target[s] = int(self.prompts[i])
+        self.output[s] = self.left[s] = int(self.outputs[i])
         self.ctx[s] = 0.0
         self.prefilled[s] = self.held_hbm[s] = self.held_host[s] = self.order[s] = 0
         self.swap_host[s] = 0
@@ -122,8 +139,8 @@ class Run:
 
     def pull(self) -> None:
         """Open loop: every request that has arrived by now joins the queue."""
-        now, arr, i = self.env.now, self.work.arrival, self.next
-        while self.pulls and i < self.n and (at := float(arr[i])) <= now:
+        now, arr, i = self.env.now, self.arrivals, self.next
+        while self.pulls and i < self.n and (at := arr[i]) <= now:
             self.arrive(i, at)
             i = self.next = i + 1
 
@@ -132,7 +149,7 @@ class Run:
         none, or if requests already wait: they are admitted first); arrivals up to now were
         read (:meth:`pull`)."""
         if self.open and self.next < self.n and not self.waiting:
-            return float(self.work.arrival[self.next]) - self.env.now
+            return self.arrivals[self.next] - self.env.now
         return math.inf
 
     def hold(self, i: int, hbm: int, host: int = 0) -> None:
@@ -305,13 +322,12 @@ class Run:
             if k < 1:
                 yield from self.preemption.preempt(self)
                 return
-        B = len(self.running)
+        B, log = len(self.running), self.sim.chunks
+        ctx = self.batch()[1] if self.fixed or log.keeping else None
         k, seconds, gpu_s, link_s = self.sim.steps.decode_run(
-            B, self.batch_tokens(), k, self.until_next_arrival(),
-            self.batch()[1] if self.fixed else None)
-        log = self.sim.chunks
+            B, self.batch_tokens(), k, self.until_next_arrival(), ctx if self.fixed else None)
         log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode",
-                self.batch()[1] if log.keeping else None)
+                ctx if log.keeping else None)
         yield self.env.timeout(seconds)
         if self.growing:
             self.admission.grow(self, k)
@@ -408,7 +424,7 @@ class Run:
             elif self.running:
                 yield from self.decode_steps()
             elif self.pulls and self.next < self.n:  # idle until the next arrival
-                i, at = self.next, float(self.work.arrival[self.next])
+                i, at = self.next, self.arrivals[self.next]
                 yield self.env.timeout(max(at - self.env.now, 0.0))
                 self.arrive(i, at)
                 self.next = i + 1

@@ -24,7 +24,9 @@ and memory allow). ``prefill-first`` is the earlier model: newly admitted prompt
 together, whole, while every decode waits. What a step costs is :mod:`kvsim.sim.steps`; the rules
 are :mod:`kvsim.sim.rules`.
 
-Granularity: while prompts are being prefilled, one simpy event per step; between two changes of
+Granularity: while prompts are being prefilled, one event per step (a run alone keeps its time
+on a plain clock, :class:`kvsim.sim.batching.Clock`: its one process needs no event queue; runs
+that share a router share a simpy Environment); between two changes of
 a batch that only decodes (an arrival that can be admitted, a completion), the times of its next
 k steps are computed at once: in closed form where a step's time is affine in its tokens (roofline
 costs), else vectorised over steps and sequences (:meth:`kvsim.sim.steps.StepCosts.decode_run`).

@@ -120,10 +120,9 @@ class Chunked:
         """The next steps, in scalars, up to the next completion, at most ``MAX_CHUNK``, one
         if ``single``."""
         m, budget, D = run.sim.model, run.sched.max_batched_tokens, len(run.running)
-        if not single:
-            whole = _whole(run, D)
-            if whole.chunk_tokens <= budget - D:
-                return [whole]  # it all fits in one step (the common case)
+        target, prefilled = run.target, run.prefilled
+        if not single and sum([target[i] - prefilled[i] for i in run.prefilling]) <= budget - D:
+            return [_whole(run, D)]  # it all fits in one step (the common case)
         queue = [[i, run.target[i] - run.prefilled[i], run.prefilled[i]]
                  for i in run.prefilling]
         tokens = run.batch_tokens()

@@ -21,5 +21,5 @@ def run_one(sim, work: Workload, requests: Requests) -> SimResult:
     """``work`` served by ``sim`` (a :class:`kvsim.sim.engine.Simulator`) in one piece."""
     max_fit = sim.check_feasible(work)
     r = Run(sim, work, requests=requests)
-    r.env.run(until=r.env.process(r.scheduler()))
+    r.env.run(r.scheduler())
     return result(sim, r, max_fit)

@@ -86,6 +86,7 @@ class StepCosts:
         self._per_batch: dict[int, tuple[float, float]] = {}
         self._lines: dict[int, tuple] = {}
         self._forms: dict[int, tuple | None] = {}
+        self._copies: dict[int, float] = {}  # link copies of a step's D2H write, per chunks
         m, c, p = self.model, self.costs, self.policy
         self.overlap = c.overlap_for(p.overlap)
         self.fixed = p.fixed  # some term holds a fixed token count: charged per sequence
@@ -258,11 +259,23 @@ class StepCosts:
         extra = (self.per_batch(emit)[1] if emit else 0.0) + (sum(
             max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
             if self.works else 0.0)
-        write = float(c.link_time(self.host_bytes(chunk_tokens, written), "d2h",
-                                  copies=2 * L * c.copies(1.0, count))) \
-            if self.writes and count else 0.0
+        write = self._write(chunk_tokens, written, count) if self.writes and count else 0.0
         return (max(layers + extra, write) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
+
+    def _write(self, chunk_tokens: float, written: float | None, count: int) -> float:
+        """Seconds of one step's D2H write of ``count`` chunks (:meth:`run`'s ``write``), in
+        floats where the link is a line (the copies remembered per chunk count)."""
+        c, link = self.costs, self.costs.links["d2h"]
+        copies = self._copies.get(count)
+        if copies is None:
+            copies = self._copies[count] = float(2 * self.model.layers * c.copies(1.0, count))
+        nbytes = self.model.kv_bytes_per_token * written if written is not None else \
+            self.policy.host_frac * self.model.kv_bytes_per_token * float(chunk_tokens)
+        if link.curve is not None:
+            return float(link.time(nbytes, copies))
+        copies = max(copies, 1.0)  # LinkPath.time in floats
+        return copies * (link.alpha + nbytes / copies / link.beta) if nbytes > 0 else 0.0
 
     def decode(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Times of the next ``k`` decode steps of a fixed batch with contexts ``ctx`` (each step
