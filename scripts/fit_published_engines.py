@@ -1,5 +1,6 @@
 """Fit the built-in engine families on the published points and check them on sources they
-never saw (each takes the VerKV paper's fitted decide model, the only measured one); writes ``kvsim/hw/engines/{vllm,sglang,trtllm}.json`` and ``docs/published_check.md``.
+never saw (each takes the VerKV paper's fitted decide model, the only measured one); writes
+``kvsim/hw/engines/{vllm,sglang,trtllm}.json`` and ``docs/published_check.md``.
 
 The same fits as ``kvsim fit data/published.csv --family NAME --out NAME.json --cv source``
 (one leave-one-source-out pass shared by the three files):
