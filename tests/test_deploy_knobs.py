@@ -55,7 +55,7 @@ def test_plan_names_the_tokens_per_step_that_decide_the_answer(tmp_path):
         "plan", "--gpu", "l40s", "--model", "qwen3-4b", "--context", "4096", "--output-len",
         "32", "--policy", "dense-resident", "--batch", "8", "--max-batched-tokens", "256,8192",
         "--host-gib", "64", "--slo-tpot-ms", "60", "--slo-ttft-ms", "1000", "--target-qps", "3",
-        "--slo-requests", "100", "--out", out, "--jobs", "1")
+        "--slo-requests", "100", "--out", out, "--jobs", "1", "--engine", "vllm-paper")
     assert code == 0, err
     answer = json.loads((out / "answer.json").read_text())
     assert len(pd.read_csv(out / "results.csv")) == 2

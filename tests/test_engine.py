@@ -71,7 +71,7 @@ def test_the_default_engine_leaves_a_profile_as_measured(hw_trace):
     assert a["tpot_ms"] == b["tpot_ms"] and a["sim"] == b["sim"] and a["engine"] == "roofline"
     assert "default for measured hardware" in a["provenance"]["hw.engine"]
     c = _replay(hw_trace, gpu="h100-sxm", **kw)
-    assert c["engine"] == "vllm-paper" and "default for a catalog GPU" in c["provenance"][
+    assert c["engine"] == "vllm" and "default for a catalog GPU" in c["provenance"][
         "hw.engine"]
 
 

@@ -67,89 +67,104 @@ def _offset(k: str, shared: float, x: float) -> float:
     return min(max(v, lo), hi)
 
 
-def fit_joint(rows: list[Point], pred: Predictor, base: Engine) -> tuple[Engine, dict, dict]:
-    """The shared engine and one engine per family with at least :data:`MIN_FAMILY_ROWS` rows,
-    fitted together in one bounded least-squares problem: each family's parameters are offsets
-    from the shared values (:data:`SCALE`, :data:`PRIOR`) that move only its rows' predictions
-    (a sparse Jacobian). Returns (shared, {family: engine}, what was free: ``{"shared": [...],
-    family: [...]}``)."""
-    from scipy.optimize import least_squares
-
-    from kvsim.fit.solve import bounds
-    gpu, model = _mode([p.gpu for p in rows]), _mode([p.model for p in rows])
-    # links are the hardware's (catalog or profile): an engine family spans GPUs
+def free_parameters(rows: list[Point], pred: Predictor) -> dict[str, list[str]]:
+    """What a joint fit of ``rows`` moves: ``{"shared": [...], family: [...]}`` (links stay the
+    hardware's, catalog or profile: an engine family spans GPUs)."""
     free = {"shared": [k for k in identified(rows, pred) if not k.startswith("link.")]}
     for fam in sorted({p.engine for p in rows}):
         own = [p for p in rows if p.engine == fam]
         if len(own) >= MIN_FAMILY_ROWS and (ff := family_free(own, pred)):
             free[fam] = [k for k in ff if k in free["shared"]]
-    names = [(lvl, k) for lvl, ks in free.items() for k in ks]
-    start = start_values(gpu, [])
-    span = {k: (-3.0, 3.0) if k.endswith("efficiency") else (-bounds(k)[1], bounds(k)[1])
-            for k in FAMILY_PARAMS}
-    lo = np.array([bounds(k)[0] if lvl == "shared" else span[k][0] for lvl, k in names])
-    hi = np.array([bounds(k)[1] if lvl == "shared" else span[k][1] for lvl, k in names])
-    x0 = np.array([start[k] if lvl == "shared" else 0.0 for lvl, k in names])
-    x0 = np.clip(x0, lo + 1e-9 * (hi - lo), hi - 1e-9 * (hi - lo))
-    cells = [(i, k) for i, p in enumerate(rows) for k in p.measured]
-    fam_cols = [j for j, (lvl, _) in enumerate(names) if lvl != "shared"]
+    return free
 
-    def engines(x):
-        shared = {k: v for (lvl, k), v in zip(names, x) if lvl == "shared"}
-        out = {"shared": make_engine(base, shared, "fit", "", gpu, model)}
-        for fam in free:
+
+class JointProblem:
+    """The least-squares problem of :func:`fit_joint`: parameters ``names`` (level, field),
+    residuals (every measured value's relative error, then each family offset's prior term) and
+    their Jacobian by forward differences over the rows each parameter moves."""
+
+    def __init__(self, rows: list[Point], pred: Predictor, base: Engine, free: dict):
+        from kvsim.fit.solve import bounds
+        self.rows, self.pred, self.base, self.free = rows, pred, base, free
+        self.gpu, self.model = _mode([p.gpu for p in rows]), _mode([p.model for p in rows])
+        self.names = [(lvl, k) for lvl, ks in free.items() for k in ks]
+        span = {k: (-3.0, 3.0) if k.endswith("efficiency") else (-bounds(k)[1], bounds(k)[1])
+                for k in FAMILY_PARAMS}
+        self.lo = np.array([bounds(k)[0] if lvl == "shared" else span[k][0]
+                            for lvl, k in self.names])
+        self.hi = np.array([bounds(k)[1] if lvl == "shared" else span[k][1]
+                            for lvl, k in self.names])
+        start = start_values(self.gpu, [])
+        x0 = np.array([start[k] if lvl == "shared" else 0.0 for lvl, k in self.names])
+        self.x0 = np.clip(x0, self.lo + 1e-9 * (self.hi - self.lo),
+                          self.hi - 1e-9 * (self.hi - self.lo))
+        self.n_cells = sum(len(p.measured) for p in rows)
+        self.fam_cols = [j for j, (lvl, _) in enumerate(self.names) if lvl != "shared"]
+        self.rows_of = {lvl: [i for i, p in enumerate(rows) if p.engine == lvl] for lvl in free}
+        self.rows_of["shared"] = list(range(len(rows)))
+        self.at = np.cumsum([0] + [len(p.measured) for p in rows])  # row i: at[i]:at[i + 1]
+
+    def engines(self, x) -> dict[str, Engine]:
+        shared = {k: v for (lvl, k), v in zip(self.names, x) if lvl == "shared"}
+        out = {"shared": make_engine(self.base, shared, "fit", "", self.gpu, self.model)}
+        for fam in self.free:
             if fam != "shared":
-                own = {k: _offset(k, shared[k], v) for (lvl, k), v in zip(names, x)
+                own = {k: _offset(k, shared[k], v) for (lvl, k), v in zip(self.names, x)
                        if lvl == fam}
-                out[fam] = make_engine(out["shared"], own, "fit", "", gpu, model)
+                out[fam] = make_engine(out["shared"], own, "fit", "", self.gpu, self.model)
         return out
 
-    fam_of = {lvl: [i for i, p in enumerate(rows) if p.engine == lvl] for lvl in free}
-    fam_of["shared"] = list(range(len(rows)))
-    at = np.cumsum([0] + [len(p.measured) for p in rows])  # row i's cells: at[i]:at[i + 1]
-
-    def fit_part(x, idx):
-        """The relative errors of rows ``idx`` (their cells, in order)."""
-        eng = engines(x)
-        out = []
+    def fit_part(self, x, idx) -> np.ndarray:
+        """The relative errors of rows ``idx`` (their measured values, in order)."""
+        eng, out = self.engines(x), []
         for i in idx:
-            p = rows[i]
-            got = pred.predict(p, eng.get(p.engine, eng["shared"]))
+            p = self.rows[i]
+            got = self.pred.predict(p, eng.get(p.engine, eng["shared"]))
             out += [got[k] / v - 1.0 for k, v in p.measured.items()]
         return np.array(out)
 
-    def residuals(x):
-        prior = [PRIOR * x[j] / SCALE[names[j][1]] for j in fam_cols]
-        return np.concatenate([fit_part(x, fam_of["shared"]), prior])
+    def residuals(self, x) -> np.ndarray:
+        prior = [PRIOR * x[j] / SCALE[self.names[j][1]] for j in self.fam_cols]
+        return np.concatenate([self.fit_part(x, self.rows_of["shared"]), prior])
 
-    def jacobian(x):
+    def jacobian(self, x) -> np.ndarray:
         """Forward differences, each column over the rows it moves: a family's parameters
         move only that family's rows (and their own prior term)."""
-        J = np.zeros((len(cells) + len(fam_cols), len(names)))
-        base_parts = {}
-        for j, (lvl, _) in enumerate(names):
-            idx = fam_of[lvl]
-            if lvl not in base_parts:
-                base_parts[lvl] = fit_part(x, idx)
+        J = np.zeros((self.n_cells + len(self.fam_cols), len(self.names)))
+        at_x = {}
+        for j, (lvl, _) in enumerate(self.names):
+            idx = self.rows_of[lvl]
+            if lvl not in at_x:
+                at_x[lvl] = self.fit_part(x, idx)
             h = 1e-6 * max(1.0, abs(x[j]))
-            step = h if x[j] + h <= hi[j] else -h
+            step = h if x[j] + h <= self.hi[j] else -h
             xp = x.copy()
             xp[j] += step
-            cols = np.concatenate([np.arange(at[i], at[i + 1]) for i in idx])
-            J[cols, j] = (fit_part(xp, idx) - base_parts[lvl]) / step
-        for r, j in enumerate(fam_cols):
-            J[len(cells) + r, j] = PRIOR / SCALE[names[j][1]]
+            cols = np.concatenate([np.arange(self.at[i], self.at[i + 1]) for i in idx])
+            J[cols, j] = (self.fit_part(xp, idx) - at_x[lvl]) / step
+        for r, j in enumerate(self.fam_cols):
+            J[self.n_cells + r, j] = PRIOR / SCALE[self.names[j][1]]
         return J
 
-    res = least_squares(residuals, x0, jac=jacobian, bounds=(lo, hi), x_scale="jac",
-                        method="trf", loss=LOSS, f_scale=0.1, xtol=1e-5, ftol=1e-5)
-    rms = float(np.sqrt(np.mean(res.fun[:len(cells)] ** 2)))
-    eng = engines(res.x)
+
+def fit_joint(rows: list[Point], pred: Predictor, base: Engine) -> tuple[Engine, dict, dict]:
+    """The shared engine and one engine per family with at least :data:`MIN_FAMILY_ROWS` rows,
+    fitted together in one bounded least-squares problem (:class:`JointProblem`): each
+    family's parameters are offsets from the shared values (:data:`SCALE`, :data:`PRIOR`) that
+    move only its rows' predictions. Returns (shared, {family: engine}, what was free:
+    ``{"shared": [...], family: [...]}``)."""
+    from scipy.optimize import least_squares
+    free = free_parameters(rows, pred)
+    prob = JointProblem(rows, pred, base, free)
+    res = least_squares(prob.residuals, prob.x0, jac=prob.jacobian, bounds=(prob.lo, prob.hi),
+                        x_scale="jac", method="trf", loss=LOSS, f_scale=0.1, xtol=1e-5,
+                        ftol=1e-5)
+    rms = float(np.sqrt(np.mean(res.fun[:prob.n_cells] ** 2)))
     note = (f"fitted with {len(rows)} published points of {len({p.engine for p in rows})} "
             f"engines, RMS relative error {100 * rms:.1f}%")
     out = {fam: dataclasses.replace(e, fields={
         k: dataclasses.replace(v, note=note) if v.source == "fit" else v
-        for k, v in e.fields.items()}) for fam, e in eng.items()}
+        for k, v in e.fields.items()}) for fam, e in prob.engines(res.x).items()}
     return out.pop("shared"), out, free
 
 
