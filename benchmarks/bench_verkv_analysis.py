@@ -47,10 +47,9 @@ def worker(contexts: list[int], repeat: int, out: Path) -> None:
     import torch
 
     from kvsim.attention.dense import logits
-    from kvsim.attention.weighted import row_chunks
     from kvsim.model.synthetic import synthetic_attention_trace
     from kvsim.policies import make
-    from kvsim.policies.verkv.kvfetch import decide, pass_shortlist
+    from kvsim.policies.verkv import kvfetch as KF
 
     times, arrays = {}, {}
     for n in contexts:
@@ -67,13 +66,17 @@ def worker(contexts: list[int], repeat: int, out: Path) -> None:
         cfg = pol.config()
         passes = [(qq, qpos)] + [(qd[:, j:j + 1], dpos[j:j + 1]) for j in range(qd.shape[1])]
 
-        def analysis():
+        def analysis():  # as VerKV.attend runs it (a pass of this size is one row chunk)
             got = []
             for q, p in passes:
-                short = pass_shortlist(q, p, state, cfg, row_chunks(q.shape[0], q.shape[1],
-                                                                      k.shape[1]))
+                chunks = [slice(0, q.shape[1])]
+                if hasattr(KF, "pass_shortlist_planned"):  # reuses the shortlist's scores
+                    short, planned = KF.pass_shortlist_planned(q, p, state, cfg, chunks, keep=1)
+                    more = {"planned": planned[0]} if planned else {}
+                else:
+                    short, more = KF.pass_shortlist(q, p, state, cfg, chunks), {}
                 extra = logits(q, k[:, n:], p, torch.arange(n, k.shape[1]))
-                got.append(decide(q, p, state, cfg, extra_logits=extra, short=short))
+                got.append(KF.decide(q, p, state, cfg, extra_logits=extra, short=short, **more))
             return got
 
         def attend():

@@ -32,10 +32,11 @@ SHRINK_HEAD = 512
 SHRINK_FIRST = 32  # the shrinkage prefix is tried on this many tokens before SHRINK_HEAD
 
 
-def top_desc(x: torch.Tensor, k: int, whole: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def top_desc(x: torch.Tensor, k: int, whole: bool = False, values: bool = True):
     """(values, indices) of the ``k`` largest entries of each row of ``x`` (..., n), descending,
     equal values in increasing index order: the first ``k`` of a stable descending sort (with
-    ``whole``, when the order was sorted in full anyway, all ``n`` columns of it).
+    ``whole``, when the order was sorted in full anyway, all ``n`` columns of it; without
+    ``values`` the values may be None).
 
     On the CPU, float32 rows of non-negative finite values take a faster way: a short head
     (``16 k <= n``) is ``torch.topk`` with its ties put in index order (rows with a tie across
@@ -52,7 +53,7 @@ def top_desc(x: torch.Tensor, k: int, whole: bool = False) -> tuple[torch.Tensor
     if 16 * k > n:
         idx = _sorted_keys(x)
         idx = idx if whole else idx[..., :k]
-        return x.gather(-1, idx), idx
+        return (x.gather(-1, idx) if values else None), idx
     vals, idx = torch.topk(x, k + 1, dim=-1)
     # equal values in index order: sort by index, then stably by value
     by_idx, at = idx[..., :k].sort(dim=-1)
@@ -295,7 +296,7 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
     gain.scatter_(-1, arg, gain_arg)
 
     def evaluate(g, bi, vi, bb, tot_beta, tot_var, d, k):
-        order = top_desc(g, k, whole=True)[1]
+        order = top_desc(g, k, whole=True, values=False)[1]
         idx = order[..., :k]
         hb, hv, hm = bi.gather(-1, idx), vi.gather(-1, idx), bb.gather(-1, idx)
         # suffix sums over the head by reversed cumsums (exactly 0 past the last token, however
