@@ -160,10 +160,31 @@ def strip_timings(x):
     return x
 
 
+def analysis(args, old_root: Path, tmp: Path) -> None:
+    best: dict[str, dict] = {"old": {}, "new": {}}
+    for _ in range(args.rounds):
+        for side, root in (("old", old_root), ("new", ROOT)):
+            got = run_side(root, args, tmp / f"{side}.npz")
+            for key, t in got.items():
+                best[side][key] = min(t, best[side].get(key, float("inf")))
+    bad = compare(tmp / "old.npz", tmp / "new.npz")
+    print(f"VerKV analysis per layer and KV head, {args.base} (old) vs this tree (new); "
+          f"SmolLM2 head shape, float32, {args.threads} thread(s), best of "
+          f"{args.rounds} x {args.repeat}; load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    print(f"{'context':>8} {'what':>9} {'old ms':>10} {'new ms':>10} {'ratio':>7}")
+    for n in args.contexts:
+        for what in ("analysis", "attend"):
+            o, w = best["old"][f"{what}@{n}"], best["new"][f"{what}@{n}"]
+            print(f"{n:>8} {what:>9} {o * 1e3:10.1f} {w * 1e3:10.1f} {o / w:6.1f}x")
+    print(f"identical decisions, outputs and statistics: {not bad}"
+          + (f" (differ: {', '.join(bad[:8])})" if bad else ""))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="6e5e1a5", help="the commit to compare with")
-    ap.add_argument("--contexts", default="2048,4096,8192")
+    ap.add_argument("--contexts", default="2048,4096,8192", help="none: only --eval")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="old / new subprocess pairs")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per side")
@@ -171,39 +192,25 @@ def main():
     ap.add_argument("--eval-args", default="--task niah --context 2048 --n 1 --policy verkv "
                     "--sink 4 --local 4 --max-new-tokens 4 --threads 1 --no-progress")
     args = ap.parse_args()
-    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.contexts = [int(c) for c in args.contexts.split(",") if c.strip() not in ("", "none")]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         old_root = base_tree(args.base, tmp)
-        best: dict[str, dict] = {"old": {}, "new": {}}
-        for _ in range(args.rounds):
-            for side, root in (("old", old_root), ("new", ROOT)):
-                got = run_side(root, args, tmp / f"{side}.npz")
-                for key, t in got.items():
-                    best[side][key] = min(t, best[side].get(key, float("inf")))
-        bad = compare(tmp / "old.npz", tmp / "new.npz")
-        print(f"VerKV analysis per layer and KV head, {args.base} (old) vs this tree (new); "
-              f"SmolLM2 head shape, float32, {args.threads} thread(s), best of "
-              f"{args.rounds} x {args.repeat}; load average {os.getloadavg()[0]:.1f} on "
-              f"{os.cpu_count()} cores")
-        print(f"{'context':>8} {'what':>9} {'old ms':>10} {'new ms':>10} {'ratio':>7}")
-        for n in args.contexts:
-            for what in ("analysis", "attend"):
-                o, w = best["old"][f"{what}@{n}"], best["new"][f"{what}@{n}"]
-                print(f"{n:>8} {what:>9} {o * 1e3:10.1f} {w * 1e3:10.1f} {o / w:6.1f}x")
-        print(f"identical decisions, outputs and statistics: {not bad}"
-              + (f" (differ: {', '.join(bad[:8])})" if bad else ""))
+        if args.contexts:
+            analysis(args, old_root, tmp)
         if args.eval:
             t_old = eval_side(old_root, args, tmp / "eval-old.json")
             t_new = eval_side(ROOT, args, tmp / "eval-new.json")
             r_old = json.loads((tmp / "eval-old.json").read_text())
             r_new = json.loads((tmp / "eval-new.json").read_text())
-            p_old = r_old["results"][0]["seconds_per_prompt"]
-            p_new = r_new["results"][0]["seconds_per_prompt"]
+            # one policy: its figures are at the top level of the report
+            p_old = r_old.get("results", [r_old])[0]["seconds_per_prompt"]
+            p_new = r_new.get("results", [r_new])[0]["seconds_per_prompt"]
             print(f"kvsim eval {args.eval_args}: VerKV's generation (its attend in every layer) "
                   f"{p_old:.1f} s old, {p_new:.1f} s new per prompt, ratio {p_old / p_new:.1f}x "
                   f"(wall clock; whole command {t_old:.0f} s / {t_new:.0f} s with model load); "
                   f"same report apart from timings: {strip_timings(r_old) == strip_timings(r_new)}")
+
 
 if __name__ == "__main__":
     main()
