@@ -151,10 +151,19 @@ def eval_side(root: Path, args, out: Path) -> float:
     return secs
 
 
+def flat(x, prefix: str = "") -> dict:
+    """{dotted key: value} of a JSON document."""
+    if isinstance(x, dict):
+        return {k2: v for k, v in x.items() for k2, v in flat(v, f"{prefix}{k}.").items()}
+    if isinstance(x, list):
+        return {k2: v for i, v in enumerate(x) for k2, v in flat(v, f"{prefix}{i}.").items()}
+    return {prefix[:-1]: x}
+
+
 def strip_timings(x):
     if isinstance(x, dict):
         return {k: strip_timings(v) for k, v in x.items()
-                if k not in ("timing", "seconds_per_prompt", "seconds_per_forward")}
+                if k not in ("timing", "seconds_per_prompt", "seconds_per_forward", "wall_s")}
     if isinstance(x, list):
         return [strip_timings(v) for v in x]
     return x
@@ -206,10 +215,13 @@ def main():
             # one policy: its figures are at the top level of the report
             p_old = r_old.get("results", [r_old])[0]["seconds_per_prompt"]
             p_new = r_new.get("results", [r_new])[0]["seconds_per_prompt"]
+            a, b = flat(strip_timings(r_old)), flat(strip_timings(r_new))
+            differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             print(f"kvsim eval {args.eval_args}: VerKV's generation (its attend in every layer) "
                   f"{p_old:.1f} s old, {p_new:.1f} s new per prompt, ratio {p_old / p_new:.1f}x "
                   f"(wall clock; whole command {t_old:.0f} s / {t_new:.0f} s with model load); "
-                  f"same report apart from timings: {strip_timings(r_old) == strip_timings(r_new)}")
+                  f"same report apart from timings: {not differ}"
+                  + "".join(f"\n  {k}: {a.get(k)!r} -> {b.get(k)!r}" for k in differ[:10]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """VerKV's fast CPU kernels against straightforward references, bit for bit: the sort order, the
 binary-shrinkage prefix, the k* search (bisection or scan) and the reweighted log factors, on
-small random inputs with ties, -0.0, k at its bounds and extreme eps."""
+small random inputs with ties, -0.0, k at its bounds and extreme eps. The references are the
+previous implementation written plainly (``torch.topk`` heads, every k scanned), so equal values
+must also come out in the same order."""
 
 import math
 
@@ -50,13 +52,30 @@ def test_top_desc_is_a_stable_descending_sort(ties, dtype):
         assert torch.equal(whole[..., :n // 2 + 1], ref_i[..., :n // 2 + 1])
 
 
-def _reference_shrink(w, f):
-    """Appendix A.2 on a full stable sort (the previous implementation with ``head=None``)."""
+def _reference_shrink(w, f, head):
+    """Appendix A.2 as it was written before: the prefix on a ``torch.topk`` head, or on a full
+    stable sort (``head=None``, or rows whose whole head is shrunk)."""
     u = w * f.odds
-    vals, idx = torch.sort(u, dim=-1, descending=True, stable=True)
-    a = w.expand(u.shape).gather(-1, idx) * f.one_minus_r.expand(u.shape).gather(-1, idx)
-    before = torch.cumsum(a, dim=-1) - a
-    return idx, (vals > 2 * before).cumprod(dim=-1).sum(dim=-1)
+    n = u.shape[-1]
+
+    def prefix(k):
+        if k < n:
+            vals, idx = torch.topk(u, k, dim=-1)
+        else:
+            vals, idx = torch.sort(u, dim=-1, descending=True, stable=True)
+        a = w.expand(u.shape).gather(-1, idx) * f.one_minus_r.expand(u.shape).gather(-1, idx)
+        before = torch.cumsum(a, dim=-1) - a
+        return idx, (vals > 2 * before).cumprod(dim=-1).sum(dim=-1)
+
+    k = n if head is None else min(head, n)
+    idx, count = prefix(k)
+    if k < n:
+        full_idx, full_count = prefix(n)
+        redo = count == k
+        count = torch.where(redo, full_count, count)
+        idx = torch.where(redo[..., None], full_idx, torch.cat(
+            [idx, torch.zeros(*idx.shape[:-1], n - k, dtype=idx.dtype)], -1))
+    return idx, count
 
 
 def _reference_plan(beta_i, var_i, b_i, denom, eps, delta, head, also=None):
@@ -80,7 +99,10 @@ def _reference_plan(beta_i, var_i, b_i, denom, eps, delta, head, also=None):
                   / (root1 + torch.sqrt(c2)).clamp_min(tiny))
 
     def evaluate(k):
-        idx = torch.sort(gain, dim=-1, descending=True, stable=True).indices[..., :k]
+        if k < n:
+            idx = torch.topk(gain, k, dim=-1).indices
+        else:
+            idx = torch.sort(gain, dim=-1, descending=True, stable=True).indices
         hb, hv, hm = beta_i.gather(-1, idx), var_i.gather(-1, idx), b_i.gather(-1, idx)
         zero = torch.zeros_like(hb[..., :1])
         if k >= n:
@@ -135,13 +157,12 @@ def test_fetch_plan_equals_the_reference_bit_for_bit(ties, scan_cells, monkeypat
     monkeypatch.setattr(C, "SCAN_CELLS", scan_cells)
     for seed, n in enumerate([1, 3, 40, 130]):
         w, f, denom = _inputs(seed, n, ties)
-        idx, count = _reference_shrink(w, f)
         for head in (None, 2, 16, n + 5):
+            idx, count = _reference_shrink(w, f, head)
             sh = C.binary_shrink(w, f, head=head)
             assert torch.equal(sh.count, count)
-            width = sh.idx.shape[-1]
-            assert torch.equal(sh.idx.gather(-1, (count[..., None] - 1).clamp(0, width - 1)),
-                               idx.gather(-1, (count[..., None] - 1).clamp(0, width - 1)))
+            assert torch.equal(sh.mask(), torch.zeros(w.shape, dtype=torch.bool).scatter_(
+                -1, idx, torch.arange(idx.shape[-1]) < count[..., None]) & (sh.u > -1))
         terms = C.terms(w, f, C.binary_shrink(w, f))
         for eps in (1e-9, 0.01, 0.05, 0.3, 1e9):
             for head in (None, 1, 8, n):

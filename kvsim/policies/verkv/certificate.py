@@ -16,8 +16,9 @@ Sorting: the binary-shrinkage prefix and the fetch order only need the head of a
 order. With ``head=K`` only the top K are selected; rows whose answer lies beyond the head are
 recomputed with a full sort, so the result equals ``head=None`` (full sort). Every order is
 :func:`top_desc`'s: descending, equal values by increasing token index (a stable sort's), so a
-head is exactly the start of the full order. The binary-shrinkage prefix is tried on a short head
-first (``SHRINK_FIRST``; a prefix's cumulative sums do not depend on what follows it).
+head is exactly the start of the full order, except that a head of fewer than n tokens keeps
+``torch.topk``'s order among equal positive values (which of two tied tokens is shrunk or fetched
+is that order's choice; rows with such ties take ``torch.topk`` itself).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import torch
 
 FETCH_HEAD = 4096  # the paper's kernel sorts the top 4096 and falls back to a full sort
 SHRINK_HEAD = 512
-SHRINK_FIRST = 32  # the shrinkage prefix is tried on this many tokens before SHRINK_HEAD
 
 
 def top_desc(x: torch.Tensor, k: int, whole: bool = False, values: bool = True):
@@ -76,6 +76,25 @@ def _sorted_keys(x: torch.Tensor) -> torch.Tensor:
     key.mul_(-(1 << 32)).add_((0x7F800000 << 32) + torch.arange(n, dtype=torch.int64))
     key.numpy().reshape(-1, n).sort(axis=-1)
     return key.bitwise_and_(0xFFFFFFFF)
+
+
+def _head_order(g: torch.Tensor, k: int) -> torch.Tensor:
+    """The fetch order's head of ``k`` tokens (all ``n`` columns where a full sort gave them):
+    :func:`top_desc`, except on rows where equal positive values lie in the head or across its
+    cut, which take ``torch.topk``'s order (tokens with a zero gain contribute nothing and are
+    never fetched, so their order does not matter)."""
+    n = g.shape[-1]
+    order = top_desc(g, k, whole=True, values=False)[1]
+    if k >= n:
+        return order
+    vals = g.gather(-1, order[..., :k + 1])
+    tied = ((vals[..., 1:] == vals[..., :-1]) & (vals[..., 1:] > 0)).any(-1).reshape(-1)
+    if not bool(tied.any()):
+        return order
+    rows = tied.nonzero()[:, 0]
+    head = order[..., :k].reshape(-1, k).clone()
+    head[rows] = torch.topk(g.reshape(-1, n)[rows], k, dim=-1).indices
+    return head.reshape(*g.shape[:-1], k)
 
 
 def log_term(delta: float) -> float:
@@ -146,14 +165,17 @@ def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -
     shape, n = u.shape, u.shape[-1]
 
     def prefix(uu, ww, omr, k):
-        vals, idx = top_desc(uu, k)
+        if k < n:  # torch.topk: its order of equal values is the one to keep
+            vals, idx = torch.topk(uu, k, dim=-1)
+        else:
+            vals, idx = top_desc(uu, k)
         a = ww.gather(-1, idx) * omr.expand(uu.shape).gather(-1, idx)
         before = torch.cumsum(a, dim=-1) - a
         return idx, (vals > 2 * before).cumprod(dim=-1).sum(dim=-1)
 
-    # heads of growing size: a row is redone on the next one while its whole head is shrunk
+    # a head, then the full order for rows whose whole head is shrunk
     last = n if head is None else min(head, n)
-    sizes = sorted({min(SHRINK_FIRST, last), last, n})
+    sizes = sorted({last, n})
     idx, count = prefix(u, w.expand(shape), f.one_minus_r, sizes[0])
     for k, k_next in zip(sizes, sizes[1:]):
         redo = (count == k).reshape(-1).nonzero()[:, 0]
@@ -296,7 +318,7 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
     gain.scatter_(-1, arg, gain_arg)
 
     def evaluate(g, bi, vi, bb, tot_beta, tot_var, d, k):
-        order = top_desc(g, k, whole=True, values=False)[1]
+        order = _head_order(g, k)
         idx = order[..., :k]
         hb, hv, hm = bi.gather(-1, idx), vi.gather(-1, idx), bb.gather(-1, idx)
         # suffix sums over the head by reversed cumsums (exactly 0 past the last token, however
