@@ -157,7 +157,7 @@ def test_fetch_plan_equals_the_reference_bit_for_bit(ties, scan_cells, monkeypat
     monkeypatch.setattr(C, "SCAN_CELLS", scan_cells)
     for seed, n in enumerate([1, 3, 40, 130]):
         w, f, denom = _inputs(seed, n, ties)
-        for head in (None, 2, 16, n + 5):
+        for head in (None, 2, 16, 40, 100, n + 5):
             idx, count = _reference_shrink(w, f, head)
             sh = C.binary_shrink(w, f, head=head)
             assert torch.equal(sh.count, count)

@@ -30,6 +30,7 @@ import torch
 
 FETCH_HEAD = 4096  # the paper's kernel sorts the top 4096 and falls back to a full sort
 SHRINK_HEAD = 512
+SHRINK_FIRST = 32  # the shrinkage prefix is tried on this many tokens before SHRINK_HEAD
 
 
 def top_desc(x: torch.Tensor, k: int, whole: bool = False, values: bool = True):
@@ -176,7 +177,19 @@ def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -
     # a head, then the full order for rows whose whole head is shrunk
     last = n if head is None else min(head, n)
     sizes = sorted({last, n})
-    idx, count = prefix(u, w.expand(shape), f.one_minus_r, sizes[0])
+    if SHRINK_FIRST < last < n:  # most rows stop early: try SHRINK_FIRST tokens first
+        vals, idx = torch.topk(u, SHRINK_FIRST + 1, dim=-1)
+        a = w.expand(shape).gather(-1, idx) * f.one_minus_r.expand(shape).gather(-1, idx)
+        before = torch.cumsum(a, dim=-1) - a
+        count = (vals > 2 * before)[..., :SHRINK_FIRST].cumprod(dim=-1).sum(dim=-1)
+        # without equal positive values among them, the first SHRINK_FIRST + 1 are in the order
+        # the longer head has (a prefix's cumulative sums do not depend on what follows it)
+        tied = ((vals[..., 1:] == vals[..., :-1]) & (vals[..., 1:] > 0)).any(-1)
+        count = torch.where(tied, SHRINK_FIRST, count)  # such rows take the longer head
+        idx = idx[..., :SHRINK_FIRST]
+        sizes = [SHRINK_FIRST] + sizes
+    else:
+        idx, count = prefix(u, w.expand(shape), f.one_minus_r, sizes[0])
     for k, k_next in zip(sizes, sizes[1:]):
         redo = (count == k).reshape(-1).nonzero()[:, 0]
         if not redo.numel():
