@@ -6,7 +6,10 @@ import torch
 
 
 def expand_kv(x: torch.Tensor, n_q_heads: int) -> torch.Tensor:
-    """(n_kv, n, d) -> (n_q, n, d): each KV head serves n_q / n_kv consecutive query heads."""
+    """(n_kv, n, d) -> (n_q, n, d): each KV head serves n_q / n_kv consecutive query heads (``x``
+    itself when it has n_q heads already)."""
+    if x.shape[0] == n_q_heads:
+        return x
     return x.repeat_interleave(n_q_heads // x.shape[0], dim=0)
 
 

@@ -13,12 +13,18 @@ def weighted_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v:
     """Output (n_q, m, d) and log-denominator (n_q, m) of attention over all keys ``k``, ``v``
     (n_kv, n, d), with ``log_w_ctx`` (broadcastable to (n_q, m, n_ctx)) added to the logits of
     the first n_ctx (context) tokens; later tokens keep weight 1. Causal as ``logits``."""
-    s = logits(q, k, q_pos)
+    return weighted_from_logits(logits(q, k, q_pos), log_w_ctx, expand_kv(v, q.shape[0]))
+
+
+def weighted_from_logits(s: torch.Tensor, log_w_ctx: torch.Tensor,
+                         v_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`weighted_attention` from its logits ``s`` (n_q, m, n), which it overwrites, and
+    the values ``v_q`` already expanded to the query heads (n_q, n, d)."""
     n_ctx = log_w_ctx.shape[-1]
-    s = torch.cat([s[..., :n_ctx] + log_w_ctx, s[..., n_ctx:]], dim=-1)
+    s[..., :n_ctx] += log_w_ctx
     log_d = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - log_d[..., None])
-    return torch.einsum("hmn,hnd->hmd", p, expand_kv(v, q.shape[0])), log_d
+    p = s.sub_(log_d[..., None]).exp_()
+    return torch.einsum("hmn,hnd->hmd", p, v_q), log_d
 
 
 def weighted_attention_chunked(q, q_pos, k, v, log_w_ctx) -> tuple[torch.Tensor, torch.Tensor]:

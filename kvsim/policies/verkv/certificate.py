@@ -13,8 +13,12 @@ precomputed once per layer (:func:`token_factors`) and are zero outside L, so to
     b = max_L' lambda w / r * max(r, 1 - r)
 
 Sorting: the binary-shrinkage prefix and the fetch order only need the head of a descending
-order. With ``head=K`` only the top K are selected (``torch.topk``); rows whose answer lies beyond
-the head are recomputed with a full sort, so the result equals ``head=None`` (full sort).
+order. With ``head=K`` only the top K are selected; rows whose answer lies beyond the head are
+recomputed with a full sort, so the result equals ``head=None`` (full sort). Every order is
+:func:`top_desc`'s: descending, equal values by increasing token index (a stable sort's), so a
+head is exactly the start of the full order, except that a head of fewer than n tokens keeps
+``torch.topk``'s order among equal positive values (which of two tied tokens is shrunk or fetched
+is that order's choice; rows with such ties take ``torch.topk`` itself).
 """
 
 from __future__ import annotations
@@ -26,6 +30,72 @@ import torch
 
 FETCH_HEAD = 4096  # the paper's kernel sorts the top 4096 and falls back to a full sort
 SHRINK_HEAD = 512
+SHRINK_FIRST = 32  # the shrinkage prefix is tried on this many tokens before SHRINK_HEAD
+
+
+def top_desc(x: torch.Tensor, k: int, whole: bool = False, values: bool = True):
+    """(values, indices) of the ``k`` largest entries of each row of ``x`` (..., n), descending,
+    equal values in increasing index order: the first ``k`` of a stable descending sort (with
+    ``whole``, when the order was sorted in full anyway, all ``n`` columns of it; without
+    ``values`` the values may be None).
+
+    On the CPU, float32 rows of non-negative finite values take a faster way: a short head
+    (``16 k <= n``) is ``torch.topk`` with its ties put in index order (rows with a tie across
+    the cut are sorted in full); a long one is numpy's SIMD sort of one 64-bit key per token (the
+    value's bits, which order like the values when they are >= 0, then the index). Anything else
+    takes torch's stable sort."""
+    n = x.shape[-1]
+    k = min(k, n)
+    lo_hi = torch.aminmax(x) if x.numel() else None
+    if x.device.type != "cpu" or x.dtype != torch.float32 or lo_hi is None \
+            or not (float(lo_hi.min) >= 0 and float(lo_hi.max) < math.inf):
+        vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
+        return (vals, idx) if whole else (vals[..., :k], idx[..., :k])
+    if 16 * k > n:
+        idx = _sorted_keys(x)
+        idx = idx if whole else idx[..., :k]
+        return (x.gather(-1, idx) if values else None), idx
+    vals, idx = torch.topk(x, k + 1, dim=-1)
+    # equal values in index order: sort by index, then stably by value
+    by_idx, at = idx[..., :k].sort(dim=-1)
+    v, at2 = vals[..., :k].gather(-1, at).sort(dim=-1, descending=True, stable=True)
+    idx = by_idx.gather(-1, at2)
+    cut = (vals[..., k] == vals[..., k - 1]).reshape(-1).nonzero()[:, 0]
+    if cut.numel():  # the topk may have kept any of the tokens tied at the cut
+        full_i = _sorted_keys(x.reshape(-1, n)[cut])[:, :k]
+        lead = x.shape[:-1]
+        idx = idx.reshape(-1, k).index_put((cut,), full_i).reshape(*lead, k)
+        v = x.gather(-1, idx)
+    return v, idx
+
+
+def _sorted_keys(x: torch.Tensor) -> torch.Tensor:
+    """The stable descending order of float32 rows >= 0 (-0.0 included) by one numpy sort of
+    64-bit keys: (bits of +inf - bits of the value) * 2^32 + index."""
+    n = x.shape[-1]
+    key = x.view(torch.int32).to(torch.int64).clamp_min_(0)  # -0.0's bits (negative) -> +0.0's
+    key.mul_(-(1 << 32)).add_((0x7F800000 << 32) + torch.arange(n, dtype=torch.int64))
+    key.numpy().reshape(-1, n).sort(axis=-1)
+    return key.bitwise_and_(0xFFFFFFFF)
+
+
+def _head_order(g: torch.Tensor, k: int) -> torch.Tensor:
+    """The fetch order's head of ``k`` tokens (all ``n`` columns where a full sort gave them):
+    :func:`top_desc`, except on rows where equal positive values lie in the head or across its
+    cut, which take ``torch.topk``'s order (tokens with a zero gain contribute nothing and are
+    never fetched, so their order does not matter)."""
+    n = g.shape[-1]
+    order = top_desc(g, k, whole=True, values=False)[1]
+    if k >= n:
+        return order
+    vals = g.gather(-1, order[..., :k + 1])
+    tied = ((vals[..., 1:] == vals[..., :-1]) & (vals[..., 1:] > 0)).any(-1).reshape(-1)
+    if not bool(tied.any()):
+        return order
+    rows = tied.nonzero()[:, 0]
+    head = order[..., :k].reshape(-1, k).clone()
+    head[rows] = torch.topk(g.reshape(-1, n)[rows], k, dim=-1).indices
+    return head.reshape(*g.shape[:-1], k)
 
 
 def log_term(delta: float) -> float:
@@ -96,28 +166,44 @@ def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -
     shape, n = u.shape, u.shape[-1]
 
     def prefix(uu, ww, omr, k):
-        if k >= n:
-            vals, idx = torch.sort(uu, dim=-1, descending=True, stable=True)
-        else:
+        if k < n:  # torch.topk: its order of equal values is the one to keep
             vals, idx = torch.topk(uu, k, dim=-1)
+        else:
+            vals, idx = top_desc(uu, k)
         a = ww.gather(-1, idx) * omr.expand(uu.shape).gather(-1, idx)
         before = torch.cumsum(a, dim=-1) - a
         return idx, (vals > 2 * before).cumprod(dim=-1).sum(dim=-1)
 
-    k = n if head is None else min(head, n)
-    idx, count = prefix(u, w.expand(shape), f.one_minus_r, k)
-    if k < n:
+    # a head, then the full order for rows whose whole head is shrunk
+    last = n if head is None else min(head, n)
+    sizes = sorted({last, n})
+    if SHRINK_FIRST < last < n:  # most rows stop early: try SHRINK_FIRST tokens first
+        vals, idx = torch.topk(u, SHRINK_FIRST + 1, dim=-1)
+        a = w.expand(shape).gather(-1, idx) * f.one_minus_r.expand(shape).gather(-1, idx)
+        before = torch.cumsum(a, dim=-1) - a
+        count = (vals > 2 * before)[..., :SHRINK_FIRST].cumprod(dim=-1).sum(dim=-1)
+        # without equal positive values among them, the first SHRINK_FIRST + 1 are in the order
+        # the longer head has (a prefix's cumulative sums do not depend on what follows it)
+        tied = ((vals[..., 1:] == vals[..., :-1]) & (vals[..., 1:] > 0)).any(-1)
+        count = torch.where(tied, SHRINK_FIRST, count)  # such rows take the longer head
+        idx = idx[..., :SHRINK_FIRST]
+        sizes = [SHRINK_FIRST] + sizes
+    else:
+        idx, count = prefix(u, w.expand(shape), f.one_minus_r, sizes[0])
+    for k, k_next in zip(sizes, sizes[1:]):
         redo = (count == k).reshape(-1).nonzero()[:, 0]
-        if redo.numel():
-            full_idx, full_count = prefix(u.reshape(-1, n)[redo], _take_rows(w, shape, redo),
-                                          _take_rows(f.one_minus_r, shape, redo), n)
-            # store the whole order for the redone rows: widen idx to n columns
-            wide = torch.cat([idx, torch.zeros(*idx.shape[:-1], n - k, dtype=idx.dtype,
-                                               device=idx.device)], -1).reshape(-1, n)
-            wide[redo] = full_idx
-            # rows not redone keep count < k, so their padding columns are never read
-            idx = wide.reshape(*shape[:-1], n)
-            count = count.reshape(-1).index_put((redo,), full_count).reshape(count.shape)
+        if not redo.numel():
+            break
+        more_idx, more_count = prefix(u.reshape(-1, n)[redo], _take_rows(w, shape, redo),
+                                      _take_rows(f.one_minus_r, shape, redo), k_next)
+        # widen idx to the new head; rows not redone keep count < k, so their padding
+        # columns (index 0, never selected) are never read
+        width = idx.shape[-1]
+        wide = torch.cat([idx, torch.zeros(*idx.shape[:-1], k_next - width, dtype=idx.dtype,
+                                           device=idx.device)], -1).reshape(-1, k_next)
+        wide[redo] = more_idx
+        idx = wide.reshape(*shape[:-1], k_next)
+        count = count.reshape(-1).index_put((redo,), more_count).reshape(count.shape)
     return BinaryShrink(idx, count, u)
 
 
@@ -232,8 +318,12 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
     c1 = t * t + 2.0 * l * var
     root1 = torch.sqrt(c1)[..., None]
     x = (2.0 * l) * var_i
-    gain = beta_i + x / (root1 + torch.sqrt((c1[..., None] - x).clamp_min(0.0))).clamp_min(
-        torch.finfo(x.dtype).tiny)
+    # gain = beta_i + x / (root1 + sqrt(max(c1 - x, 0))).clamp_min(tiny), in place (the same
+    # operations: IEEE addition commutes)
+    den = c1[..., None] - x
+    den.clamp_min_(0.0).sqrt_().add_(root1).clamp_min_(torch.finfo(x.dtype).tiny)
+    gain = x.div_(den).add_(beta_i)
+    del den
     arg = top.indices[..., :1]
     c2 = (t2 * t2)[..., None] + 2.0 * l * (var[..., None] - var_i.gather(-1, arg)).clamp_min(0.0)
     gain_arg = beta_i.gather(-1, arg) + (t - t2)[..., None] + (c1[..., None] - c2) / (
@@ -241,36 +331,37 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
     gain.scatter_(-1, arg, gain_arg)
 
     def evaluate(g, bi, vi, bb, tot_beta, tot_var, d, k):
-        if k >= n:
-            _, idx = torch.sort(g, dim=-1, descending=True, stable=True)
-        else:
-            idx = torch.topk(g, k, dim=-1).indices
+        order = _head_order(g, k)
+        idx = order[..., :k]
         hb, hv, hm = bi.gather(-1, idx), vi.gather(-1, idx), bb.gather(-1, idx)
-        zero = torch.zeros_like(hb[..., :1])
         # suffix sums over the head by reversed cumsums (exactly 0 past the last token, however
         # small eps), plus the tail (the tokens outside the head) as total minus head
         if k >= n:
-            tail_beta = tail_var = tail_b = zero
+            tail_beta = tail_var = tail_b = torch.zeros_like(hb[..., :1])
         else:
             tail_beta = (tot_beta[..., None] - hb.sum(-1, keepdim=True)).clamp_min(0)
             tail_var = (tot_var[..., None] - hv.sum(-1, keepdim=True)).clamp_min(0)
-            in_head = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device).scatter_(
-                -1, idx, True)
-            tail_b = bb.masked_fill(in_head, 0.0).amax(-1, keepdim=True)
-        suf_beta = torch.cat([hb.flip(-1).cumsum(-1).flip(-1), zero], -1) + tail_beta
-        suf_var = torch.cat([hv.flip(-1).cumsum(-1).flip(-1), zero], -1) + tail_var
-        suf_b = torch.cat([hm.flip(-1).cummax(-1).values.flip(-1), zero], -1).maximum(tail_b)
-        eps_k = bernstein_eps(suf_beta, suf_var, suf_b, d[..., None], log_term(delta))
-        ok = eps_k < eps  # (..., k + 1)
-        if also is not None:
-            ok &= bernstein_eps(suf_beta, suf_var, suf_b, d[..., None], also[1]) < also[0]
-        found = ok.any(-1)
-        k_star = ok.int().argmax(-1)
-        live = (hb > 0) | (hv > 0) | (hm > 0)  # tokens with no contribution are never fetched
-        sel = (torch.arange(idx.shape[-1], device=idx.device) < k_star[..., None]) & live
-        exact = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device).scatter_(-1, idx, sel)
-        after = eps_k.gather(-1, k_star[..., None])[..., 0]
-        return FetchPlan(k_star, exact, eps_k[..., 0], after, idx), found
+            if order.shape[-1] == n:  # b >= 0: the tail's max is the max outside the head
+                tail_b = bb.gather(-1, order[..., k:]).amax(-1, keepdim=True)
+            else:
+                in_head = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device).scatter_(
+                    -1, idx, True)
+                tail_b = bb.masked_fill(in_head, 0.0).amax(-1, keepdim=True)
+        # suffix sums from the end of the head: column j holds the last j head tokens' (so
+        # column k - pos is the suffix from head position pos; column 0 is empty)
+        zero = torch.zeros_like(hb[..., :1])
+        ext_beta = torch.cat([zero, hb.flip(-1)], -1).cumsum_(-1)
+        ext_var = torch.cat([zero, hv.flip(-1)], -1).cumsum_(-1)
+        ext_b = torch.cat([zero, hm.flip(-1)], -1).cummax(-1).values
+        k_star, found, eps_at = _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b,
+                                          d, eps, log_term(delta), also)
+        upto = int(k_star.max()) if k_star.numel() else 0
+        live = (hb[..., :upto] > 0) | (hv[..., :upto] > 0) | (hm[..., :upto] > 0)
+        sel = (torch.arange(upto, device=idx.device) < k_star[..., None]) & live
+        exact = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device).scatter_(
+            -1, idx[..., :upto], sel)
+        return FetchPlan(k_star, exact, eps_at(torch.zeros_like(k_star)), eps_at(k_star),
+                         idx), found
 
     k = n if head is None else min(head, n)
     plan, found = evaluate(gain, beta_i, var_i, b_i, beta, var, denom, k)
@@ -291,6 +382,50 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
         plan.order = None  # rows differ in length; the exact mask is the result
     return plan
 
+
+SCAN_CELLS = 1 << 17  # above this many (row, k) cells, bisect for k* instead of scanning all k
+
+
+def _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b, d, eps: float, l: float,
+              also):
+    """(k*, found, eps_at): the smallest k in 0..K whose suffix has eps_hat below ``eps`` (and
+    the output certificate's bound, ``also``), k* = 0 where none is, and a function giving
+    eps_hat of the suffix from given positions. Suffix quantities at position k are column K - k
+    of ``ext_*`` plus the tail's (the same operations as summing the flipped head, then the
+    tail). The suffix quantities do not increase with k, and every step of eps_hat is a
+    monotone IEEE operation of them, so "ok" does not decrease with k (a NaN can only hide a
+    prefix of k): on many cells a bisection finds the first ok k, the one a scan finds."""
+    K = ext_beta.shape[-1] - 1
+    dd = d[..., None]
+
+    def at(pos):  # (..., c) positions -> the suffix quantities there
+        col = K - pos
+        return (ext_beta.gather(-1, col) + tail_beta, ext_var.gather(-1, col) + tail_var,
+                ext_b.gather(-1, col).maximum(tail_b))
+
+    def ok(sb, sv, sm):
+        good = bernstein_eps(sb, sv, sm, dd, l) < eps
+        if also is not None:
+            good &= bernstein_eps(sb, sv, sm, dd, also[1]) < also[0]
+        return good
+
+    def eps_at(pos):
+        return bernstein_eps(*at(pos[..., None]), dd, l)[..., 0]
+
+    if ext_beta[..., 0].numel() * (K + 1) <= SCAN_CELLS:
+        good = ok(ext_beta + tail_beta, ext_var + tail_var, ext_b.maximum(tail_b)).flip(-1)
+        return good.int().argmax(-1), good.any(-1), eps_at
+    lead = ext_beta.shape[:-1]
+    lo = torch.zeros(lead, dtype=torch.long, device=ext_beta.device)
+    hi = torch.full(lead, K + 1, dtype=torch.long, device=ext_beta.device)  # K + 1: none
+    while bool((lo < hi).any()):  # positions below lo fail; hi is ok, or K + 1
+        mid = (lo + hi) // 2
+        open_ = lo < hi
+        good = ok(*at(mid.clamp_max(K)[..., None]))[..., 0] & (mid <= K) & open_
+        hi = torch.where(good, mid, hi)
+        lo = torch.where(open_ & ~good, mid + 1, lo)
+    found = hi <= K
+    return torch.where(found, hi, 0), found, eps_at
 
 def fetch_plan(w, r, lam, in_l, denom, eps: float, delta: float,
                head: int | None = FETCH_HEAD) -> FetchPlan:

@@ -25,8 +25,11 @@ GQA: each query head orders and cuts its own L; its KV head fetches the union of
 selections, and every head of the group then treats the whole union as exact (more exact tokens
 only lower a head's certificate, and the union is as sample-independent as its parts).
 Tokens after the context (question and decoded tokens) are always exact and never in L.
-All of it is vectorised over query heads and rows; the only sorts are ``torch.topk`` heads of
-``FETCH_HEAD`` / ``SHRINK_HEAD`` tokens with a full-sort fallback (see certificate.py).
+All of it is vectorised over query heads and rows; the only sorts are heads of ``FETCH_HEAD`` /
+``SHRINK_HEAD`` tokens in a stable descending order with a full-sort fallback (see
+certificate.py). ``VerKV.attend`` scores a pass's planned logits once for its shortlist and its
+decisions (:func:`pass_shortlist_planned`) and takes both log factors from the sampled tokens
+alone (:func:`reweighted_log_factors`).
 """
 
 from __future__ import annotations
@@ -153,19 +156,32 @@ def pass_shortlist(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg:
     head's query rows", read as the max). Scored over ``chunks`` of rows (memory); returns indices
     (n_kv, k) and which are real candidates (fewer where there are fewer), or None without a
     sketch or a shortlist."""
+    return pass_shortlist_planned(q, q_pos, layer, cfg, chunks)[0]
+
+
+def pass_shortlist_planned(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer,
+                           cfg: DecideConfig, chunks: list[slice] | None = None,
+                           keep: int = 0):
+    """:func:`pass_shortlist` and, when there are at most ``keep`` chunks, each chunk's planned
+    logits (what :func:`decide` takes as ``planned`` for those rows instead of scoring them
+    again), else None."""
     if layer.sketch is None or cfg.shortlist <= 0:
-        return None
+        return None, None
     n_kv, n, _ = layer.k_host.shape
     best = torch.full((n_kv, n), float("-inf"), dtype=q.dtype, device=q.device)
     seen = torch.zeros(n, dtype=torch.bool, device=q.device)
-    for sl in chunks or [slice(0, q.shape[1])]:
+    chunks = chunks or [slice(0, q.shape[1])]
+    planned = [] if len(chunks) <= keep else None
+    for sl in chunks:
         visible = _visible(q_pos[sl], n)
         s, e = _planned_logits(q[:, sl], layer, visible)
+        if planned is not None:
+            planned.append((s, e))
         if e is not None:  # the bounded sketch ranks by the upper logit
             s = s + e
         best = torch.maximum(best, _pass_score(s, s.amax(-1)))
         seen |= True if visible is None else visible.any(0)
-    return _pick(best, seen, layer, cfg)
+    return _pick(best, seen, layer, cfg), planned
 
 
 def _pass_score(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -182,7 +198,7 @@ def _pick(score: torch.Tensor, seen, layer: VerKVLayer, cfg: DecideConfig):
 
 
 def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | None,
-                     short: tuple | None, cfg: DecideConfig):
+                     short: tuple | None, cfg: DecideConfig, planned: tuple | None = None):
     """Grouped logits (n_kv, g*m, n) the certificate plans with (-inf where not visible), their
     half-widths (bounded sketch; else None), the rows' largest upper logit (n_kv, g*m) and the
     rows' shortlist mask (n_kv, m, n): the planned logits of :func:`_planned_logits`, exact at
@@ -192,7 +208,7 @@ def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor |
     n_q, m, d = q.shape
     n_kv, n, _ = layer.k_host.shape
     g = n_q // n_kv
-    s, e = _planned_logits(q, layer, visible)
+    s, e = _planned_logits(q, layer, visible) if planned is None else planned  # overwritten
     upper = s if e is None else s + e
     shift = upper.amax(-1)
     if short is None and layer.sketch is not None and cfg.shortlist > 0:
@@ -220,7 +236,7 @@ def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor |
 
 def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideConfig,
            extra_logits: torch.Tensor | None = None, short: tuple | None = None,
-           fetched: torch.Tensor | None = None) -> Decision:
+           fetched: torch.Tensor | None = None, planned: tuple | None = None) -> Decision:
     """VerKV's decide step for query rows ``q`` (n_q, m, d) at ``q_pos``: a forward pass, or
     some rows of one whose shortlist ``short`` (:func:`pass_shortlist`) was chosen over all of
     its rows (by default over the rows given).
@@ -228,14 +244,15 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
     ``extra_logits`` (n_q, m, n_extra): exact logits of the tokens after the context (-inf where
     masked); they count in D and never in L. ``fetched`` (n_kv, n): context tokens the pass has
     already fetched for earlier rows (their plans did not look at the sample): exact and out of
-    L for these rows, like H.
+    L for these rows, like H. ``planned``: these rows' planned logits from
+    :func:`pass_shortlist_planned` (they are overwritten), instead of scoring them again.
     """
     n_q, m, d = q.shape
     n_kv, n, _ = layer.k_host.shape
     g = n_q // n_kv
     f = layer.factors
     visible = _visible(q_pos, n)
-    s, e, shift, short = estimated_logits(q, layer, visible, short, cfg)
+    s, e, shift, short = estimated_logits(q, layer, visible, short, cfg, planned)
     exact_logits = None
     if fetched is not None and bool(fetched.any()):
         f = dataclasses.replace(f, odds=f.odds * ~fetched[:, None], bfac=f.bfac * ~fetched[:, None],
@@ -335,3 +352,34 @@ def reweighted_log_factor(layer: VerKVLayer, dec: Decision, n_q: int,
     log_f = torch.where(sampled, torch.log(lam) - torch.log(r),
                         torch.full_like(lam, float("-inf")))
     return torch.where(exact, torch.zeros_like(log_f), log_f)
+
+
+def reweighted_log_factors(layer: VerKVLayer, dec: Decision,
+                           n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`reweighted_log_factor` for the KV head's union and for the decision's own set, at
+    once. With binary shrinkage lambda is r (log factor 0) or 1 (``-log r``) on a sampled token,
+    so only the sampled tokens' logs are taken (the same values: log(r) - log(r) is 0 and
+    log(1) - log(r) is -log(r), exactly)."""
+    lam_dtype = layer.factors.r.dtype
+    if not isinstance(dec.shrink, C.BinaryShrink) or lam_dtype != dec.denom_est.dtype:
+        return (reweighted_log_factor(layer, dec, n_q),
+                reweighted_log_factor(layer, dec, n_q, own=True))
+    n_kv, n = layer.k_host.shape[0], layer.k_host.shape[1]
+    g, m = n_q // n_kv, dec.k_star.shape[1]
+    smp = layer.sample
+    r = smp.r.to(lam_dtype)
+    base = torch.full((n_kv, n), float("-inf"), dtype=lam_dtype, device=r.device)
+    base[smp.sampled] = -torch.log(r[smp.sampled])
+    out = base.repeat_interleave(g, dim=0)[:, None, :].expand(n_q, m, n).clone()
+    # sampled tokens with lambda = r: log factor 0
+    width = dec.shrink.idx.shape[-1]
+    sel = torch.arange(width, device=r.device) < dec.shrink.count.reshape(-1, 1)
+    rows, at = sel.nonzero(as_tuple=True)  # rows in (n_q, m) order, as the shrinkage's
+    cols = dec.shrink.idx.reshape(-1, width)[rows, at]
+    hit = smp.sampled[rows // (g * m), cols]
+    out.view(-1, n)[rows[hit], cols[hit]] = 0.0
+    in_h = smp.in_h.repeat_interleave(g, dim=0)[:, None, :]
+    own = out.masked_fill(in_h | dec.own_exact, 0.0)
+    union = out.masked_fill_((smp.in_h[:, None, :] | dec.exact_kv).repeat_interleave(g, dim=0),
+                             0.0)
+    return union, own

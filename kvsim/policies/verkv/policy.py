@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvsim.attention.dense import logits
+from kvsim.attention.dense import expand_kv, logits
 from kvsim.attention.sampling import poisson_compress
 from kvsim.attention.scoring import to_tau
-from kvsim.attention.weighted import row_chunks, weighted_attention
+from kvsim.attention.weighted import row_chunks, weighted_from_logits
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.policies import options as O
@@ -61,8 +61,8 @@ from kvsim.policies.verkv.kvfetch import (
     DecideConfig,
     decide,
     make_layer,
-    pass_shortlist,
-    reweighted_log_factor,
+    pass_shortlist_planned,
+    reweighted_log_factors,
 )
 from kvsim.policies.verkv.sketch import (
     NORM_BYTES,
@@ -76,6 +76,7 @@ SKETCHES = ("2bit", "bounded", "perfect")
 SHRINKAGES = ("binary", "bounded")
 PASS_PLANS = ("rows", "shared")
 R_BYTES = 2  # fp16 inclusion probability per context token
+PLANNED_CHUNKS = 4  # a pass of at most this many row chunks keeps its planned logits
 
 
 @dataclass
@@ -177,26 +178,29 @@ class VerKV(FetchPolicy):
         outs, logds, logds_own, rows = [], [], [], []
         extra_pos = torch.arange(n_ctx, k.shape[1], device=q.device)
         chunks = row_chunks(n_q, m, k.shape[1])
-        short = pass_shortlist(q, q_pos, layer, cfg, chunks)  # one per KV head and pass
         shared = p.pass_plan == "shared"
+        # one shortlist per KV head and pass; its planned logits serve the chunks' decisions
+        short, planned = pass_shortlist_planned(q, q_pos, layer, cfg, chunks,
+                                                keep=0 if shared else PLANNED_CHUNKS)
         made_exact = torch.zeros_like(fetched_pass)  # shared: what earlier rows made exact
-        for sl in [slice(j, j + 1) for j in range(m)] if shared else chunks:
+        k_q, v_q = expand_kv(k, n_q), expand_kv(v, n_q)  # once per call, not per chunk
+        for i, sl in enumerate([slice(j, j + 1) for j in range(m)] if shared else chunks):
             qc, pc = q[:, sl], q_pos[sl]
             extra = logits(qc, k[:, n_ctx:], pc, extra_pos)
             dec = decide(qc, pc, layer, cfg, extra_logits=extra, short=short,
-                         fetched=made_exact if shared else None)
+                         fetched=made_exact if shared else None,
+                         planned=planned[i] if planned else None)
             own_plan = dec.own_exact  # what this decision asked for itself
             if shared:  # earlier rows' tokens are exact for this row's plan and attention too
                 dec.exact_kv |= made_exact[:, None]
                 dec.own_exact = own_plan | made_exact.repeat_interleave(g, 0)[:, None]
                 made_exact |= dec.exact_kv.any(1)
-            log_w = reweighted_log_factor(layer, dec, n_q)
-            o, ld = weighted_attention(qc, pc, k, v, log_w)
-            full = logits(qc, k, pc)
+            log_w, own_w = reweighted_log_factors(layer, dec, n_q)
+            full = logits(qc, k_q, pc)
             true_logd = torch.logsumexp(full, dim=-1)
-            own_w = reweighted_log_factor(layer, dec, n_q, own=True)
-            ld_own = torch.logsumexp(torch.cat([full[..., :n_ctx] + own_w, full[..., n_ctx:]],
-                                               -1), dim=-1)
+            o, ld = weighted_from_logits(full.clone(), log_w, v_q)
+            full[..., :n_ctx] += own_w
+            ld_own = torch.logsumexp(full, dim=-1)
             outs.append(o)
             logds.append(ld)
             logds_own.append(ld_own)

@@ -1,0 +1,212 @@
+"""VerKV's fast CPU kernels against straightforward references, bit for bit: the sort order, the
+binary-shrinkage prefix, the k* search (bisection or scan) and the reweighted log factors, on
+small random inputs with ties, -0.0, k at its bounds and extreme eps. The references are the
+previous implementation written plainly (``torch.topk`` heads, every k scanned), so equal values
+must also come out in the same order."""
+
+import math
+
+import pytest
+import torch
+
+from kvsim.attention.dense import expand_kv, logits
+from kvsim.attention.weighted import weighted_attention
+from kvsim.model.synthetic import synthetic_attention_trace
+from kvsim.policies import make
+from kvsim.policies.verkv import certificate as C
+from kvsim.policies.verkv import kvfetch as KF
+
+DELTA = 0.1
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and values, NaN where the other is NaN."""
+    if a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _rows(seed: int, shape, ties: bool, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # few distinct values, many zeros, some -0.0
+        x = torch.randint(0, 5, shape, generator=g).to(dtype) / 4
+        x[torch.rand(shape, generator=g) < 0.1] = -0.0
+        return x
+    return torch.rand(shape, generator=g, dtype=dtype) ** 6
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_desc_is_a_stable_descending_sort(ties, dtype):
+    for seed, n in enumerate([1, 2, 15, 16, 17, 64, 300]):
+        x = _rows(seed, (3, 4, n), ties, dtype)
+        ref_v, ref_i = torch.sort(x, dim=-1, descending=True, stable=True)
+        for k in sorted({1, 2, max(1, n // 16), n // 16 + 1, n // 2 + 1, n - 1, n}):
+            k = max(1, min(k, n))
+            v, i = C.top_desc(x, k)
+            assert torch.equal(i, ref_i[..., :k]), (n, k)
+            assert torch.equal(v, ref_v[..., :k])
+        _, whole = C.top_desc(x, n // 2 + 1, whole=True)
+        assert torch.equal(whole[..., :n // 2 + 1], ref_i[..., :n // 2 + 1])
+
+
+def _reference_shrink(w, f, head):
+    """Appendix A.2 as it was written before: the prefix on a ``torch.topk`` head, or on a full
+    stable sort (``head=None``, or rows whose whole head is shrunk)."""
+    u = w * f.odds
+    n = u.shape[-1]
+
+    def prefix(k):
+        if k < n:
+            vals, idx = torch.topk(u, k, dim=-1)
+        else:
+            vals, idx = torch.sort(u, dim=-1, descending=True, stable=True)
+        a = w.expand(u.shape).gather(-1, idx) * f.one_minus_r.expand(u.shape).gather(-1, idx)
+        before = torch.cumsum(a, dim=-1) - a
+        return idx, (vals > 2 * before).cumprod(dim=-1).sum(dim=-1)
+
+    k = n if head is None else min(head, n)
+    idx, count = prefix(k)
+    if k < n:
+        full_idx, full_count = prefix(n)
+        redo = count == k
+        count = torch.where(redo, full_count, count)
+        idx = torch.where(redo[..., None], full_idx, torch.cat(
+            [idx, torch.zeros(*idx.shape[:-1], n - k, dtype=idx.dtype)], -1))
+    return idx, count
+
+
+def _reference_plan(beta_i, var_i, b_i, denom, eps, delta, head, also=None):
+    """KVFetch's k* search as it was written before (every k scanned; the head by a stable
+    sort; the full-sort fallback)."""
+    l = C.log_term(delta) if also is None else max(C.log_term(delta), also[1])
+    n = beta_i.shape[-1]
+    beta, var = beta_i.sum(-1), var_i.sum(-1)
+    top = torch.topk(b_i, min(2, n), dim=-1)
+    bmax = top.values[..., 0]
+    second = top.values[..., 1] if n > 1 else torch.zeros_like(bmax)
+    t, t2 = bmax * (l / 3.0), second * (l / 3.0)
+    c1 = t * t + 2.0 * l * var
+    root1 = torch.sqrt(c1)[..., None]
+    x = (2.0 * l) * var_i
+    tiny = torch.finfo(x.dtype).tiny
+    gain = beta_i + x / (root1 + torch.sqrt((c1[..., None] - x).clamp_min(0.0))).clamp_min(tiny)
+    arg = top.indices[..., :1]
+    c2 = (t2 * t2)[..., None] + 2.0 * l * (var[..., None] - var_i.gather(-1, arg)).clamp_min(0.0)
+    gain.scatter_(-1, arg, beta_i.gather(-1, arg) + (t - t2)[..., None] + (c1[..., None] - c2)
+                  / (root1 + torch.sqrt(c2)).clamp_min(tiny))
+
+    def evaluate(k):
+        if k < n:
+            idx = torch.topk(gain, k, dim=-1).indices
+        else:
+            idx = torch.sort(gain, dim=-1, descending=True, stable=True).indices
+        hb, hv, hm = beta_i.gather(-1, idx), var_i.gather(-1, idx), b_i.gather(-1, idx)
+        zero = torch.zeros_like(hb[..., :1])
+        if k >= n:
+            tb = tv = tm = zero
+        else:
+            tb = (beta[..., None] - hb.sum(-1, keepdim=True)).clamp_min(0)
+            tv = (var[..., None] - hv.sum(-1, keepdim=True)).clamp_min(0)
+            in_head = torch.zeros(b_i.shape, dtype=torch.bool).scatter_(-1, idx, True)
+            tm = b_i.masked_fill(in_head, 0.0).amax(-1, keepdim=True)
+        sb = torch.cat([hb.flip(-1).cumsum(-1).flip(-1), zero], -1) + tb
+        sv = torch.cat([hv.flip(-1).cumsum(-1).flip(-1), zero], -1) + tv
+        sm = torch.cat([hm.flip(-1).cummax(-1).values.flip(-1), zero], -1).maximum(tm)
+        eps_k = C.bernstein_eps(sb, sv, sm, denom[..., None], C.log_term(delta))
+        ok = eps_k < eps
+        if also is not None:
+            ok &= C.bernstein_eps(sb, sv, sm, denom[..., None], also[1]) < also[0]
+        k_star = ok.int().argmax(-1)
+        live = (hb > 0) | (hv > 0) | (hm > 0)
+        sel = (torch.arange(k) < k_star[..., None]) & live
+        exact = torch.zeros(b_i.shape, dtype=torch.bool).scatter_(-1, idx, sel)
+        return (k_star, exact, eps_k[..., 0], eps_k.gather(-1, k_star[..., None])[..., 0],
+                ok.any(-1))
+
+    k = n if head is None else min(head, n)
+    *got, found = evaluate(k)
+    if k < n:  # rows whose cut lies beyond the head: the full sort's answer
+        full = evaluate(n)
+        got = [torch.where(found.reshape(found.shape + (1,) * (a.dim() - found.dim())), a, b)
+               for a, b in zip(got, full[:4], strict=True)]
+    return got
+
+
+def _inputs(seed: int, n: int, ties: bool):
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, 3, n)
+    s = torch.randn(shape, generator=g) * 3
+    if ties:
+        s = s.round()
+    w = torch.exp(s - s.amax(-1, keepdim=True))
+    w[torch.rand(shape, generator=g) < 0.1] = 0.0
+    r = torch.rand(2, 1, n, generator=g).clamp(0.02, 1.0)
+    if ties:
+        r = (r * 4).ceil() / 4
+    r[..., :2] = 1.0  # H
+    in_l = r < 1
+    return w, C.token_factors(r, in_l), w.sum(-1) * 1.05
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("scan_cells", [0, 1 << 30])  # bisection / full scan
+def test_fetch_plan_equals_the_reference_bit_for_bit(ties, scan_cells, monkeypatch):
+    monkeypatch.setattr(C, "SCAN_CELLS", scan_cells)
+    for seed, n in enumerate([1, 3, 40, 130]):
+        w, f, denom = _inputs(seed, n, ties)
+        for head in (None, 2, 16, 40, 100, n + 5):
+            idx, count = _reference_shrink(w, f, head)
+            sh = C.binary_shrink(w, f, head=head)
+            assert torch.equal(sh.count, count)
+            assert torch.equal(sh.mask(), torch.zeros(w.shape, dtype=torch.bool).scatter_(
+                -1, idx, torch.arange(idx.shape[-1]) < count[..., None]) & (sh.u > -1))
+        terms = C.terms(w, f, C.binary_shrink(w, f))
+        for eps in (1e-9, 0.01, 0.05, 0.3, 1e9):
+            for head in (None, 1, 8, n):
+                for also in (None, C.output_terms(0.1, DELTA, 64)):
+                    plan = C.fetch_plan_terms(*terms, denom, eps, DELTA, head=head, also=also)
+                    ref = _reference_plan(*terms, denom, eps, DELTA, head, also)
+                    for name, want in zip(("k_star", "exact", "eps_before", "eps_after"), ref,
+                                          strict=True):
+                        assert same(getattr(plan, name), want), (n, eps, head, name)
+
+
+def test_fetch_plan_nan_and_zero_denominator_match_the_reference():
+    w, f, denom = _inputs(3, 50, False)
+    terms = C.terms(w, f, C.binary_shrink(w, f))
+    for d in (torch.zeros_like(denom), torch.full_like(denom, math.nan)):
+        plan = C.fetch_plan_terms(*terms, d, 0.05, DELTA, head=None)
+        ref = _reference_plan(*terms, d, 0.05, DELTA, None)
+        assert all(same(getattr(plan, name), want) for name, want in
+                   zip(("k_star", "exact", "eps_before", "eps_after"), ref, strict=True))
+
+
+@pytest.mark.parametrize("options", [{}, {"shrinkage": "bounded"}, {"sketch": "perfect"},
+                                     {"pass_plan": "shared"}])
+def test_attend_log_factors_and_softmax_equal_the_plain_forms(options):
+    tr = synthetic_attention_trace(n_layers=1, n_q=4, n_kv=2, d=16, context=300, question=6,
+                                   decode=1, seed=2, kvzip=False)
+    la, a = tr.attention.layers[0], tr.attention
+    f32 = lambda x: torch.as_tensor(x).to(torch.float32)  # noqa: E731
+    k, v, qq = f32(la.k), f32(la.v), f32(la.q_question)
+    n = a.context_len
+    pol = make("verkv", {"compression": 8, "sink": 4, "local": 4, "scorer": "snapkv", **options})
+    pol.bind(a.rope, a.head_dim)
+    qpos = torch.as_tensor(a.question_pos)
+    state = pol.compress(k[:, :n], v[:, :n], {}, qq, qpos, torch.Generator().manual_seed(0),
+                         layer=0, obs_k=k[:, n:]).state
+    dec = KF.decide(qq, qpos, state, pol.config(),
+                    extra_logits=logits(qq, k[:, n:], qpos, torch.arange(n, k.shape[1])))
+    union, own = KF.reweighted_log_factors(state, dec, qq.shape[0])
+    assert torch.equal(union, KF.reweighted_log_factor(state, dec, qq.shape[0]))
+    assert torch.equal(own, KF.reweighted_log_factor(state, dec, qq.shape[0], own=True))
+    # the softmax as it was written: logits, cat, logsumexp, exp, einsum over expanded values
+    s = logits(qq, k, qpos)
+    s = torch.cat([s[..., :n] + union, s[..., n:]], dim=-1)
+    ld = torch.logsumexp(s, dim=-1)
+    o = torch.einsum("hmn,hnd->hmd", torch.exp(s - ld[..., None]), expand_kv(v, qq.shape[0]))
+    got_o, got_ld = weighted_attention(qq, qpos, k, v, union)
+    assert torch.equal(got_o, o) and torch.equal(got_ld, ld)
