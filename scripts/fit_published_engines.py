@@ -6,13 +6,17 @@ The same fits as ``kvsim fit data/published.csv --family NAME --out NAME.json --
 (one leave-one-source-out pass shared by the three files):
 
     python scripts/build_published_dataset.py     # data/published/*.csv -> data/published.csv
-    python scripts/fit_published_engines.py       # ~2-5 minutes on 2 cores
+    python scripts/fit_published_engines.py [--refit-cv]   # --refit-cv: ~10 minutes on 2 cores
+
+Without ``--refit-cv`` the leave-one-source-out errors of the last run
+(``data/published-cv.json``) are reused: the engines are refitted, the check is not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,16 +28,8 @@ from kvsim.hw.engine import ENGINES_DIR, load
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "published.csv"
 PAGE = ROOT / "docs" / "published_check.md"
+REUSE = ROOT / "data" / "published-cv.json"  # the last cross-validation (--refit-cv: redo)
 FAMILIES = ("vllm", "sglang", "trtllm")
-
-
-def by(values: list[dict], key) -> list[dict]:
-    """:func:`F.summary`'s overall row for each value of ``key(v)``."""
-    out = []
-    for name in sorted({key(v) for v in values}):
-        row = F.summary([v for v in values if key(v) == name])[0]
-        out.append({**row, "category": name})
-    return out
 
 
 def md_table(rows: list[dict], first: str) -> str:
@@ -67,7 +63,8 @@ def main() -> None:
     pred, base = Predictor(None), load("roofline")
     print(f"{len(points)} points, {len({p.meta.get('source') for p in points})} sources; "
           f"leave-one-source-out ...", flush=True)
-    cv = F.cross_validate(points, pred, base, progress=True)
+    cv = F.cross_validate(points, pred, base, progress=True) if not REUSE.exists() or \
+        "--refit-cv" in sys.argv else json.loads(REUSE.read_text())["values"]
     summary = F.summary(cv)
     for fam in FAMILIES:
         shared, eng, free = F.fit_levels(rows, pred, base, fam)
@@ -86,8 +83,8 @@ def main() -> None:
         path = ENGINES_DIR / f"{fam}.json"
         eng.save(path, force=True)
         print(f"wrote {path.relative_to(ROOT)}: {how}")
-    per_engine = by(cv, lambda v: v["engine"])
-    per_source = by(cv, lambda v: v["source"])
+    per_engine = F.summary(cv, groups=lambda v: [v["engine"]])
+    per_source = F.summary(cv, groups=lambda v: [v["source"]])
     worst = sorted(cv, key=lambda v: -abs(v["log_err"]))[:12]
     spreads = {r: F.spread(cv, r) for r in ("decode", "prefill", "throughput")}
     page = f"""# Published-measurement check

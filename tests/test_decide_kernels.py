@@ -151,11 +151,11 @@ def test_replay_reports_the_planned_policys_decide_source(fake, two_tables):
     prov = measured["provenance"]
     assert prov["hw.decide"] == prov[f"hw.decide.{FAKE}"]
     assert f"kernel_decide_{FAKE}" in prov["hw.decide"]
-    catalog = run_replay(ReplayConfig(gpu="h100-sxm", **kw))  # the vllm engine: VerKV's only
+    catalog = run_replay(ReplayConfig(gpu="h100-sxm", **kw))  # a published family: VerKV's only
     prov = catalog["provenance"]
     assert prov["hw.decide"].startswith("estimate: four passes")
     assert f"no profiled kernel_decide_{FAKE} table" in prov["hw.decide"]
-    assert prov["hw.decide.verkv"].startswith("engine vllm")
+    assert prov["hw.decide.verkv"].startswith("engine trtllm")
     assert "from engine vllm-paper" in prov["hw.decide.verkv"]
     # --decide-ms replaces the planned policy's decide, whichever it is
     d0, d10 = (run_replay(ReplayConfig(gpu="h100-sxm", engine="roofline", decide_ms=d,

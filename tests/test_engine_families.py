@@ -201,13 +201,14 @@ def test_interval_coverage_uses_only_other_sources():
 
 
 # ------------------------------------------------------------------ the shipped engines
-def test_builtin_families_load_and_vllm_is_the_catalog_default():
+def test_builtin_families_load_and_the_best_checked_one_is_the_catalog_default():
     for name in ("vllm", "sglang", "trtllm", "vllm-paper"):
         eng = E.load(name)
         assert eng.name == name
-    assert E.CATALOG_DEFAULT == "vllm"
     costs, _ = costs_for("h100-sxm", None)
-    assert costs.engine.name == "vllm"
+    assert costs.engine.name == E.CATALOG_DEFAULT == "trtllm"
+    cv = E.load("trtllm").fit["cv_summary"]  # the family with the most checked values
+    assert cv[0]["category"] == "all" and cv[0]["values"] >= 300
     for name in ("vllm", "sglang", "trtllm"):
         eng = E.load(name)
         assert eng.fit["cv"] and eng.fit["checked"]["gpu"]

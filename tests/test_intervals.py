@@ -42,7 +42,7 @@ def test_every_registered_policy_gets_every_interval_key(name, trace):
         assert math.isfinite(lo) and math.isfinite(hi)
         assert 0 < lo < r[key] < hi, key
         assert row[f"{key}_lo"] == lo and row[f"{key}_hi"] == hi
-    eng = E.load("vllm")  # the catalog default: checked on published points, by regime
+    eng = E.load(E.CATALOG_DEFAULT)  # checked on published points, by regime
     s, ttft = eng.spread("decode")[0], eng.spread("prefill")[0]
     assert r["interval"]["spread"] == pytest.approx(s)  # H100, bf16, TP 1, dense: checked
     assert r["tpot_ms_hi"] == pytest.approx(r["tpot_ms"] * math.exp(s))
@@ -70,10 +70,11 @@ def test_outside_the_checked_regime_the_interval_widens_and_says_why(trace):
     assert "weights 1 B per element" in warn and "x4" in warn
     assert far["tpot_ms_lo"] == pytest.approx(far["tpot_ms"] * math.exp(-4 * s))
     # a published family names what its points cover: here a GPU none of them ran on
-    eng = E.load("vllm")
+    eng = E.load(E.CATALOG_DEFAULT)
     assert "h20" not in eng.fit["checked"]["gpu"]
     h20 = _replay(trace, gpu="h20")
-    warn = next(w for w in h20["warnings"] if w.startswith("outside what engine vllm"))
+    warn = next(w for w in h20["warnings"]
+                if w.startswith(f"outside what engine {E.CATALOG_DEFAULT}"))
     assert "GPU h20 (checked on" in warn
     assert h20["interval"]["spread"] == pytest.approx(2 * eng.spread("decode")[0])
     rough = _replay(trace, engine="roofline")

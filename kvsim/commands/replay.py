@@ -110,8 +110,9 @@ def add_engine_flags(p) -> None:
     g.add_argument("--engine", metavar="NAME|JSON",
                    help="engine profile: vllm, sglang, trtllm (fitted to published measurements, "
                         "data/published.csv), vllm-paper (the VerKV paper's vLLM on one H100), "
-                        "roofline (the bare hardware) or a file from kvsim fit [default: vllm "
-                        "with a catalog GPU, roofline with a profiled trace's hardware]")
+                        "roofline (the bare hardware) or a file from kvsim fit [default: trtllm, "
+                        "the best-checked, with a catalog GPU; roofline with a profiled "
+                        "trace's hardware]")
     g.add_argument("--policy-profile", metavar="FILE|default|none",
                    help="policy statistics from this profile (kvsim policy-profile), fitted to "
                         "the planned context with a 90%% interval; 'none': from the trace only "

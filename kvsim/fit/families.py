@@ -227,23 +227,28 @@ def spread(values: list[dict], regime: str | None = None, q: float = COVERAGE) -
     return float(np.quantile(logs, q)) if logs else None
 
 
-def summary(values: list[dict], within: float = 20.0) -> list[dict]:
-    """Per category and overall: held-out values, the share within ``within`` percent, the
-    median and largest absolute error, and the share inside the interval that the other
-    sources' errors of the same regime give (:func:`spread`)."""
+def summary(values: list[dict], within: float = 20.0, groups=None) -> list[dict]:
+    """Per group: held-out values, the share within ``within`` percent, the median and largest
+    absolute error, and the share inside the interval that the other sources' errors of the
+    same regime give (:func:`spread`, over every value). ``groups(v)``: the names of the groups
+    a value counts in (default: ``all`` and its categories, in :data:`CATEGORIES` order)."""
     cover = []
     for v in values:
-        others = [w for w in values if w["source"] != v["source"]]
-        s = spread(others, v["regime"])
+        s = spread([w for w in values if w["source"] != v["source"]], v["regime"])
         cover.append(s is not None and abs(v["log_err"]) <= s)
+    if groups is None:
+        names = ("all", *CATEGORIES)
+        groups = lambda v: ["all", *v["categories"]]  # noqa: E731
+    else:
+        names = sorted({g for v in values for g in groups(v)})
     out = []
-    for cat in ("all", *CATEGORIES):
-        idx = [i for i, v in enumerate(values) if cat == "all" or cat in v["categories"]]
+    for name in names:
+        idx = [i for i, v in enumerate(values) if name in groups(v)]
         if not idx:
-            out.append({"category": cat, "values": 0})
+            out.append({"category": name, "values": 0})
             continue
         errs = np.array([abs(values[i]["err_pct"]) for i in idx])
-        out.append({"category": cat, "values": len(idx),
+        out.append({"category": name, "values": len(idx),
                     "sources": len({values[i]["source"] for i in idx}),
                     "within_pct": within, "within_share": float(np.mean(errs <= within)),
                     "median_abs_pct": float(np.median(errs)), "max_abs_pct": float(errs.max()),

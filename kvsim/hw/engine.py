@@ -40,7 +40,7 @@ ENGINES_DIR = Path(__file__).resolve().parent / "engines"
 BUILTIN = {"vllm": ENGINES_DIR / "vllm.json", "sglang": ENGINES_DIR / "sglang.json",
            "trtllm": ENGINES_DIR / "trtllm.json",
            "vllm-paper": ENGINES_DIR / "vllm-paper-h100.json"}
-CATALOG_DEFAULT = "vllm"  # the default engine with a catalog GPU
+CATALOG_DEFAULT = "trtllm"  # the default engine with a catalog GPU: the best-checked family
 BOUNDS = ("plot-kernel",)  # certainties of measured values that only bound TPOT
 
 
