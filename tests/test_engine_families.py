@@ -214,3 +214,24 @@ def test_builtin_families_load_and_the_best_checked_one_is_the_catalog_default()
         assert eng.fit["cv"] and eng.fit["checked"]["gpu"]
         s, why = eng.spread("decode")
         assert 0 < s < 1 and "held-out" in why
+
+
+def test_kvsim_fit_of_families_prints_the_cross_validation_table(tmp_path):
+    from conftest import run_cli
+    pred = Predictor(None)
+    pts = _synthetic(pred, {"hbm_efficiency": 0.8}, {"step_overhead_ms": 2.0})
+    lines = ["gpu,model,policy,context,batch,output_len,tpot_ms,ttft_ms,engine,source"]
+    lines += [f"{p.gpu},{p.model},dense-resident,{p.context},{p.batch},{p.output_len},"
+              f"{p.measured['tpot_ms']:.6f},{p.measured['ttft_ms']:.6f},{p.engine},"
+              f"{p.meta['source']}" for p in pts]
+    csv_path = tmp_path / "pub.csv"
+    csv_path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "a.json"
+    code, text, err = run_cli("fit", csv_path, "--family", "a", "--out", out, "--cv", "source")
+    assert code == 0, err
+    assert "leave-one-source-out" in text and "within 20%" in text and "in interval" in text
+    eng = E.load(out)
+    assert eng.fit["family"] == "a" and len(eng.fit["cv"]) == 2 * len(pts)
+    assert eng.fit["checked"]["gpu"] == ["h100-sxm"]
+    code, _, err = run_cli("fit", csv_path, "--family", "zz", "--out", tmp_path / "z.json")
+    assert code == 2 and "no such engine" in err and len(err.strip().splitlines()) == 1
