@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import kvsim.sim.engine as engine
-from kvsim.replay import ReplayConfig, run_replay
+from bench_per_request import us_per_request
+
+from kvsim.replay import ReplayConfig
 
 
 def main() -> None:
@@ -26,15 +26,6 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=5_000)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    seconds, run = [], engine.Simulator.run
-
-    def timed(self, *a, **k):
-        t = time.process_time()
-        out = run(self, *a, **k)
-        seconds.append(time.process_time() - t)
-        return out
-
-    engine.Simulator.run = timed
     workloads = {
         "qwen3-4b dense": dict(model="qwen3-4b"),
         "mixtral-8x7b TP2": dict(model="mixtral-8x7b", tp=2),
@@ -46,10 +37,7 @@ def main() -> None:
         for eng in ("vllm-paper", "vllm", "trtllm"):
             cfg = ReplayConfig(policy="dense", qps=2.0, requests=args.requests, context=2048,
                                output_len=128, batch=16, engine=eng, jobs=1, **over)
-            seconds.clear()
-            for _ in range(args.repeats):
-                run_replay(cfg)
-            us = [s / args.requests * 1e6 for s in seconds]
+            us = us_per_request(cfg, args.repeats)
             base = base or min(us)
             print(f"{name:18s} {eng:10s} {min(us):11.1f} {statistics.median(us):8.1f} "
                   f"{min(us) / base:12.2f}")

@@ -17,12 +17,8 @@ import kvsim.sim.engine as engine
 from kvsim.replay import ReplayConfig, run_replay
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=20_000)
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+def us_per_request(cfg: ReplayConfig, repeats: int) -> list[float]:
+    """CPU microseconds ``Simulator.run`` spends per simulated request of ``cfg``, per repeat."""
     seconds, run = [], engine.Simulator.run
 
     def timed(self, *a, **k):
@@ -32,15 +28,26 @@ def main() -> None:
         return out
 
     engine.Simulator.run = timed
+    try:
+        for _ in range(repeats):
+            run_replay(cfg)
+    finally:
+        engine.Simulator.run = run
+    return [s / cfg.requests * 1e6 for s in seconds]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
     one = {"jobs": 1} if "jobs" in ReplayConfig.__dataclass_fields__ else {}  # older checkouts
     cfg = ReplayConfig(policy="dense", qps=2.0, requests=args.requests, context=2048,
                        output_len=128, batch=16, **one)
-    for _ in range(args.repeats):
-        run_replay(cfg)
-    us = [s / args.requests * 1e6 for s in seconds]
+    us = us_per_request(cfg, args.repeats)
     print(f"{args.requests:,} requests: {min(us):.1f} us per request at best, "
           f"{statistics.median(us):.1f} median of {args.repeats}")
-
 
 if __name__ == "__main__":
     main()
