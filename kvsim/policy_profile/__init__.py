@@ -41,6 +41,8 @@ COLUMNS = ["setting", "capture", "target", "context_len", "question", "layer", "
 TRAFFIC = ("kv_read_frac", "decisions_fetch_frac", "kvhead_steps_fetch_frac",
            "tokens_per_fetch_frac")  # charged per decode step: from the decode pass
 LAYER_LEVEL = ("resident_frac", "meta_frac", "held_tokens")  # the same in every pass
+UNBOUNDED = ("held_tokens", "denominator_rel_err_mean", "output_rel_err_mean",
+             "output_rel_err_max")  # counts and relative errors: >= 0, no ceiling (shares <= 1)
 MAX_EXTRAPOLATION = 16.0
 DEFAULT = Path(__file__).resolve().parents[2] / "traces" / "policy-profile-smollm2.json"
 
@@ -239,10 +241,15 @@ class Profile:
                 float(np.mean(list(units.values())))
         return out
 
+    def span(self) -> tuple[float, float]:
+        """The context lengths shown: a quarter of the shortest measured prompt to
+        :data:`MAX_EXTRAPOLATION` times the longest."""
+        return self.targets[0] / 4, self.targets[-1] * MAX_EXTRAPOLATION
+
     def check_context(self, n_tokens: int) -> None:
         """The range shown: a quarter of the shortest measured prompt to
         :data:`MAX_EXTRAPOLATION` times the longest."""
-        lo_ok, hi_ok = self.targets[0] / 4, self.targets[-1] * MAX_EXTRAPOLATION
+        lo_ok, hi_ok = self.span()
         if not lo_ok <= n_tokens <= hi_ok:
             raise KvsimError(f"--context {n_tokens}: the policy profile measured prompts of "
                              f"{self.targets[0]}..{self.targets[-1]} tokens and extrapolates to "
@@ -284,8 +291,8 @@ def _at(prof: Profile, name: str, weights_json: str, n: int, head_dim: int) -> A
             units = prof._units(weights, ps, stat)
             if not units:
                 continue
-            bounds = (0.0, math.inf) if stat == "held_tokens" else (0.0, 1.0)
-            e = fit.estimate(prof.n, units, n, bounds)
+            bounds = (0.0, math.inf) if stat in UNBOUNDED else (0.0, 1.0)
+            e = fit.estimate(prof.n, units, n, bounds, span=prof.span())
             parts[ps][stat] = e.value
             err = prof.sample_error(f"{ps}.{stat}")
             intervals[f"{ps}.{stat}"] = (max(bounds[0], e.lo * (1 - err)),
