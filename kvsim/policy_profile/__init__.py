@@ -223,8 +223,10 @@ class Profile:
         opts = " ".join(f"{flag(k)} {_fmt(params[k])}" for k in
                         dict.fromkeys([*varied, "sink", "local"])
                         if k in params and params[k] is not None)
+        caps = "traces/captures/*.npz" if Path(self.where).resolve() == DEFAULT else \
+            "CAPTURE_SETS"  # the shipped profile's capture sets, or the user's
         return (f"{name} {off} {why}; nearest in {Path(self.where).name}: {near}; measure it "
-                f"with kvsim policy-profile traces/captures/*.npz --policy {name} {opts} --out "
+                f"with kvsim policy-profile {caps} --policy {name} {opts} --out "
                 f"my-profile.json, then --policy-profile my-profile.json (or --policy-profile "
                 f"none for one trace's statistics)")
 
