@@ -12,7 +12,12 @@ harness's statistics (:data:`STATS`). Applying it (:meth:`Profile.at`, numpy onl
    off the grid) is an error naming the nearest settings and the command that measures it;
 2. layers: each captured layer weighted by the share of the model's depth it stands for;
 3. context: each statistic's mean per length fitted by the form a back-test chose, a central
-   value at the planned length and a 90% interval (:mod:`.fit`).
+   value at the planned length and a 90% interval (:mod:`.fit`). Every statistic is >= 0, and
+   a form that reaches 0 within the range shown is not used, so an extrapolated error or
+   violation rate stays positive with an interval of non-zero width. Zero width means exact by
+   definition: a statistic measured at one value at every length and question (no fetches by a
+   policy that keeps a fixed set, StreamingLLM's held tokens = sink + local, Quest's fetch
+   share of 1); a dense policy's zero error is not in a profile (it needs no attention).
 
 Extrapolation is shown up to :data:`MAX_EXTRAPOLATION` times the longest measured prompt (and
 down to a quarter of the shortest); beyond, the profile refuses with one line.
