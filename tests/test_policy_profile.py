@@ -156,9 +156,10 @@ def test_interpolation_between_grid_settings_lies_between_them(profile):
 
 
 @pytest.mark.parametrize("over, n, msg", [
-    ({"compression": 32.0}, 256, "outside the profile's grid"),
-    ({"compression": 16.0, "sketch": "perfect"}, 256, "no verkv setting with sketch=perfect"),
-    ({"compression": 16.0, "sink": 8}, 256, r"sink=8 \(it holds 4\)"),
+    ({"compression": 32.0}, 256, "compression 32 is outside the grid's compression 8..16"),
+    ({"compression": 16.0, "sketch": "perfect"}, 256,
+     r"sketch perfect is not on the grid \(sketch 2bit\).*nearest in p.json: sketch 2bit"),
+    ({"compression": 16.0, "sink": 8}, 256, r"sink 8 is not on the grid \(sink 4\)"),
     ({"compression": 16.0}, 100_000, "extrapolates to"),
     ({"compression": 16.0}, 60, "extrapolates to"),
 ])

@@ -14,8 +14,11 @@ EPILOG = """examples:
   kvsim policy-profile traces/captures/*.npz --policy verkv,topk,poissoncomp \\
       --compression 8,16,32 --eps 0.01,0.05,0.1,0.3 --sketch 2bit,perfect --sink 4 --local 4 \\
       --out my-profile.json                 (resumable: rerun the same command after a stop)
+  kvsim policy-profile --show traces/policy-profile-smollm2.json
+                                            (the grid: every policy setting it holds)
   kvsim policy-profile --show traces/policy-profile-smollm2.json --policy verkv --sink 4 \\
-      --local 4 --context 32768             (the statistics at 32K, with 90% intervals)
+      --local 4 --context 32768             (the statistics at 32K, with 90% intervals; a value
+                                            between two grid values of one option is interpolated)
   kvsim policy-profile --backtest traces/policy-profile-smollm2.json --policy verkv --sink 4 \\
       --local 4                             (fit on lengths up to 4K, predict 8K)
   kvsim replay --policy verkv --policy-profile my-profile.json --sink 4 --local 4
@@ -29,7 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("captures", nargs="*", help="capture sets (kvsim capture --lengths)")
     p.add_argument("--policy", help="policies, comma-separated, each " + policy_help())
     p.add_argument("--out", help="profile to write (.json)")
-    p.add_argument("--show", metavar="PROFILE", help="print PROFILE's statistics at --context")
+    p.add_argument("--show", metavar="PROFILE", help="print PROFILE's statistics at --context "
+                   "(without --policy: the grid of settings it holds)")
     p.add_argument("--backtest", metavar="PROFILE",
                    help="print the back-test of PROFILE's context fits")
     p.add_argument("--fit-up-to", type=int, default=4096,
@@ -52,6 +56,9 @@ def run(args) -> int:
     if sum(bool(x) for x in (args.out, args.show, args.backtest)) != 1:
         raise KvsimError("give one of --out (build from capture sets), --show PROFILE or "
                          "--backtest PROFILE")
+    if args.show and not args.policy and not args.captures:
+        from kvsim import policy_profile as pp
+        return _grid(pp.load(args.show), args.json)
     if not args.policy:
         raise KvsimError("--policy is required")
     specs, unused = parse(args.policy, policy_options(args), grid=True)
@@ -75,11 +82,44 @@ def run(args) -> int:
     from kvsim import policy_profile as pp
     prof = pp.load(args.show or args.backtest)
     from kvsim.policies import make
-    settings = [(s, __import__("dataclasses").asdict(make(s.name, s.options).params))
-                for s in specs]
+    from kvsim.replay.policy_source import unset_from_profile
+    settings = []
+    for s in specs:  # sink and local left unset: the sizes the profile was measured with
+        params = __import__("dataclasses").asdict(make(s.name, s.options).params)
+        filled = unset_from_profile(prof, s.name, params) if prof.has(s.name) else {}
+        settings.append((s, {**params, **filled}))
     if args.show:
         return _show(prof, settings, args.context, args.json)
     return _backtest(prof, settings, args.fit_up_to, args.json)
+
+
+def grid_rows(prof) -> list[dict]:
+    """One row per setting the profile holds: the policy and the options its grid varies."""
+    rows = []
+    for name in dict.fromkeys(n for n, _ in prof.settings):
+        same = [p for n, p in prof.settings if n == name]
+        varied = [k for k in same[0] if len({str(p.get(k)) for p in same}) > 1]
+        fixed = ", ".join(f"{k}={v}" for k, v in same[0].items()
+                          if k not in varied and v is not None)
+        rows += [{"policy": name, "setting": ", ".join(f"{k} {p[k]:g}" if isinstance(p[k], float)
+                                                       else f"{k} {p[k]}" for k in varied)
+                  or "(one setting)", "fixed": fixed, "options": p} for p in same]
+    return rows
+
+
+def _grid(prof, as_json: bool) -> int:
+    from kvsim.commands._out import print_json, table
+    rows = grid_rows(prof)
+    if as_json:
+        print_json({"profile": prof.where, "summary": prof.summary(),
+                    "context_tokens": [int(round(x)) for x in prof.n], "settings": rows})
+        return 0
+    print(f"{prof.where}: {prof.summary()}")
+    print(f"grid: {len(rows)} settings; a value between two grid values of one numeric option "
+          f"(eps, compression) is interpolated (linear in its log), anything else is measured "
+          f"with kvsim policy-profile")
+    table([{k: r[k] for k in ("policy", "setting", "fixed")} for r in rows])
+    return 0
 
 
 def _show(prof, settings, context: int, as_json: bool) -> int:
@@ -98,10 +138,12 @@ def _show(prof, settings, context: int, as_json: bool) -> int:
             if r["value"] is None:
                 r["value"] = a.stats.get(r["statistic"].split()[1])
         out.append({"policy": spec.label, "params": params, "context": context,
+                    "grid": prof.describe_grid(spec.name),
                     "provenance": a.provenance, "warnings": a.warnings, "statistics": rows,
                     "per_layer_kv_read_frac": a.per_layer})
         if not as_json:
             print(f"{spec.label} at {context:,} tokens: {a.provenance}")
+            print(f"grid of {spec.name} in the profile: {prof.describe_grid(spec.name)}")
             for w in a.warnings:
                 print(f"warning: {w}")
             table(rows)

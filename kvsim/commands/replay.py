@@ -189,7 +189,14 @@ def run(args) -> int:
         where = "the policy profile at this context" if "policy_profile" in r else "the trace"
         print(f"\npolicy statistics (from {where}; --json has them by phase: question, "
               f"decode, overall)")
-        table([{"statistic": k, "value": v} for k, v in stats.items()])
+        iv = r.get("policy_profile", {}).get("intervals", {})
+        basis = "decode" if "decode.kv_read_frac" in iv else "question"
+
+        def ends(k):  # the profile's 90% interval: traffic per decode step, the rest overall
+            from kvsim.policy_profile import TRAFFIC
+            return iv.get(f"{basis if k in TRAFFIC else 'overall'}.{k}", ("", ""))
+        table([{"statistic": k, "value": v, **({"90% lo": ends(k)[0], "90% hi": ends(k)[1]}
+                                                if iv else {})} for k, v in stats.items()])
     for w in r["warnings"]:
         print(f"warning: {w}", file=sys.stderr)
     print("\nprovenance")

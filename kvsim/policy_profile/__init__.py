@@ -5,11 +5,19 @@ A profile (``kvsim policy-profile``, :mod:`.build`) is a JSON file holding, per 
 capture set (task), length, question, layer and pass (``question``, ``decode``, ``overall``), the
 harness's statistics (:data:`STATS`). Applying it (:meth:`Profile.at`, numpy only):
 
-1. settings: an exact match of the policy's options, or a linear interpolation in log space
-   between the two grid values around a numeric option (eps, compression) that is off the grid;
+1. settings: an exact match of the policy's options, or, for a value between two grid values of
+   one numeric option (eps, compression) with every other option on the grid, each statistic
+   and its interval's ends interpolated linearly in the log of that option between the two
+   settings at the planned context; anything else (beyond the grid's range, several options
+   off the grid) is an error naming the nearest settings and the command that measures it;
 2. layers: each captured layer weighted by the share of the model's depth it stands for;
 3. context: each statistic's mean per length fitted by the form a back-test chose, a central
-   value at the planned length and a 90% interval (:mod:`.fit`).
+   value at the planned length and a 90% interval (:mod:`.fit`). Every statistic is >= 0, and
+   a form that reaches 0 within the range shown is not used, so an extrapolated error or
+   violation rate stays positive with an interval of non-zero width. Zero width means exact by
+   definition: a statistic measured at one value at every length and question (no fetches by a
+   policy that keeps a fixed set, StreamingLLM's held tokens = sink + local, Quest's fetch
+   share of 1); a dense policy's zero error is not in a profile (it needs no attention).
 
 Extrapolation is shown up to :data:`MAX_EXTRAPOLATION` times the longest measured prompt (and
 down to a quarter of the shortest); beyond, the profile refuses with one line.
@@ -41,6 +49,8 @@ COLUMNS = ["setting", "capture", "target", "context_len", "question", "layer", "
 TRAFFIC = ("kv_read_frac", "decisions_fetch_frac", "kvhead_steps_fetch_frac",
            "tokens_per_fetch_frac")  # charged per decode step: from the decode pass
 LAYER_LEVEL = ("resident_frac", "meta_frac", "held_tokens")  # the same in every pass
+UNBOUNDED = ("held_tokens", "denominator_rel_err_mean", "output_rel_err_mean",
+             "output_rel_err_max")  # counts and relative errors: >= 0, no ceiling (shares <= 1)
 MAX_EXTRAPOLATION = 16.0
 DEFAULT = Path(__file__).resolve().parents[2] / "traces" / "policy-profile-smollm2.json"
 
@@ -154,43 +164,76 @@ class Profile:
                 "; " + ", ".join(f"{k}={v}" for k, v in fixed.items() if v is not None))
 
     def _weights(self, name: str, params: dict) -> dict[int, float]:
-        """Setting index -> weight: the exact setting, or an interpolation between grid
-        settings along every numeric option that is off the grid (linear in log space)."""
+        """Setting index -> weight: the exact setting, or the two grid settings around it (see
+        :meth:`between`)."""
+        return self.between(name, params)[0]
+
+    def between(self, name: str, params: dict) -> tuple[dict[int, float], str | None]:
+        """(setting index -> weight, how): the exact setting (how None), or the two nearest grid
+        settings that differ from ``params`` only in one numeric option (eps, compression) on
+        either side of its value, weighted linearly in the log of the option. A setting that
+        differs from every grid setting in more than one option, in a value that is not a
+        number, or beyond the grid's range is an error naming the nearest settings and the
+        command that measures it."""
         same = [(i, p) for i, (n, p) in enumerate(self.settings) if n == name]
         if not same:
             raise KvsimError(f"{self.where} has no {name} settings")
         params = _with_new_options(name, params)  # a query written before an option existed
         exact = [i for i, p in same if p == params]
         if exact:
-            return {exact[0]: 1.0}
-        for key, want in params.items():
-            grid = {p.get(key) for _, p in same if p.get(key) is not None}
-            if want in grid or not isinstance(want, (int, float)) or isinstance(want, bool) \
-                    or not all(isinstance(g, (int, float)) for g in grid) or len(grid) < 2:
+            return {exact[0]: 1.0}, None
+        diff = {i: [k for k in params if p.get(k) != params[k]] for i, p in same}
+        fewest = min(len(d) for d in diff.values())
+        keys = {diff[i][0] for i in diff if len(diff[i]) == 1}
+        for key in sorted(keys):
+            want = params[key]
+            line = sorted((p[key], i) for i, p in same if diff[i] == [key] and _number(p[key]))
+            if not _number(want) or len(line) < 2 or not line[0][0] < want < line[-1][0]:
                 continue
-            grid = sorted(grid)
-            if not grid[0] < want < grid[-1]:
-                raise KvsimError(f"{name} {key}={want:g} is outside the profile's grid "
-                                 f"({grid[0]:g}..{grid[-1]:g}); measure it with kvsim "
-                                 f"policy-profile or replay one trace (--trace)")
-            hi = next(g for g in grid if g > want)
-            lo = max(g for g in grid if g < want)
-            t = (math.log(want) - math.log(lo)) / (math.log(hi) - math.log(lo)) \
-                if lo > 0 else (want - lo) / (hi - lo)
-            out: dict[int, float] = {}
-            for g, wt in ((lo, 1 - t), (hi, t)):
-                for i, w in self._weights(name, {**params, key: g}).items():
-                    out[i] = out.get(i, 0.0) + w * wt
-            return out
-        held = {k: {p.get(k) for _, p in same} for k in params}
-        off = [f"{k}={params[k]} (it holds {'/'.join(str(v) for v in sorted(held[k], key=str))})"
-               for k in params if params[k] not in held[k]]
-        where = Path(self.where).name
-        if off:
-            raise KvsimError(f"{where} has no {name} setting with {', '.join(off)}: give the "
-                             f"profile's values, or measure yours with kvsim policy-profile")
-        raise KvsimError(f"{where} has no {name} setting combining {_short(params)}; it holds "
-                         f"{self.describe_grid(name)}")
+            (lo, i_lo), (hi, i_hi) = max(x for x in line if x[0] < want), \
+                min(x for x in line if x[0] > want)
+            t = (math.log(want) - math.log(lo)) / (math.log(hi) - math.log(lo)) if lo > 0 \
+                else (want - lo) / (hi - lo)
+            return {i_lo: 1 - t, i_hi: t}, (f"interpolated between {key} {lo:g} and {hi:g} "
+                                            f"(linear in log {key}; weight {t:.2f} on {hi:g})")
+        raise KvsimError(self._outside(name, params, same, diff, fewest))
+
+    def _outside(self, name: str, params: dict, same: list, diff: dict, fewest: int) -> str:
+        """One line: why ``params`` is off the grid, the nearest settings, how to measure it."""
+        from kvsim.policies.spec import flag
+
+        def dist(i: int) -> tuple:
+            p = dict(same)[i]
+            return (len(diff[i]), sum(abs(math.log(p[k] / params[k])) if _number(p[k])
+                                      and _number(params[k]) and p[k] > 0 and params[k] > 0
+                                      else 1.0 for k in diff[i]))
+        order = sorted(diff, key=dist)
+        shown = list(dict.fromkeys(k for i in order[:2] for k in diff[i]))
+        near = " or ".join(", ".join(f"{k} {_fmt(dict(same)[i][k])}" for k in shown)
+                           for i in order[:2])
+        off = ", ".join(f"{k} {_fmt(params[k])}" for k in diff[order[0]])
+        varied = [k for k in params if len({p.get(k) for _, p in same}) > 1 or k in shown]
+        if fewest > 1:
+            why = (f"differs from every setting in the profile in {fewest} options (it "
+                   f"interpolates along one option at a time)")
+        else:
+            key = diff[order[0]][0]
+            grid = sorted({dict(same)[i][key] for i in diff if diff[i] == [key]}, key=str)
+            nums = sorted(g for g in grid if _number(g))
+            rest = ", ".join(f"{k} {_fmt(params[k])}" for k in varied if k != key)
+            why = (f"is outside the grid's {key} {_fmt(nums[0])}..{_fmt(nums[-1])}"
+                   if _number(params[key]) and len(nums) > 1 else
+                   f"is not on the grid ({key} {'/'.join(map(_fmt, grid))})") + \
+                (f" at {rest}" if rest else "")
+        opts = " ".join(f"{flag(k)} {_fmt(params[k])}" for k in
+                        dict.fromkeys([*varied, "sink", "local"])
+                        if k in params and params[k] is not None)
+        caps = "traces/captures/*.npz" if Path(self.where).resolve() == DEFAULT else \
+            "CAPTURE_SETS"  # the shipped profile's capture sets, or the user's
+        return (f"{name} {off} {why}; nearest in {Path(self.where).name}: {near}; measure it "
+                f"with kvsim policy-profile {caps} --policy {name} {opts} --out "
+                f"my-profile.json, then --policy-profile my-profile.json (or --policy-profile "
+                f"none for one trace's statistics)")
 
     # ------------------------------------------------------------------ values
 
@@ -239,10 +282,15 @@ class Profile:
                 float(np.mean(list(units.values())))
         return out
 
+    def span(self) -> tuple[float, float]:
+        """The context lengths shown: a quarter of the shortest measured prompt to
+        :data:`MAX_EXTRAPOLATION` times the longest."""
+        return self.targets[0] / 4, self.targets[-1] * MAX_EXTRAPOLATION
+
     def check_context(self, n_tokens: int) -> None:
         """The range shown: a quarter of the shortest measured prompt to
         :data:`MAX_EXTRAPOLATION` times the longest."""
-        lo_ok, hi_ok = self.targets[0] / 4, self.targets[-1] * MAX_EXTRAPOLATION
+        lo_ok, hi_ok = self.span()
         if not lo_ok <= n_tokens <= hi_ok:
             raise KvsimError(f"--context {n_tokens}: the policy profile measured prompts of "
                              f"{self.targets[0]}..{self.targets[-1]} tokens and extrapolates to "
@@ -252,9 +300,19 @@ class Profile:
     def at(self, name: str, params: dict, n_tokens: int, head_dim: int | None = None) -> Applied:
         """``name`` with ``params`` at ``n_tokens`` of context."""
         self.check_context(n_tokens)
-        weights = self._weights(name, params)
-        return _at(self, name, json.dumps(sorted(weights.items())), int(n_tokens),
-                   head_dim or int(self.captures[0].get("head_dim") or 64))
+        weights, how = self.between(name, params)
+        hd = head_dim or int(self.captures[0].get("head_dim") or 64)
+        ends = [_at(self, name, json.dumps([[i, 1.0]]), int(n_tokens), hd) for i in weights]
+        if how is None:
+            return ends[0]
+        (lo, hi), t = ends, list(weights.values())[1]
+        return Applied(_mix(lo.stats, hi.stats, t), _mix(lo.intervals, hi.intervals, t),
+                       {k: (f if f == hi.forms[k][0] else f"{f}|{hi.forms[k][0]}",
+                            max((e for e in (e, hi.forms[k][1]) if e is not None), default=None))
+                        for k, (f, e) in lo.forms.items() if k in hi.forms},
+                       lo.measured, lo.at, _mix(lo.per_layer, hi.per_layer, t),
+                       f"{lo.provenance}; {name} {how}: each statistic and its interval's ends",
+                       lo.warnings + [f"{name} statistics {how}"])
 
     def sample_error(self, key: str) -> float:
         """The largest relative error of the capture sets' layer samples against every layer,
@@ -284,8 +342,8 @@ def _at(prof: Profile, name: str, weights_json: str, n: int, head_dim: int) -> A
             units = prof._units(weights, ps, stat)
             if not units:
                 continue
-            bounds = (0.0, math.inf) if stat == "held_tokens" else (0.0, 1.0)
-            e = fit.estimate(prof.n, units, n, bounds)
+            bounds = (0.0, math.inf) if stat in UNBOUNDED else (0.0, 1.0)
+            e = fit.estimate(prof.n, units, n, bounds, span=prof.span())
             parts[ps][stat] = e.value
             err = prof.sample_error(f"{ps}.{stat}")
             intervals[f"{ps}.{stat}"] = (max(bounds[0], e.lo * (1 - err)),
@@ -328,8 +386,24 @@ def _check_row(r, n_settings: int, n_captures: int, where: str) -> None:
         raise KvsimError(f"{where}: a row does not match the profile's columns: {str(r)[:120]}")
 
 
-def _short(params: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in params.items() if v is not None)
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fmt(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _mix(a, b, t: float):
+    """``a`` and ``b`` (numbers, or dicts and tuples of them) weighted (1 - t, t); what is not a
+    number (a form, a basis) is ``a``'s, and numbers equal in both stay as they are."""
+    if isinstance(a, dict):
+        return {k: _mix(v, b[k], t) if k in b else v for k, v in a.items()}
+    if isinstance(a, (tuple, list)):
+        return type(a)(_mix(x, y, t) for x, y in zip(a, b))
+    if _number(a) and _number(b) and a != b:
+        return (1 - t) * a + t * b
+    return a
 
 
 @functools.lru_cache(maxsize=8)

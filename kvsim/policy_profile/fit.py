@@ -10,6 +10,15 @@ a tie. The interval resamples tasks, then questions within each task and length 
 bootstrap), refits the chosen form and takes the 5th and 95th percentiles of the prediction; it
 is widened to the predictions of every other form whose back-test error is within 2x of the
 chosen one's (the doubt about the form, which matters as much as the points beyond the data).
+
+Every statistic is bounded below (shares, rates and errors by 0): a form whose prediction falls
+to that floor anywhere in the range of lengths a profile shows (``span``) is not chosen and does
+not widen the interval (a line crossing zero is an artefact of the form, not a measurement), so
+an extrapolation stays above the floor, with an interval of non-zero width, and one form serves
+every planned length. A statistic measured at one value at every length and question
+(StreamingLLM's held tokens = sink + local, no fetches by a policy that never fetches, an error
+of 0 where every token is kept) is set by the policy's parameters: it is reported as that value
+with a zero-width interval, exact by definition.
 """
 
 from __future__ import annotations
@@ -80,15 +89,26 @@ def backtest(n: np.ndarray, y: np.ndarray) -> dict[str, list[tuple[int, int, flo
     return {f: v for f, v in out.items() if v is not None}
 
 
-def choose(n: np.ndarray, y: np.ndarray) -> tuple[str, dict[str, float]]:
-    """The form with the smallest mean back-test error (and every form's error); with fewer
-    than three lengths there is no back-test and the form is ``loglin`` (or ``const`` for
-    one length)."""
+def usable(form: str, n: np.ndarray, y: np.ndarray, at=None, floor: float | None = None) -> bool:
+    """Whether ``form`` can take every mean ``y`` and, given lengths ``at`` and ``floor``,
+    predicts values above the floor at all of them."""
+    p = predict(form, n, y, np.atleast_1d(at if at is not None else n[-1]))
+    return p is not None and (floor is None or at is None or bool((p > floor).all()))
+
+
+def choose(n: np.ndarray, y: np.ndarray, at=None,
+           floor: float | None = None) -> tuple[str, dict[str, float]]:
+    """The form with the smallest mean back-test error (and every form's error) among those
+    that take every measured mean and (given lengths ``at`` and ``floor``) stay above the floor
+    there; with fewer than three lengths there is no back-test and the form is ``loglin`` (or
+    ``const`` for one length), ``power`` or ``const`` where ``loglin`` reaches the floor."""
     if len(n) < 3:
-        return ("const" if len(n) == 1 else "loglin"), {}
+        first = "const" if len(n) == 1 else "loglin"
+        return next(f for f in (first, "power", "const") if usable(f, n, y, at, floor)), {}
     bt = backtest(n, y)
     errs = {f: float(np.mean([error(p, m) for _, _, p, m in v])) for f, v in bt.items() if v}
-    best = min(errs, key=lambda f: (round(errs[f], 12), FORMS.index(f)))
+    ok = {f: e for f, e in errs.items() if usable(f, n, y, at, floor)} or {"const": 0.0}
+    best = min(ok, key=lambda f: (round(ok[f], 12), FORMS.index(f)))
     return best, errs
 
 
@@ -122,12 +142,18 @@ class Estimate:
 
 
 def estimate(n: np.ndarray, units: list[list[np.ndarray]], at: float, bounds=(0.0, 1.0),
-             seed: int = 0) -> Estimate:
+             seed: int = 0, span: tuple[float, float] | None = None) -> Estimate:
     """The statistic at ``at`` tokens from ``units[task][j]`` (values of that task's questions at
-    length ``n[j]``), with its 90% interval."""
+    length ``n[j]``), with its 90% interval; the chosen form stays above ``bounds[0]`` over
+    ``span`` (the lengths the profile shows) and at ``at``."""
     n = np.asarray(n, dtype=float)
     y = np.array([np.mean(np.concatenate([t[j] for t in units])) for j in range(len(n))])
-    form, errs = choose(n, y)
+    every = np.concatenate([np.asarray(v, dtype=float) for t in units for v in t])
+    if every.size and np.ptp(every) == 0:  # one value everywhere: set by the parameters, exact
+        v = float(every[0])
+        return Estimate(v, v, v, "exact", 0.0, [])
+    check = [at, *(span or ())]  # where a form must stay above the floor
+    form, errs = choose(n, y, check, bounds[0])
     value = float(predict(form, n, y, [at])[0])
     boot = bootstrap_means(units, len(n), seed)
     pb = predict(form, n, boot, [at])
@@ -139,7 +165,8 @@ def estimate(n: np.ndarray, units: list[list[np.ndarray]], at: float, bounds=(0.
     T = len(units)
     stretch = np.sqrt(T / (T - 1)) if T > 1 else 1.0
     lo, hi = np.percentile(value + (pb[:, 0] - value) * stretch, [5, 95])
-    close = [f for f, e in errs.items() if f != form and e <= CLOSE * max(errs[form], 1e-12)]
+    close = [f for f, e in errs.items() if f != form and e <= CLOSE * max(errs.get(form, 0), 1e-12)
+             and usable(f, n, y, check, bounds[0])]  # one reaching the floor is no doubt
     for f in close:
         p = float(predict(f, n, y, [at])[0])
         lo, hi = min(lo, p), max(hi, p)

@@ -3,7 +3,10 @@ default when no trace is named) or exactly one trace.
 
 ``--policy-profile FILE`` names a profile, ``default`` the shipped one, ``none`` none. Without the
 flag, a replay of the shipped default trace uses the shipped profile for the policies it holds
-(and says so); a trace named with ``--trace``/``TRACE`` means exactly that trace.
+(and says so); a trace named with ``--trace``/``TRACE`` means exactly that trace. A setting the
+profile holds the policy for but not the setting (beyond its grid, or off it in more than one
+option) is an error that names the nearest settings; one between two grid values of one option is
+interpolated (:meth:`kvsim.policy_profile.Profile.between`).
 """
 
 from __future__ import annotations
@@ -86,18 +89,14 @@ def choose(cfg, spec, trace_path: Path, n_tokens: int, analyze) -> Source:
         return Source(analyze(trace_path, spec, cfg.seed))
     prof, named = profile_for(cfg.policy_profile, cfg.trace is not None)
     if prof is not None and prof.has(spec.name):
-        prof.check_context(n_tokens)  # out of range is an error, never a silent fallback
-        try:
-            return from_profile(prof, spec, n_tokens)
-        except KvsimError as e:
-            if named:
-                raise
-            fallback = f"the shipped policy profile does not apply ({e}); statistics of one trace"
-    elif prof is not None and named:
+        # a context or a setting off the profile's grid is an error naming the nearest
+        # settings, never a silent fallback to one trace's statistics at another context
+        prof.check_context(n_tokens)
+        return from_profile(prof, spec, n_tokens)
+    if prof is not None and named:
         raise KvsimError(f"policy profile {prof.where} holds no {spec.name} settings")
-    else:
-        fallback = None if prof is None else \
-            f"the shipped policy profile holds no {spec.name} settings; statistics of one trace"
+    fallback = None if prof is None else \
+        f"the shipped policy profile holds no {spec.name} settings; statistics of one trace"
     src = Source(analyze(trace_path, spec, cfg.seed))
     if fallback:
         src.warnings.append(fallback)

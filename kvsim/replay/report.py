@@ -250,10 +250,14 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
     }
 
 
+QUALITY = ("output_rel_err_mean", "violation_rate")  # headline figures given 90% ends
+
+
 def add_profile(out: dict, applied, bands: dict) -> None:
     """A policy profile's estimate in the report: the KV read (per decode step, per question
-    pass, overall) with 90% intervals, TPOT and throughput at the ends of the KV read's interval
-    (``bands``: "lo"/"hi" -> simulation), the per-layer KV read measured at each length, and
+    pass, overall) and the quality figures (:data:`QUALITY`) with 90% intervals, TPOT and
+    throughput at the ends of the KV read's interval (``bands``: "lo"/"hi" -> simulation), the
+    per-layer KV read measured at each length, and
     where it came from; the trace's "policy_transfer" note gives way to the profile's."""
     iv = applied.intervals
     kv = "decode.kv_read_frac" if "decode.kv_read_frac" in iv else "question.kv_read_frac"
@@ -265,6 +269,9 @@ def add_profile(out: dict, applied, bands: dict) -> None:
         if f"{ps}.kv_read_frac" in iv:
             out[f"{ps}_kv_read_frac"] = applied.stats[ps]["kv_read_frac"]
             out[f"{ps}_kv_read_frac_lo"], out[f"{ps}_kv_read_frac_hi"] = iv[f"{ps}.kv_read_frac"]
+    for stat in QUALITY:  # the headline's quality figures are the overall pass's
+        if f"overall.{stat}" in iv and stat in out:
+            out[f"{stat}_lo"], out[f"{stat}_hi"] = iv[f"overall.{stat}"]
     for key in ("tpot_ms", "ttft_ms", "throughput_tok_s", "decode_tok_s"):
         here = out[key] if key in out else out["sim"][key]
         ends = sorted([here] + [b[key] for b in bands.values()])
