@@ -157,6 +157,23 @@ def test_generated_reference_pages_are_fresh():
         "docs/reference/metrics.md is stale: run python scripts/gen_docs.py"
 
 
+def test_policy_flag_table_is_fresh():
+    """kvsim/policies/_flag_table.py (the torch-free source of the policy flags) matches the
+    registered policies' classes."""
+    assert gen_docs.FLAG_TABLE.read_text() == gen_docs.flag_table_module(), \
+        "kvsim/policies/_flag_table.py is stale: run python scripts/gen_docs.py"
+
+
+def test_help_loads_no_torch():
+    """Building the replay and plan parsers (their --help) imports no torch."""
+    code = ("import sys; from kvsim.cli import build_parser\n"
+            "for c in ('replay', 'plan'): build_parser([c]).format_help()\n"
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, "building the replay/plan parser imported torch"
+
+
 def test_every_metric_name_has_a_meaning():
     names = {n for ns in gen_docs.metric_names().values() for n in ns}
     assert not names - set(gen_docs.MEANING), "metrics without a glossary entry"
