@@ -189,7 +189,8 @@ def test_cli_page_lists_every_command():
 def test_paper_table_regenerates():
     """The paper check's tables are scripts/paper_vllm_table.py's output, unedited."""
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "paper_vllm_table.py")],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     page = (ROOT / "docs" / "results" / "paper-check.md").read_text()
     rows = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
@@ -197,6 +198,23 @@ def test_paper_table_regenerates():
     missing = [r for r in rows if r not in page]
     assert not missing, "paper-check.md differs from scripts/paper_vllm_table.py:\n" + \
         "\n".join(missing[:5])
+
+
+def test_verkv_profile_table_regenerates():
+    """The VerKV page's per-length table (16x, eps 0.05) is scripts/verkv_table.py's output
+    from the shipped profiles, unedited (a cheap table: the script reads two JSON files)."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "verkv_table.py")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    made = {ln for ln in out.stdout.splitlines() if ln.startswith("|")}
+    page = (ROOT / "docs" / "results" / "verkv-attention.md").read_text().splitlines()
+    shown = [ln for ln in page if ln.startswith("| ") and ln.count("|") == 11
+             and ln.split("|")[4].strip().isdigit()]
+    assert len(shown) >= 12
+    stale = [ln for ln in shown if ln not in made]
+    assert not stale, "verkv-attention.md rows scripts/verkv_table.py no longer makes:\n" + \
+        "\n".join(stale[:5])
 
 
 def test_base_dependencies_have_no_torch():
