@@ -52,7 +52,10 @@ def extract(text: str) -> list[str]:
             if part.startswith("kvsim ") and not line.startswith(("- ", "|")) and \
                     (line.startswith(("    ", "\t")) or part == s.lstrip("$ ").strip()):
                 found.append(part)
-    for span in re.findall(r"`([^`\n]+)`", text.replace("\\\n", " ")):
+    for span in re.findall(r"`([^`]+)`", text):  # a span may wrap across lines
+        if "\n\n" in span:
+            continue  # not a span: a stray backtick pairs with one paragraphs away
+        span = " ".join(span.replace("\\\n", " ").split())
         if span.startswith("kvsim "):
             found.append(span)
     return found
@@ -107,6 +110,9 @@ def parses(argv: list[str], required: bool = False) -> str | None:
     sub = parser._subparsers._group_actions[0].choices.get(argv[0]) if argv else None
     if sub is not None:
         argv = list(argv)
+        last = sub._option_string_actions.get(argv[-1])
+        if last is not None and last.nargs != 0 and not isinstance(last.nargs, str):
+            argv.append("X")  # prose naming a flag alone (`kvsim policy-profile --show`)
         for i in range(1, len(argv)):
             act = sub._option_string_actions.get(argv[i - 1])
             if act is not None and act.nargs != 0 and PLACEHOLDER.match(argv[i]):
