@@ -62,14 +62,31 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+MODEL_PACKAGES = ("torch", "transformers", "gguf", "accelerate", "sentencepiece")
+MODEL_INSTALL = 'pip install torch==2.13.0 -e ".[model]"'
+
+
+def _needs_model(e: ModuleNotFoundError, command: str) -> int:
+    """A command that needs the ``model`` extra without it: one line and exit 2."""
+    if (e.name or "").split(".")[0] not in MODEL_PACKAGES:
+        raise e
+    print(f"kvsim {command}: error: this needs {e.name.split('.')[0]}, which is not installed "
+          f"(the 'model' extra): {MODEL_INSTALL}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser(argv).parse_args(argv)
     except SystemExit as e:  # --help, --version, a bad flag (one line printed): its status
         return e.code or 0
+    except ModuleNotFoundError as e:
+        return _needs_model(e, next((a for a in argv if not a.startswith("-")), ""))
     try:
         return args.run(args) or 0
+    except ModuleNotFoundError as e:
+        return _needs_model(e, args.command)
     except KvsimError as e:
         print(f"kvsim {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -58,7 +58,7 @@ def test_kv_read_falls_with_context_and_the_extrapolation_says_so():
 
 
 def test_the_profile_at_4k_agrees_with_every_layer_of_the_same_prompts():
-    """data/profile-check.json is docs/profile_check.py's comparison with capture sets of all 30
+    """data/profile-check.json is scripts/profile_check.py's comparison with capture sets of all 30
     layers and 3 KV heads (too large to ship); the profile must still give those figures."""
     check = json.loads(CHECK.read_text())
     name, params = check["setting"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+from kvsim._torch import torch
 
 
 def expand_kv(x: torch.Tensor, n_q_heads: int) -> torch.Tensor:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.errors import KvsimError
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from kvsim._torch import torch
 
 
 def always_kept(n: int, n_sink: int, n_local: int, device=None) -> torch.Tensor:

@@ -12,9 +12,7 @@
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-
+from kvsim._torch import F, torch
 from kvsim.attention.dense import logits
 
 SNAPKV_POOL = 5

@@ -3,8 +3,7 @@ reweighting all reduce to it: -inf drops a token, log(lambda_i / r_i) reweights 
 
 from __future__ import annotations
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.dense import expand_kv, logits
 
 

@@ -1,5 +1,10 @@
 """Policy options as command-line flags, generated from every policy's ``Params`` dataclass.
-What the flags mean for the policies named is decided by :mod:`kvsim.policies.spec`."""
+What the flags mean for the policies named is decided by :mod:`kvsim.policies.spec`.
+
+Building a parser loads no policy module (they import torch): the flags come from
+:mod:`kvsim.policies._flag_table`, a torch-free copy of every policy's name, summary and
+``Params`` fields, written by ``python scripts/gen_docs.py`` from the real classes
+(``tests/test_docs.py`` fails when it is stale)."""
 
 from __future__ import annotations
 
@@ -7,8 +12,48 @@ import argparse
 import dataclasses
 import textwrap
 
-from kvsim.policies import ALIASES, load_all
+from kvsim.policies import ALIASES
 from kvsim.policies.spec import clashes, convert, flag, kind
+
+KINDS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def flag_table(policies: dict[str, type]) -> dict:
+    """The torch-free table of ``policies``: name -> summary, the key of its Params class,
+    and per Params class its fields (name, default, metadata with the field's kind)."""
+    classes, pols = {}, {}
+    for name, cls in sorted(policies.items()):
+        key = f"{cls.Params.__module__}.{cls.Params.__qualname__}"
+        pols[name] = {"summary": cls.summary, "params": key}
+        classes[key] = [
+            {"name": f.name,
+             "default": "<missing>" if f.default is dataclasses.MISSING else f.default,
+             "metadata": {**{k: (list(v) if isinstance(v, tuple) else v)
+                             for k, v in f.metadata.items() if k != "kind"},
+                          "kind": kind(f).__name__}}
+            for f in dataclasses.fields(cls.Params)]
+    return {"policies": pols, "params": classes}
+
+
+def table_policies(table: dict | None = None) -> dict[str, type]:
+    """Stand-ins for the registered policies, built from the table: each has ``summary`` and a
+    ``Params`` dataclass with the real one's fields (one class per real Params class)."""
+    if table is None:
+        from kvsim.policies._flag_table import TABLE as table
+    params = {}
+    for key, fields in table["params"].items():
+        specs = []
+        for f in fields:
+            meta = {**f["metadata"], "kind": KINDS[f["metadata"]["kind"]]}
+            if "choices" in meta:
+                meta["choices"] = tuple(meta["choices"])
+            default = dataclasses.MISSING if f["default"] == "<missing>" else f["default"]
+            specs.append((f["name"], meta["kind"], dataclasses.field(default=default,
+                                                                      metadata=meta)))
+        params[key] = dataclasses.make_dataclass(key.rsplit(".", 1)[-1], specs)
+    return {name: type(name, (), {"name": name, "summary": p["summary"],
+                                  "Params": params[p["params"]]})
+            for name, p in table["policies"].items()}
 
 
 def _options(policies: dict[str, type]) -> dict[str, tuple[dataclasses.Field, dict]]:
@@ -51,7 +96,8 @@ def parse_list(kind_, text: str) -> list:
 
 def policy_help() -> str:
     """What ``--policy`` accepts: the spec syntax and every policy's summary."""
-    names = "; ".join(f"{n}: {c.summary}" for n, c in sorted(load_all().items()) if c.summary)
+    names = "; ".join(f"{n}: {c.summary}" for n, c in sorted(table_policies().items())
+                      if c.summary)
     aliases = ", ".join(f"{a} = {b}" for a, b in ALIASES.items())
     return (f"NAME[:KEY=VALUE...], e.g. verkv:eps=0.05:sketch=perfect (options written here "
             f"override the flags below; {aliases}). {names}")
@@ -63,7 +109,7 @@ def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False,
     takes comma-separated values to sweep. Options that policies of more than one ``Params``
     take form the shared group, each naming who takes it with their defaults; the others sit
     in one group per ``Params`` class, titled with the policies that use it."""
-    policies = load_all() if policies is None else policies
+    policies = table_policies() if policies is None else policies
     options = _options(policies)
     classes: dict[type, list[str]] = {}
     for name, cls in sorted(policies.items()):

@@ -16,8 +16,7 @@ import sys
 import time
 import traceback
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.scoring import attention_mass
 from kvsim.errors import KvsimError
 from kvsim.measure.stats import Calls, kept

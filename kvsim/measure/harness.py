@@ -20,9 +20,8 @@ import dataclasses
 import time
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
+from kvsim._torch import F, torch
 from kvsim.attention.dense import dense_attention, expand_kv
 from kvsim.attention.scoring import attention_mass
 from kvsim.contract import PolicyResult

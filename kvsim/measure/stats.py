@@ -37,8 +37,7 @@ statistics over all decisions.
 
 from __future__ import annotations
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.policies.base import KV_ELEM_BYTES
 
 TRAFFIC = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_frac",

@@ -14,8 +14,7 @@ so an honest policy gives the same output to the bit.
 
 from __future__ import annotations
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.errors import KvsimError
 
 VERIFY_RTOL = 1e-9

@@ -25,8 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.weighted import weighted_attention_chunked
 from kvsim.contract import DecodeCost, PrefillWork
 

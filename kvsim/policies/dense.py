@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.dense import dense_attention
 from kvsim.contract import DecodeCost
 from kvsim.policies.base import Compressed, FetchPolicy, MaskPolicy, Reads

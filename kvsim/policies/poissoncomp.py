@@ -13,8 +13,7 @@ fp16 inclusion probabilities are metadata.
 
 from __future__ import annotations
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.sampling import PoissonSample, poisson_compress
 from kvsim.attention.scoring import to_tau
 from kvsim.policies.registry import register

@@ -12,8 +12,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from dataclasses import dataclass
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.policies import options as O
 from kvsim.policies.base import KV_ELEM_BYTES, Compressed, MaskPolicy

@@ -7,8 +7,7 @@ attention of the question and decode rows) to ``scores``; a model run adds ``kvz
 
 from __future__ import annotations
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.scoring import snapkv_scores
 from kvsim.errors import KvsimError
 from kvsim.policies.options import SCORERS

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.contract import DecodeCost
 from kvsim.errors import KvsimError
 from kvsim.policies import options as O

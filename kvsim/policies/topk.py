@@ -9,8 +9,7 @@ context.
 
 from __future__ import annotations
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.sampling import topk_keep
 from kvsim.policies.registry import register
 from kvsim.policies.scored import ScoredPolicy

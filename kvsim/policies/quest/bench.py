@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import torch
 
 from kvsim import trace as T
+from kvsim._torch import torch
 from kvsim.model.synthetic import synthetic_attention_trace
 from kvsim.policies.bench_requests import Stacking, request_kwargs
 from kvsim.policies.quest.pages import select

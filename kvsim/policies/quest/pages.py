@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+from kvsim._torch import torch
 
 
 @dataclass

@@ -19,8 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.weighted import row_chunks, weighted_attention
 from kvsim.contract import DecodeCost
 from kvsim.errors import KvsimError

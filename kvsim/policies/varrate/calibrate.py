@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from kvsim._torch import torch
 from kvsim.attention import rope as rp
 from kvsim.errors import KvsimError
 from kvsim.io import atomic_write, check_destination, read_npz

@@ -39,9 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
+from kvsim._torch import F, torch
 from kvsim.attention.dense import logits
 from kvsim.attention.rope import Rope, rotate
 from kvsim.errors import KvsimError

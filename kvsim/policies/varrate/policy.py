@@ -19,8 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.dense import dense_attention
 from kvsim.attention.rope import rope_from_meta
 from kvsim.contract import DecodeCost, PrefillWork

@@ -19,9 +19,9 @@ and sliced for smaller batches.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from kvsim import trace as T
+from kvsim._torch import torch
 from kvsim.model.synthetic import synthetic_attention_trace
 from kvsim.policies.bench_requests import Stacking, needs_kvzip, request_kwargs
 from kvsim.policies.spec import make

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
+from kvsim._torch import torch
 
 FETCH_HEAD = 4096  # the paper's kernel sorts the top 4096 and falls back to a full sort
 SHRINK_HEAD = 512

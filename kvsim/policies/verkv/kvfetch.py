@@ -38,15 +38,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.sampling import PoissonSample
 from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv.sketch import KeySketch, logit_halfwidth, shortlist, sketch_logits
 
 VARIANTS = ("independent", "paper")
-WEIGHT_FLOOR = {torch.float32: 1e-15, torch.float16: 1e-3, torch.bfloat16: 1e-15,
-                torch.float64: 1e-150}
+WEIGHT_FLOOR = {"float32": 1e-15, "float16": 1e-3, "bfloat16": 1e-15,  # by torch dtype name
+                "float64": 1e-150}
 
 
 @dataclass
@@ -320,7 +319,7 @@ def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
     w = torch.exp((s if e is None else s + e) - shift[..., None])  # (n_kv, g*m, n)
     # weights under a tiny floor move D by < n * floor (the largest weight is 1): flush them to 0
     # so that squares stay out of subnormal arithmetic, which is ~100x slower on CPUs
-    w.masked_fill_(w < WEIGHT_FLOOR.get(w.dtype, 0.0), 0.0)
+    w.masked_fill_(w < WEIGHT_FLOOR.get(str(w.dtype).removeprefix("torch."), 0.0), 0.0)
     denom = w.sum(-1) if e is None else torch.exp(s - e - shift[..., None]).sum(-1)
     if extra is not None:
         denom = denom + torch.exp(extra - shift[..., None]).sum(-1)

@@ -44,8 +44,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-import torch
-
+from kvsim._torch import torch
 from kvsim.attention.dense import expand_kv, logits
 from kvsim.attention.sampling import poisson_compress
 from kvsim.attention.scoring import to_tau

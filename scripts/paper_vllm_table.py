@@ -1,6 +1,6 @@
 """The README's reproduction of the VerKV paper's vLLM measurements (one H100, Qwen3-4B).
 
-    python docs/paper_vllm_table.py [ENGINE.json]      # default: the shipped vllm-paper engine
+    python scripts/paper_vllm_table.py [ENGINE.json]      # default: the shipped vllm-paper engine
 
 The engine is what ``kvsim fit data/verkv-paper-h100.csv --launches per-layer --fetch serial``
 writes. Prints two markdown tables: every shipped point (fitted or predicted) with the

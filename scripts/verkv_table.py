@@ -2,7 +2,7 @@
 budget, eps), the violation rate over all decisions and in the worst layer, the KV read per
 decode step, per question pass and per forward pass, and the output error, at each length.
 
-    python docs/verkv_table.py [PROFILE ...] [--length 8192] [--sketch bounded]
+    python scripts/verkv_table.py [PROFILE ...] [--length 8192] [--sketch bounded]
 
 Default profiles: the shipped one (``traces/policy-profile-smollm2.json``: the 2-bit sketch at
 8x-32x, the perfect sketch at 16x) and ``docs/verkv-sketches-profile.json`` (the bounded sketch

@@ -5,7 +5,7 @@ Input: policy profiles of all-layer, all-head capture sets (one setting), e.g.
     kvsim capture --task mk --lengths 1024,2048,4096,8192 --questions 4 --out /tmp/full/mk.npz
     kvsim policy-profile /tmp/full/mk.npz --policy verkv --compression 16 --eps 0.05 \\
         --sink 4 --local 4 --out /tmp/full/mk-all.json          (and the same for qa)
-    python docs/layer_sample.py /tmp/full/mk-all.json /tmp/full/qa-all.json --layers 8 \
+    python scripts/layer_sample.py /tmp/full/mk-all.json /tmp/full/qa-all.json --layers 8 \
         --kept /tmp/full/mk-1h.json /tmp/full/qa-1h.json
 
 Strata: layer 0 alone (it reads most of the cache at every length), the rest cut into contiguous

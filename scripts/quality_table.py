@@ -1,6 +1,6 @@
 """The README's quality table from ``kvsim eval --json`` outputs (one file per run).
 
-    python docs/quality_table.py docs/eval-smollm2/*.json
+    python scripts/quality_table.py docs/eval-smollm2/*.json
 
 Rows are policies (with the options that name them), columns budgets; a cell is the accuracy as a
 share of dense on the same prompts (right / n) and the KV read per forward pass, question pass

@@ -1,6 +1,6 @@
 """The shipped policy profile beside an all-layer measurement of the same setting.
 
-    python docs/profile_check.py /tmp/full/mk-all.json /tmp/full/qa-all.json \\
+    python scripts/profile_check.py /tmp/full/mk-all.json /tmp/full/qa-all.json \\
         [--profile traces/policy-profile-smollm2.json] [--json data/profile-check.json]
 
 The all-layer profiles come from capture sets of every layer and KV head of the same prompts

@@ -1,6 +1,6 @@
 """How much a rigorous key sketch would force VerKV to fetch, before building one.
 
-    python docs/bounded_sketch_probe.py [--eps 0.05] [--length-index 3]
+    python scripts/bounded_sketch_probe.py [--eps 0.05] [--length-index 3]
 
 For each kept layer of the shipped capture sets, a sketch gives every context token a logit
 estimate s^ and a bound e with |s - s^| <= e for any query. A certificate that plans with the
