@@ -13,8 +13,12 @@ defaults or the profile's measured tables). Built-in engines:
 
 * ``roofline``: no field set: the hardware as it is (the default with a measured profile, so a
   profile's numbers are unchanged);
+* ``trtllm``, ``vllm``, ``sglang``: engine families fitted to published measurements of many
+  GPUs, models and TP sizes (``data/published.csv``, :mod:`kvsim.fit.families`), each with its
+  leave-one-source-out errors (``fit["cv"]``: the intervals) and the configurations its points
+  cover (``fit["checked"]``); ``trtllm``, the best-checked, is the default with a catalog GPU;
 * ``vllm-paper``: fitted by ``kvsim fit`` to the VerKV paper's vLLM measurements on one H100
-  (``data/verkv-paper-h100.csv``; the default with a catalog GPU).
+  (``data/verkv-paper-h100.csv``).
 """
 
 from __future__ import annotations
