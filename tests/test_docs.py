@@ -248,3 +248,27 @@ def test_no_progress_claim_matches_the_parsers():
 @pytest.mark.parametrize("page", ["README.md"])
 def test_readme_is_short(page):
     assert len((ROOT / page).read_text().splitlines()) <= 150
+
+
+def test_task_quality_table_regenerates():
+    """The task-quality page's table is scripts/quality_table.py's output from the shipped
+    kvsim eval results, unedited (cheap: the script reads the JSON in docs/eval-smollm2/)."""
+    runs = sorted(str(p) for p in (ROOT / "docs" / "eval-smollm2").glob("*.json"))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "quality_table.py"), *runs],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    made = "\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("|"))
+    assert made.count("\n") >= 4
+    assert made in (ROOT / "docs" / "results" / "task-quality.md").read_text()
+
+
+def test_verkv_per_layer_table_at_8k_regenerates():
+    """The VerKV page's 8K per-layer table is `scripts/verkv_table.py --length 8192`'s output."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "verkv_table.py"), "--length",
+                          "8192"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    made = "\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("|"))
+    assert made.count("\n") >= 12
+    assert made in (ROOT / "docs" / "results" / "verkv-attention.md").read_text()
