@@ -11,6 +11,7 @@ simulator charges ``min(n, frac * n + tokens)`` tokens' worth of KV for a sequen
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 SHARES = ("resident_frac", "meta_frac", "hbm_read_frac", "host_read_frac", "host_frac")
@@ -101,3 +102,14 @@ class PolicyResult:
     stats: dict  # measured on the trace (JSON-able, the same for the same seed), or by definition
     provenance: str  # where the shares came from
     timings: dict = field(default_factory=dict)  # wall-clock measurements on this machine
+
+
+DEFINITION = "by definition (exact attention; no trace statistics needed)"
+
+
+def by_definition(policy) -> PolicyResult:
+    """The result of a policy whose statistics hold by definition (``needs_attention`` false:
+    the dense baselines): no trace and no tensor code."""
+    stats = policy.definition_stats()
+    return PolicyResult(policy.name, dataclasses.asdict(policy.params),
+                        policy.decode_cost(stats), stats, DEFINITION, {})

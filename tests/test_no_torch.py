@@ -34,6 +34,10 @@ def test_catalog_and_profile_replay_without_torch():
              "--model", "qwen3-4b", "--context", "32768", "--json")
     assert r.returncode == 0, r.stderr
     assert '"tpot_ms"' in r.stdout
+    for dense in ("dense-resident", "dense-offload"):  # exact by definition: no tensors
+        r = _run("replay", "--policy", dense, "--gpu", "h100-sxm", "--model", "qwen3-4b",
+                 "--context", "32768", "--json")
+        assert r.returncode == 0, r.stderr
 
 
 def test_a_command_that_needs_torch_says_so_in_one_line():

@@ -24,13 +24,12 @@ import numpy as np
 from kvsim._torch import F, torch
 from kvsim.attention.dense import dense_attention, expand_kv
 from kvsim.attention.scoring import attention_mass
-from kvsim.contract import PolicyResult
+from kvsim.contract import PolicyResult, by_definition
 from kvsim.errors import KvsimError
 from kvsim.measure import traffic
 from kvsim.measure.stats import Calls, kept
 from kvsim.trace import Trace
 
-DEFINITION = "by definition (exact attention; no trace statistics needed)"
 TIMING_LAYERS, TIMING_REPEATS = 4, 5  # timed layers spread over the trace, best of the repeats
 
 
@@ -199,12 +198,11 @@ def provenance(trace: Trace, policy, seed: int, timings: dict) -> str:
 def analyze(policy, trace: Trace | None, seed: int = 0, progress: bool = False) -> PolicyResult:
     """The policy's statistics (measured on ``trace`` when it needs attention, else by
     definition) and the decode cost it derives from them."""
-    if policy.needs_attention:
-        stats, timings = run(policy, trace, seed, progress=progress)
-        prov = provenance(trace, policy, seed, timings)
-        note = policy.provenance(stats)
-        prov += f"; {note}" if note else ""
-    else:
-        stats, timings, prov = policy.definition_stats(), {}, DEFINITION
+    if not policy.needs_attention:
+        return by_definition(policy)
+    stats, timings = run(policy, trace, seed, progress=progress)
+    prov = provenance(trace, policy, seed, timings)
+    note = policy.provenance(stats)
+    prov += f"; {note}" if note else ""
     return PolicyResult(policy.name, dataclasses.asdict(policy.params),
                         policy.decode_cost(stats), stats, prov, timings)

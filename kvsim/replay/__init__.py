@@ -266,9 +266,12 @@ def analyze(path: Path, spec: PolicySpec, seed: int, progress: bool = False) -> 
 @functools.lru_cache(maxsize=256)
 def _analyze(path: str, mtime: float, name: str, options_json: str, seed: int,
              progress: bool = False) -> PolicyResult:
-    from kvsim.measure import harness  # tensor code loads here, when a policy runs
+    from kvsim.contract import by_definition
     from kvsim.policies import make
     policy = make(name, json.loads(options_json))
+    if not policy.needs_attention:  # the dense baselines: no trace, no tensor code, no torch
+        return by_definition(policy)
+    from kvsim.measure import harness  # tensor code loads here, when a policy runs
     tr = _load(path, mtime)
     if policy.needs_attention and tr.attention is None:
         raise KvsimError(f"policy {name} needs a trace with an attention section "
