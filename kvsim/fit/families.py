@@ -1,21 +1,23 @@
 """Engine families fitted on published measurements, and how well they predict a publication
 they never saw.
 
-Rows name their serving engine (``engine``: vllm, sglang, trtllm, ...). A fit has two levels:
+Rows name their serving engine (``engine``: vllm, sglang, trtllm, ...). One bounded
+least-squares problem (:func:`fit_joint`) fits two levels at once:
 
-1. **shared**: every fit row, whatever its engine, fits the kernel shapes and efficiencies the
-   rows identify (:func:`kvsim.fit.solve.identified`: the matmuls' compute efficiency, overlap
-   and half-size, HBM efficiency, per-layer and per-step overhead);
-2. **family**: one engine's rows refit what an engine's own code sets, its per-step and
-   per-layer overheads and its HBM and compute efficiencies (those its rows identify), from
-   the shared values; what they do not identify keeps the shared value. A family with fewer
-   than :data:`MIN_FAMILY_ROWS` rows is the shared engine.
+1. **shared**: the kernel shapes and efficiencies every row identifies, whatever its engine
+   (:func:`kvsim.fit.solve.identified`: the matmuls' compute efficiency, overlap and half-size,
+   grouped experts' efficiency, HBM efficiency, per-step, per-layer, per-token and per-all-reduce
+   overheads; links stay the hardware's);
+2. **family**: for each engine with at least :data:`MIN_FAMILY_ROWS` rows, offsets from the
+   shared values of what an engine's own code sets (:data:`FAMILY_PARAMS`, those its rows
+   identify), pulled towards zero by a prior so that the shared engine stays the typical one.
+   An engine with fewer rows is the shared engine.
 
-:func:`cross_validate` leaves one publication (``source``) out at a time: both levels are
-refitted on the other publications and predict every measured value of the held-out one
-(``tpot_ms``, ``ttft_ms``, ``throughput_tok_s``, ``latency_s``). :func:`summary` groups the
-errors by category (:meth:`kvsim.fit.Point.categories`) and checks each value against the
-interval the other publications' errors give its regime (:func:`spread`).
+:func:`cross_validate` leaves one publication (``source``) out at a time: the joint fit of the
+other publications predicts every measured value of the held-out one (``tpot_ms``,
+``ttft_ms``, ``throughput_tok_s``, ``latency_s``). :func:`summary` groups the errors by category
+(:meth:`kvsim.fit.Point.categories`) and checks each value against the interval the other
+publications' errors give its regime (:func:`spread`).
 """
 
 from __future__ import annotations
@@ -168,8 +170,8 @@ def fit_joint(rows: list[Point], pred: Predictor, base: Engine) -> tuple[Engine,
     return out.pop("shared"), out, free
 
 
-def fit_levels(rows: list[Point], pred: Predictor, base: Engine, family: str | None,
-               progress=None) -> tuple[Engine, Engine, dict]:
+def fit_levels(rows: list[Point], pred: Predictor, base: Engine,
+               family: str | None) -> tuple[Engine, Engine, dict]:
     """(shared engine, ``family``'s engine (the shared one where it has too few rows), what
     was free: ``{"shared": [...], "family": [...]}``), from :func:`fit_joint`."""
     shared, fams, free = fit_joint(rows, pred, base)
