@@ -66,12 +66,14 @@ def main() -> None:
     cv = F.cross_validate(points, pred, base, progress=True) if not REUSE.exists() or \
         "--refit-cv" in sys.argv else json.loads(REUSE.read_text())["values"]
     summary = F.summary(cv)
+    shared, engines, free_all = F.fit_joint(rows, pred, base)  # every family in one fit
     for fam in FAMILIES:
-        shared, eng, free = F.fit_levels(rows, pred, base, fam)
+        eng = engines.get(fam, shared)
+        free = {"shared": free_all["shared"], "family": free_all.get(fam, [])}
         n = sum(p.engine == fam for p in rows)
-        how = (f"its {n} published points refit {', '.join(free['family'])} on the shared fit"
-               if free["family"] else f"{n} published point(s) of its own: the shared fit of "
-               f"every engine's points")
+        how = (f"its {n} published points set offsets of {', '.join(free['family'])} from the "
+               f"shared fit" if free["family"] else
+               f"{n} published point(s) of its own: the shared fit of every engine's points")
         eng = dataclasses.replace(
             eng, name=fam, fitted_on={"gpus": sorted({p.gpu for p in rows}),
                                       "models": sorted({p.model for p in rows})},
