@@ -261,7 +261,12 @@ class ModelSpec:
     def attention_flops(self, size, prefix=0):
         """The causal-attention part of :meth:`prefill_flops`, all layers."""
         pairs = size * prefix + size * (size + 1) / 2
-        return self.layers * 4.0 * self.q_heads * self.head_dim * pairs
+        return self.flops_per_pair * pairs
+
+    @property
+    def flops_per_pair(self) -> float:
+        """Attention FLOPs of one query-key pair, all layers and query heads."""
+        return self.layers * 4.0 * self.q_heads * self.head_dim
 
     note: str = ""
     # mixture of experts (0 experts: a dense model)

@@ -189,13 +189,14 @@ class Run:
     def leave(self, ids) -> None:
         """Sequences ``ids`` leave the running batch: their ``ctx`` and ``left`` are true again
         (the caller takes them out of the heap)."""
-        c = self.clock
+        c, ctx, left = self.clock, self.ctx, self.left
         for i in ids:
-            self.run_ctx -= self.ctx[i]
-            self.ctx[i] += c
-            self.left[i] -= c
-        if len(ids) == 1:
-            self.running.remove(ids[0])
+            self.run_ctx -= ctx[i]
+            ctx[i] += c
+            left[i] -= c
+        if len(ids) <= 8:  # a few: each found by the list itself
+            for i in ids:
+                self.running.remove(i)
         else:
             gone = set(ids)
             self.running = [i for i in self.running if i not in gone]
@@ -390,11 +391,11 @@ class Run:
         heap, clock = self.finish_at, self.clock
         if not heap or heap[0][0] > clock:
             return
-        gone = {heapq.heappop(heap)[1]}
+        gone = [heapq.heappop(heap)[1]]
         while heap and heap[0][0] <= clock:
-            gone.add(heapq.heappop(heap)[1])
-        ids = list(gone) if len(gone) == 1 else [i for i in self.running if i in gone]
-        self.leave(ids)  # (in batch order)
+            gone.append(heapq.heappop(heap)[1])
+        ids = gone if len(gone) == 1 else sorted(gone, key=self.running.index)  # batch order
+        self.leave(ids)
         self.pressure = False
         now, rec = self.env.now, self.requests.record_one
         for i in ids:
@@ -418,7 +419,9 @@ class Run:
         while not self.finished():
             if self.swapped:
                 yield from self.resume_swapped()
-            self.admit()
+            if self.waiting or self.pulls and self.next < self.n and \
+                    self.arrivals[self.next] <= self.env.now:  # (else admit does nothing)
+                self.admit()
             if self.prefilling:
                 yield from self.prefill_phase()
             elif self.running:
@@ -433,4 +436,5 @@ class Run:
                 self.wake = self.env.event()
                 yield self.wake
                 continue
-            self.complete()
+            if self.finish_at and self.finish_at[0][0] <= self.clock:
+                self.complete()

@@ -119,39 +119,44 @@ class Chunked:
     def plan(self, run, single: bool) -> list[StepPlan]:
         """The next steps, in scalars, up to the next completion, at most ``MAX_CHUNK``, one
         if ``single``."""
-        m, budget, D = run.sim.model, run.sched.max_batched_tokens, len(run.running)
-        target, prefilled = run.target, run.prefilled
-        if not single and sum([target[i] - prefilled[i] for i in run.prefilling]) <= budget - D:
+        budget, D = run.sched.max_batched_tokens, len(run.running)
+        target, prefilled, slots = run.target, run.prefilled, run.prefilling
+        if not single and sum([target[i] - prefilled[i] for i in slots]) <= budget - D:
             return [_whole(run, D)]  # it all fits in one step (the common case)
-        queue = [[i, run.target[i] - run.prefilled[i], run.prefilled[i]]
-                 for i in run.prefilling]
+        # each prompt's tokens still to prefill and prefilled; chunks go in order, so the
+        # prompts that have finished are always the first ``first``
+        todo = [target[i] - prefilled[i] for i in slots]
+        at = [prefilled[i] for i in slots]
+        first, count = 0, len(slots)
+        per_pair = run.sim.model.flops_per_pair  # (ModelSpec.attention_flops)
         tokens = run.batch_tokens()
         min_left = run.soonest() if D else None
         costs = run.sim.steps
         held = run.batch()[1] if costs.fixed else None  # the decodes' tokens, one by one
         plans: list[StepPlan] = []
-        while queue and len(plans) < MAX_CHUNK:
+        while first < count and len(plans) < MAX_CHUNK:
             left = budget - D
             assign, fin, ctok, cflops, prefixes = [], [], 0, 0.0, []
-            for q in queue:
+            for j in range(first, count):
                 if left <= 0:
                     break
-                size = int(min(q[1], left))
-                assign.append((q[0], size))
-                prefixes.append(q[2])
-                cflops += m.attention_flops(float(size), float(q[2]))
+                size, p = int(min(todo[j], left)), at[j]
+                assign.append((slots[j], size))
+                prefixes.append(p)
+                s, q = float(size), float(p)
+                cflops += per_pair * (s * q + s * (s + 1) / 2)
                 ctok += size
                 left -= size
-                q[1] -= size
-                q[2] += size
-                if q[1] == 0:
-                    fin.append(q[0])
-            lengths = [float(run.target[i]) for i in fin]
+                todo[j] -= size
+                at[j] = p + size
+                if todo[j] == 0:
+                    fin.append(slots[j])
+            first += len(fin)
+            lengths = [float(target[i]) for i in fin]
             plans.append(StepPlan(D, tokens, ctok, cflops, assign, fin, lengths,
                                   *_work(run, lengths), *(costs.charged(held) + (
                                       costs.written(prefixes, [n for _, n in assign]),)
                                       if held is not None else ())))
-            queue = [q for q in queue if q[1] > 0]
             tokens += D  # each decode appended a token
             if held is not None:
                 held = held + 1.0
@@ -164,7 +169,7 @@ class Chunked:
                 if held is not None:
                     held = np.concatenate([held, c])
                 D += len(fin)
-                lft = min(int(run.left[i]) for i in fin) - 1
+                lft = int(min([run.left[i] for i in fin])) - 1
                 min_left = lft if min_left is None else min(min_left, lft)
             if single or (min_left is not None and min_left <= 0):
                 break
