@@ -145,6 +145,28 @@ def test_closed_form_decode_runs_equal_the_stepwise_sums(policy, engine):
     assert closed_forms == 60  # roofline costs: every run was in closed form
 
 
+@pytest.mark.parametrize("policy, engine", [
+    (DENSE, "roofline"), (DENSE, "trtllm"), (OFFLOAD, "vllm-paper"), (DECIDING, "roofline")])
+def test_batch_size_tables_are_one_size_at_a_time_to_the_bit(policy, engine):
+    """``per_batch`` and ``_line`` remember every batch size up to 2B at the first ask (one
+    numpy pass): each entry equals what the scalar cost functions give for that size alone."""
+    steps = sim_for(policy, engine).steps
+    m, c = steps.model, steps.costs
+    for B in (64, 3, 130, 1):
+        steps.per_batch(B)
+        line = steps._line(B)
+        assert line is not None
+        for n in (1, 2, B, 2 * B - 1):
+            assert steps.per_batch(n) == (float(c.gemm_time(n, m)), float(c.head_time(n, m)))
+            parts = StepCosts.layer_costs(steps, n, np.array([1e3, 1e6]))
+            want = tuple((float(p[0]) - (float(p[1]) - float(p[0])) / (1e6 - 1e3) * 1e3,
+                          (float(p[1]) - float(p[0])) / (1e6 - 1e3)) for p in parts)
+            assert steps._line(n) == want, (B, n)
+    for size, prefix in ((1.0, 0.0), (517.0, 4096.0), (8192.0, 123457.0)):
+        pairs = size * prefix + size * (size + 1) / 2
+        assert m.flops_per_pair * pairs == m.attention_flops(size, prefix)
+
+
 def test_overlap_that_changes_sides_falls_back_to_the_steps():
     """Offloaded KV at a context where the link and compute cross within the run."""
     steps = sim_for(OFFLOAD, "roofline").steps

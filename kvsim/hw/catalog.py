@@ -261,11 +261,13 @@ class ModelSpec:
     def attention_flops(self, size, prefix=0):
         """The causal-attention part of :meth:`prefill_flops`, all layers."""
         pairs = size * prefix + size * (size + 1) / 2
-        return self.flops_per_pair * pairs
+        return self.layers * 4.0 * self.q_heads * self.head_dim * pairs
 
     @property
     def flops_per_pair(self) -> float:
-        """Attention FLOPs of one query-key pair, all layers and query heads."""
+        """Attention FLOPs of one query-key pair, all layers and query heads: the factor of
+        :meth:`attention_flops` (the same product, so ``flops_per_pair * pairs`` is its value
+        to the bit)."""
         return self.layers * 4.0 * self.q_heads * self.head_dim
 
     note: str = ""

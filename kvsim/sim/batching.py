@@ -242,7 +242,8 @@ class Run:
             if h > free_hbm or o > free_host:
                 break
             self.waiting.popleft()
-            self.hold(i, h, o)
+            self.held_hbm[i] += h  # (hold, in scalars: room was checked above)
+            self.held_host[i] += o
             free_hbm, free_host, seats = free_hbm - h, free_host - o, seats - 1
             if math.isnan(self.admitted[i]):
                 self.admitted[i] = now
@@ -250,6 +251,10 @@ class Run:
             self.order[i] = self.admissions
             self.prefilled[i] = 0
             self.prefilling.append(i)
+        self.used_hbm = self.cap_hbm - free_hbm
+        self.used_host = self.cap_host - free_host
+        self.peak_hbm = max(self.peak_hbm, self.used_hbm)
+        self.peak_host = max(self.peak_host, self.used_host)
 
     # ------------------------------------------------------------------------------ steps
     def prefill_phase(self):
@@ -308,11 +313,12 @@ class Run:
                 left[i] -= k - j
                 joining.append(i)
         if joining:
-            if len(joining) == len(self.prefilling):
-                self.prefilling = []  # (the common case)
+            pf, n = self.prefilling, len(joining)
+            if pf[:n] == joining:  # chunks go in order: the first prompts finish
+                self.prefilling = pf[n:]
             else:
                 gone = set(joining)
-                self.prefilling = [i for i in self.prefilling if i not in gone]
+                self.prefilling = [i for i in pf if i not in gone]
             self.join(joining)
 
     def decode_steps(self):
@@ -398,9 +404,12 @@ class Run:
         self.leave(ids)
         self.pressure = False
         now, rec = self.env.now, self.requests.record_one
+        held_hbm, held_host = self.held_hbm, self.held_host
         for i in ids:
             rec(self.arrival[i], self.admitted[i], self.first_token[i], now, self.output[i])
-        self.release(ids)
+            self.used_hbm -= held_hbm[i]  # (release, in scalars)
+            self.used_host -= held_host[i]
+            held_hbm[i] = held_host[i] = 0
         self.free.extend(ids)
         self.done += len(ids)
         self.mark(-len(ids))

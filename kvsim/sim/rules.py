@@ -157,6 +157,8 @@ class Chunked:
                                   *_work(run, lengths), *(costs.charged(held) + (
                                       costs.written(prefixes, [n for _, n in assign]),)
                                       if held is not None else ())))
+            if single or (min_left is not None and min_left <= 1):
+                break  # a decode finishes with this step (or one step was asked for)
             tokens += D  # each decode appended a token
             if held is not None:
                 held = held + 1.0
@@ -171,7 +173,7 @@ class Chunked:
                 D += len(fin)
                 lft = int(min([run.left[i] for i in fin])) - 1
                 min_left = lft if min_left is None else min(min_left, lft)
-            if single or (min_left is not None and min_left <= 0):
+            if min_left is not None and min_left <= 0:
                 break
         return plans
 

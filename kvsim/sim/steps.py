@@ -110,6 +110,11 @@ class StepCosts:
         got = self._per_batch.get(B)
         if got is None:
             m, c = self.model, self.costs
+            if c.gemm_curve is None and c.head_curve is None:  # every size up to 2B at once
+                sizes = np.arange(1, max(2 * B, 64) + 1)  # (elementwise: the same floats)
+                self._per_batch.update(zip(sizes.tolist(), zip(
+                    c.gemm_time(sizes, m).tolist(), c.head_time(sizes, m).tolist())))
+                return self._per_batch[B]
             got = self._per_batch[B] = (float(c.gemm_time(B, m)), float(c.head_time(B, m)))
         return got
 
@@ -299,14 +304,20 @@ class StepCosts:
         got = self._lines.get(B, 0)
         if got == 0:
             c = self.costs
-            got = None
             if c.attn_curve is None and c.links[self.policy.path].curve is None and \
-                    not self.fixed:
-                ta, tb = 1e3, 1e6
-                parts = self.layer_costs(B, np.array([ta, tb]))
-                got = tuple((float(p[0]) - (float(p[1]) - float(p[0])) / (tb - ta) * ta,
-                             (float(p[1]) - float(p[0])) / (tb - ta)) for p in parts)
-            self._lines[B] = got
+                    not self.fixed and c.gemm_curve is None:  # every size up to 2B at once
+                sizes = np.arange(1, max(2 * B, 64) + 1)
+                self.per_batch(B)
+                ta, tb = 1e3, 1e6  # (elementwise: the same floats as one size at a time)
+                parts = [np.broadcast_to(p, (len(sizes), 2)) for p in
+                         self.layer_costs(sizes[:, None], np.array([ta, tb]))]
+                per = [((p[:, 1] - p[:, 0]) / (tb - ta)).tolist() for p in parts]
+                at0 = [(p[:, 0] - (p[:, 1] - p[:, 0]) / (tb - ta) * ta).tolist() for p in parts]
+                for j, n in enumerate(sizes.tolist()):
+                    self._lines[n] = tuple((at0[t][j], per[t][j]) for t in range(3))
+                return self._lines[B]
+            self._lines[B] = None
+            return None
         return got
 
     def _form(self, B: int) -> tuple | None:
