@@ -175,12 +175,28 @@ def test_policy_flag_table_is_fresh():
         "kvsim/policies/_flag_table.py is stale: run python scripts/gen_docs.py"
 
 
+
+def script_output(name: str, *args: str) -> str:
+    """What ``scripts/NAME.py ARGS`` prints, run in this process (no subprocess, no wall-clock
+    limit: a loaded machine makes it slower, never wrong)."""
+    import runpy
+    out = io.StringIO()
+    argv = sys.argv
+    sys.argv = [str(ROOT / "scripts" / f"{name}.py"), *args]
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        sys.argv = argv
+    return out.getvalue()
+
+
 def test_help_loads_no_torch():
     """Building the replay and plan parsers (their --help) imports no torch."""
     code = ("import sys; from kvsim.cli import build_parser\n"
             "for c in ('replay', 'plan'): build_parser([c]).format_help()\n"
             "sys.exit(1 if 'torch' in sys.modules else 0)")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=60,
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=1800,  # a hang guard
                        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, "building the replay/plan parser imported torch"
 
@@ -200,12 +216,8 @@ def test_cli_page_lists_every_command():
 @pytest.mark.slow  # ~20 s: the script refits the engine leaving one point out at a time
 def test_paper_table_regenerates():
     """The paper check's tables are scripts/paper_vllm_table.py's output, unedited."""
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "paper_vllm_table.py")],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr
     page = (ROOT / "docs" / "results" / "paper-check.md").read_text()
-    rows = [ln for ln in out.stdout.splitlines() if ln.startswith("|")]
+    rows = [ln for ln in script_output("paper_vllm_table").splitlines() if ln.startswith("|")]
     assert rows
     missing = [r for r in rows if r not in page]
     assert not missing, "paper-check.md differs from scripts/paper_vllm_table.py:\n" + \
@@ -215,11 +227,7 @@ def test_paper_table_regenerates():
 def test_verkv_profile_table_regenerates():
     """The VerKV page's per-length table (16x, eps 0.05) is scripts/verkv_table.py's output
     from the shipped profiles, unedited (a cheap table: the script reads two JSON files)."""
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "verkv_table.py")],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr
-    made = {ln for ln in out.stdout.splitlines() if ln.startswith("|")}
+    made = {ln for ln in script_output("verkv_table").splitlines() if ln.startswith("|")}
     page = (ROOT / "docs" / "results" / "verkv-attention.md").read_text().splitlines()
     shown = [ln for ln in page if ln.startswith("| ") and ln.count("|") == 11
              and ln.split("|")[4].strip().isdigit()]
@@ -254,21 +262,15 @@ def test_task_quality_table_regenerates():
     """The task-quality page's table is scripts/quality_table.py's output from the shipped
     kvsim eval results, unedited (cheap: the script reads the JSON in docs/eval-smollm2/)."""
     runs = sorted(str(p) for p in (ROOT / "docs" / "eval-smollm2").glob("*.json"))
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "quality_table.py"), *runs],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr
-    made = "\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("|"))
+    made = "\n".join(ln for ln in script_output("quality_table", *runs).splitlines()
+                     if ln.startswith("|"))
     assert made.count("\n") >= 4
     assert made in (ROOT / "docs" / "results" / "task-quality.md").read_text()
 
 
 def test_verkv_per_layer_table_at_8k_regenerates():
     """The VerKV page's 8K per-layer table is `scripts/verkv_table.py --length 8192`'s output."""
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "verkv_table.py"), "--length",
-                          "8192"], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stderr
-    made = "\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("|"))
+    made = "\n".join(ln for ln in script_output("verkv_table", "--length", "8192").splitlines()
+                     if ln.startswith("|"))
     assert made.count("\n") >= 12
     assert made in (ROOT / "docs" / "results" / "verkv-attention.md").read_text()

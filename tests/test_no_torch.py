@@ -25,7 +25,7 @@ sys.exit(rc)
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", BLOCK, *argv], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          cwd=ROOT, timeout=1800, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def test_catalog_and_profile_replay_without_torch():
