@@ -137,10 +137,10 @@ class Chunks:
                    col(lambda p: p.written_tokens))
 
 
-@dataclass
-class Chunk:
+class Chunk(NamedTuple):
     """k decode steps, one mixed step (decodes + prefill chunks) or one prefill of a batch, for
-    timelines and utilisation; ``batch`` sequences emit a decode token per step."""
+    timelines and utilisation; ``batch`` sequences emit a decode token per step (a tuple: the
+    simulator makes thousands)."""
     start: float
     duration: float
     steps: int
