@@ -52,8 +52,8 @@ def test_compression_interpolates_too_but_not_two_options_at_once(prof):
         prof.at("verkv", params(compression=12.0, eps=0.07), 16384)
 
 
-@pytest.mark.parametrize("over, grid", [({"eps": 0.9}, "eps 0.01..0.3"),
-                                        ({"eps": 0.005}, "eps 0.01..0.3"),
+@pytest.mark.parametrize("over, grid", [({"eps": 0.9}, "eps 0.01..0.5"),
+                                        ({"eps": 0.005}, "eps 0.01..0.5"),
                                         ({"compression": 64.0}, "compression 8..32")])
 def test_beyond_the_grid_names_the_nearest_settings_and_the_command(prof, over, grid):
     with pytest.raises(KvsimError) as e:
@@ -67,13 +67,30 @@ def test_beyond_the_grid_names_the_nearest_settings_and_the_command(prof, over, 
 
 def test_replay_beyond_the_grid_is_one_line_and_exit_2():
     """No fall-back to the 2K trace's statistics at another context: the issue's check."""
-    for eps in ("0.5", "0.9"):
+    for eps in ("0.9", "2"):
         code, out, err = run_cli("replay", "--policy", "verkv", "--eps", eps, "--context",
                                  "32768", "--gpu", "h100-sxm")
         assert code == 2 and out == ""
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and "eps 0.01..0.3" in lines[0] and "eps 0.3" in lines[0]
+        assert len(lines) == 1 and "eps 0.01..0.5" in lines[0] and "eps 0.5" in lines[0]
         assert "kvsim policy-profile" in lines[0] and "Traceback" not in err
+
+
+def test_eps_half_comes_from_the_profile_with_an_interval_and_is_faster_than_eps_005():
+    """The issue's check: eps 0.5 at 32K is on the grid (measured, then extrapolated in
+    context with its interval), not the 2K trace's statistics, and reads less than eps 0.05."""
+    got = {}
+    for eps in ("0.05", "0.5"):
+        code, out, err = run_cli("replay", "--policy", "verkv", "--eps", eps, "--context",
+                                 "32768", "--gpu", "h100-sxm", "--json")
+        assert code == 0, err
+        got[eps] = r = json.loads(out)
+        assert "policy-profile-smollm2.json" in r["provenance"]["policy"]
+        assert "interpolated" not in r["provenance"]["policy"]
+        for key in ("tpot_ms", "kv_read_frac", "output_rel_err_mean"):
+            assert r[f"{key}_lo"] < r[key] < r[f"{key}_hi"], (eps, key)
+    assert got["0.5"]["tpot_ms"] < got["0.05"]["tpot_ms"]
+    assert got["0.5"]["kv_read_frac"] < got["0.05"]["kv_read_frac"]
 
 
 def test_replay_between_grid_values_has_the_interval_keys():
@@ -90,12 +107,12 @@ def test_replay_between_grid_values_has_the_interval_keys():
 def test_show_lists_the_grid():
     code, out, err = run_cli("policy-profile", "--show", PROFILE)
     assert code == 0, err
-    assert "26 settings" in out
-    for row in ("compression 16, eps 0.3, sketch perfect", "token_budget 1024", "local 252"):
+    assert "30 settings" in out
+    for row in ("compression 16, eps 0.5, sketch perfect", "token_budget 1024", "local 252"):
         assert row in out
     code, out, _ = run_cli("policy-profile", "--show", PROFILE, "--json")
     got = json.loads(out)["settings"]
-    assert len(got) == 26 and {r["policy"] for r in got} >= {"verkv", "topk", "quest"}
+    assert len(got) == 30 and {r["policy"] for r in got} >= {"verkv", "topk", "quest"}
     code, out, _ = run_cli("policy-profile", "--show", PROFILE, "--policy", "verkv")
     assert code == 0 and "grid of verkv in the profile: compression 8/16/32, eps " in out
 
