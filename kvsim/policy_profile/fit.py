@@ -112,6 +112,13 @@ def choose(n: np.ndarray, y: np.ndarray, at=None,
     return best, errs
 
 
+def _doublings(n: np.ndarray) -> float:
+    """The mean distance, in doublings of length, over which :func:`backtest` predicts (from
+    the longest length a split fits to each longer one)."""
+    d = [np.log2(n[j] / n[k - 1]) for k in range(2, len(n)) for j in range(k, len(n))]
+    return float(np.mean(d)) if d else 1.0
+
+
 def bootstrap_means(units: list[list[np.ndarray]], n_lengths: int, seed: int = 0) -> np.ndarray:
     """(BOOT, J) means per length of hierarchical resamples: tasks with replacement, then each
     slot's questions with replacement at every length."""
@@ -170,6 +177,10 @@ def estimate(n: np.ndarray, units: list[list[np.ndarray]], at: float, bounds=(0.
     for f in close:
         p = float(predict(f, n, y, [at])[0])
         lo, hi = min(lo, p), max(hi, p)
+    # beyond the data the form itself may be wrong: widen by its back-test error per doubling
+    # of length it predicted over, times the doublings from the longest measured length
+    widen = errs.get(form, 0.0) / _doublings(n) * max(np.log2(at / n[-1]), 0.0) if errs else 0.0
+    lo, hi = lo * (1 - widen), hi * (1 + widen)
     clip = lambda v: float(np.clip(v, *bounds))  # noqa: E731
     return Estimate(clip(value), clip(min(lo, value)), clip(max(hi, value)), form,
                     errs.get(form), close)
