@@ -65,6 +65,7 @@ def test_niah_each_asked_needle_is_the_only_one_of_its_kind(prompts):
         words = [w for _, key, _ in needles for w in key.split("-")]
         assert len(words) == len(set(words))  # keys share no word
         for q in qs:
+            assert text.count(q.answers[0]) == (2 if "pass key" in q.question else 1)
             if q.question == "What is the pass key?":
                 assert [a for a, b in passes if a == b] == q.answers
                 continue

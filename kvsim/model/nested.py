@@ -192,7 +192,7 @@ _NIAH_KINDS = ("number", "word", "code", "pass key")
 _MAGIC_WORDS = ("pineapple", "saxophone", "glacier", "marmalade", "trombone", "cactus",
                 "avalanche", "porcupine", "telescope", "origami", "volcano", "lemonade",
                 "hammock", "compass", "tornado", "penguin", "asteroid", "mandolin", "walrus",
-                "lighthouse", "cinnamon", "accordion", "dragonfly", "kaleidoscope")
+                "harmonica", "cinnamon", "accordion", "dragonfly", "kaleidoscope")  # in no filler
 
 
 def _niah_fact(kind, rng, keys, vals) -> list[tuple[str, Question]]:
