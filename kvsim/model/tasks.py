@@ -2,9 +2,10 @@
 
 Tasks: ``niah`` (one needle), ``mk`` (four needles with different keys, one asked), ``mv`` (four
 values under one key, all asked), ``cwe`` (the ten most common words of a long word list), ``qa``
-(a fact looked up among many short documents). The question comes after the context and the
-model's reply is primed with an answer prefix, as in RULER. Haystacks are natural-ish sentences
-generated from templates here (no download). ``load_prompts`` reads the user's own JSONL prompts.
+(a fact looked up among many short documents), ``vt`` (variable tracking: every variable of a
+chain of assignments). The question comes after the context and the model's reply is primed with
+an answer prefix, as in RULER. Haystacks are natural-ish sentences generated from templates here
+(no download). ``load_prompts`` reads the user's own JSONL prompts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from kvsim.errors import KvsimError
 
-TASKS = ("niah", "mk", "mv", "cwe", "qa")
+TASKS = ("niah", "mk", "mv", "cwe", "qa", "vt")
 
 
 @dataclass
@@ -213,6 +214,12 @@ _CWE_WORDS = tuple(sorted(set(_ADJ + _NOUN + tuple(n.lower() for n in _NAMES)
                               + tuple(j for j in _JOBS if " " not in j))))
 
 
+_CWE_INTRO = ("Below is a numbered list of words. In these words, some appear more often than "
+              "others. Memorize the ones that appear most often.\n")
+CWE_QUESTION = "What are the 10 most common words in the above list?"
+CWE_PREFIX = "Answer: The top 10 words that appear most often in the list are:"
+
+
 def _cwe_task(rng: random.Random, budget: int, count) -> Prompt:
     n_common = 10
     words = list(_CWE_WORDS)
@@ -226,9 +233,7 @@ def _cwe_task(rng: random.Random, budget: int, count) -> Prompt:
     n_rare = min(len(rare), left // freq_r)
     lst = common * freq_c + rare[:n_rare] * freq_r
     rng.shuffle(lst)
-    intro = ("Below is a numbered list of words. In these words, some appear more often than "
-             "others. Memorize the ones that appear most often.\n")
-    build = lambda ws: intro + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ws))  # noqa: E731
+    build = lambda ws: _CWE_INTRO + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ws))  # noqa: E731
     ctx = build(lst)
     for _ in range(8):  # drop rare entries until it fits (common words keep their counts)
         over = count(ctx) - budget
@@ -238,9 +243,7 @@ def _cwe_task(rng: random.Random, budget: int, count) -> Prompt:
         drop = set(rare_at[-max(1, math.ceil(over / per)):])
         lst = [w for j, w in enumerate(lst) if j not in drop]
         ctx = build(lst)
-    q = "What are the 10 most common words in the above list?"
-    prefix = "Answer: The top 10 words that appear most often in the list are:"
-    return Prompt(ctx, q, common, prefix, "all", "cwe",
+    return Prompt(ctx, CWE_QUESTION, common, CWE_PREFIX, "all", "cwe",
                   meta={"freq_common": freq_c, "freq_rare": freq_r, "entries": len(lst)})
 
 
@@ -276,6 +279,56 @@ def _qa_task(rng: random.Random, budget: int, count) -> Prompt:
                   meta={"n_docs": len(docs), "target_doc": target + 1})
 
 
+_VT_INTRO = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
+
+
+def vt_chain(rng: random.Random, names: set[str], values: set[str],
+             hops: int = 4) -> tuple[list[str], str]:
+    """RULER's variable-tracking chain: ``hops + 1`` fresh five-letter names and a fresh value."""
+    chain = []
+    while len(chain) < hops + 1:
+        v = "".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5))
+        if v not in names:
+            names.add(v)
+            chain.append(v)
+    while True:
+        value = str(rng.randrange(10_000, 100_000))
+        if value not in values:
+            values.add(value)
+            return chain, value
+
+
+def vt_lines(chain: list[str], value: str) -> list[str]:
+    """The chain's assignments, in order: the value, then each name from the one before."""
+    return [f"VAR {chain[0]} = {value}."] + [f"VAR {b} = VAR {a}."
+                                             for a, b in zip(chain, chain[1:])]
+
+
+def vt_question(chain: list[str], value: str) -> tuple[str, list[str], str]:
+    """Question, answers (every name of the chain) and answer prefix, as RULER's."""
+    return (f"Question: Find all variables that are assigned the value {value} in the text above.",
+            list(chain), f"Answer: According to the chain(s) of variable assignment in the text "
+            f"above, {len(chain)} variables are assigned the value {value}, they are:")
+
+
+def _vt_task(rng: random.Random, budget: int, count) -> Prompt:
+    chain, value = vt_chain(rng, set(), set())
+    lines = vt_lines(chain, value)
+    room = budget - count(_VT_INTRO) - sum(count(" " + s) for s in lines)
+    hay = _fill(rng, room, count)
+    depths = sorted(rng.random() for _ in lines)  # in order: each hop after the one it reads
+
+    def build(ss: list[str]) -> str:
+        out = list(ss)
+        for d, s in sorted(zip(depths, lines), reverse=True):
+            out.insert(round(d * len(ss)), s)
+        return _VT_INTRO + " ".join(out)
+
+    ctx = _trim_to(build, hay, budget, count)
+    q, answers, prefix = vt_question(chain, value)
+    return Prompt(ctx, q, answers, prefix, "all", "vt", meta={"value": value, "chain": chain})
+
+
 def generate(task: str, context_tokens: int, n: int, seed: int,
              count: Callable[[str], int]) -> list[Prompt]:
     """``n`` prompts of ``task`` whose whole prompt is about ``context_tokens`` tokens.
@@ -294,8 +347,9 @@ def generate(task: str, context_tokens: int, n: int, seed: int,
         if task in ("niah", "mk", "mv"):
             probe = _needle_task(task, random.Random(0), 200, count)
         elif task == "cwe":
-            probe = Prompt("", "What are the 10 most common words in the above list?", [],
-                           "Answer: The top 10 words that appear most often in the list are:")
+            probe = Prompt("", CWE_QUESTION, [], CWE_PREFIX)
+        elif task == "vt":
+            probe = Prompt("", *vt_question(["AAAAA"] * 5, "12345"))
         else:
             probe = Prompt("", "Question: In which city does Mara Moreno live?", [],
                            "Answer: Mara Moreno lives in")
@@ -305,6 +359,8 @@ def generate(task: str, context_tokens: int, n: int, seed: int,
             p = _needle_task(task, rng, budget, count)
         elif task == "cwe":
             p = _cwe_task(rng, budget, count)
+        elif task == "vt":
+            p = _vt_task(rng, budget, count)
         else:
             p = _qa_task(rng, budget, count)
         p.id = f"{task}-{context_tokens}-{seed}-{i}"
