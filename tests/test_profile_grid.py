@@ -54,7 +54,7 @@ def test_compression_interpolates_too_but_not_two_options_at_once(prof):
 
 @pytest.mark.parametrize("over, grid", [({"eps": 0.9}, "eps 0.01..0.5"),
                                         ({"eps": 0.005}, "eps 0.01..0.5"),
-                                        ({"compression": 64.0}, "compression 8..32")])
+                                        ({"compression": 64.0}, "compression 4..32")])
 def test_beyond_the_grid_names_the_nearest_settings_and_the_command(prof, over, grid):
     with pytest.raises(KvsimError) as e:
         prof.at("verkv", params(**over), 32768)
@@ -107,14 +107,14 @@ def test_replay_between_grid_values_has_the_interval_keys():
 def test_show_lists_the_grid():
     code, out, err = run_cli("policy-profile", "--show", PROFILE)
     assert code == 0, err
-    assert "30 settings" in out
+    assert "37 settings" in out
     for row in ("compression 16, eps 0.5, sketch perfect", "token_budget 1024", "local 252"):
         assert row in out
     code, out, _ = run_cli("policy-profile", "--show", PROFILE, "--json")
     got = json.loads(out)["settings"]
-    assert len(got) == 30 and {r["policy"] for r in got} >= {"verkv", "topk", "quest"}
+    assert len(got) == 37 and {r["policy"] for r in got} >= {"verkv", "topk", "quest"}
     code, out, _ = run_cli("policy-profile", "--show", PROFILE, "--policy", "verkv")
-    assert code == 0 and "grid of verkv in the profile: compression 8/16/32, eps " in out
+    assert code == 0 and "grid of verkv in the profile: compression 4/8/16/32, eps " in out
 
 
 @pytest.mark.parametrize("n", [65536, 131072])
