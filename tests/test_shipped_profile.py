@@ -21,25 +21,27 @@ def verkv(**over):
     return dataclasses.asdict(make("verkv", {"sink": 4, "local": 4, **over}).params)
 
 
-def test_the_shipped_captures_cover_context_tasks_and_the_whole_depth():
-    assert len(CAPTURES) >= 2
+def test_the_shipped_captures_cover_six_task_types_and_the_whole_depth():
     tasks = set()
     for p in CAPTURES:
         c = cs.load(p)
         tasks.add(c.task)
         assert [ln.target for ln in c.lengths] == [1024, 2048, 4096, 8192]
-        assert all(len(ln.asked) >= 2 for ln in c.lengths)
+        assert all(len(ln.asked) >= 1 for ln in c.lengths)
+        assert sum(len(ln.asked) for ln in c.lengths) >= 4
         assert sum(c.weights.values()) == c.meta["model_info"]["layers"] == 30
         assert c.ctx_k[c.layers[0]].dtype.name == "float16"
-    assert len(tasks) >= 2
-    assert sum(p.stat().st_size for p in CAPTURES) < 60 * 2**20
+    assert tasks >= {"niah", "mk", "mv", "vt", "qa", "cwe"}
+    assert sum(p.stat().st_size for p in CAPTURES) < 120 * 2**20
 
 
-def test_the_shipped_profile_was_built_from_the_shipped_captures():
+def test_the_shipped_profile_was_built_from_shipped_captures():
+    """Every capture set the profile names is shipped, byte for byte (by digest)."""
     prof = pp.load(pp.DEFAULT)
-    assert sorted(c["file"] for c in prof.captures) == sorted(p.name for p in CAPTURES)
-    digests = {p.name: _digest(p) for p in CAPTURES}
-    assert all(digests[c["file"]] == c["sha256_16"] for c in prof.captures)
+    names = [c["file"] for c in prof.captures]
+    shipped = {p.name: p for p in CAPTURES}
+    assert len(names) >= 2 and set(names) <= set(shipped)
+    assert all(_digest(shipped[c["file"]]) == c["sha256_16"] for c in prof.captures)
 
 
 def test_kv_read_falls_with_context_and_the_extrapolation_says_so():
