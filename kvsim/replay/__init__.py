@@ -32,6 +32,7 @@ from kvsim.sim.records import (
     DEFAULT_WORKSPACE_GIB,
     KV_DTYPES,
     WEIGHT_DTYPES,
+    ChunkLog,
     Deployment,
 )
 
@@ -173,14 +174,16 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
     window = window_of(work.arrival, report.WARMUP, work.concurrency is not None)
 
     def simulate(cost):
+        # chunks are kept whole only for the timeline (else only summed)
         sim = Simulator(model, costs, cost, memory, cfg.batch, scheduling, work_at_prefill,
-                        jobs=cfg.jobs)
+                        jobs=cfg.jobs, chunks=ChunkLog(keep=0 if cfg.timeline is None else
+                                                       ChunkLog.keep))
         requests = Requests(dict(cfg.slo), window)
         if cfg.replicas == 1:
             return sim, sim.run(work, requests)
         from kvsim.sim import replicas  # one simulator per replica (the first draws the timeline)
         sims = [sim] + [Simulator(model, costs, cost, memory, cfg.batch, scheduling,
-                                  work_at_prefill, jobs=cfg.jobs)
+                                  work_at_prefill, jobs=cfg.jobs, chunks=ChunkLog(keep=0))
                         for _ in range(cfg.replicas - 1)]
         if cfg.router == "least-loaded" and work.concurrency is None:
             return sim, replicas.merge(replicas.least_loaded(sims, work, requests))

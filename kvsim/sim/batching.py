@@ -30,6 +30,8 @@ from kvsim.sim.metrics import Requests
 from kvsim.sim.records import MAX_CHUNK, Chunks
 from kvsim.sim.rules import RULES
 
+SCALAR_STEPS = 1  # a run of at most this many planned steps is costed in scalars, not arrays
+
 
 class Clock:
     """The clock of a run alone: its one process only waits for time to pass, so it needs no
@@ -178,13 +180,15 @@ class Run:
     # ----------------------------------------------------------------- the running batch
     def join(self, ids) -> None:
         """Sequences ``ids`` (their ``ctx`` and ``left`` true) join the running batch."""
-        c = self.clock
+        c, ctx, left, heap, push = self.clock, self.ctx, self.left, self.finish_at, heapq.heappush
+        run_ctx = self.run_ctx
         for i in ids:
-            self.ctx[i] -= c
-            self.left[i] += c
-            self.run_ctx += self.ctx[i]
-            heapq.heappush(self.finish_at, (self.left[i], i))
-            self.running.append(i)
+            ctx[i] -= c
+            left[i] += c
+            run_ctx += ctx[i]
+            push(heap, (left[i], i))
+        self.run_ctx = run_ctx
+        self.running.extend(ids)
 
     def leave(self, ids) -> None:
         """Sequences ``ids`` leave the running batch: their ``ctx`` and ``left`` are true again
@@ -221,14 +225,16 @@ class Run:
     def admit(self) -> None:
         """Waiting requests start prefilling, in the admission order, while seats and memory
         allow (the longest prefix of the queue that fits)."""
-        self.pull()
+        if self.pulls:
+            self.pull()
         if not self.waiting or self.pressure:
             return
-        seats = self.seats()
+        sim = self.sim
+        seats = sim.max_batch - len(self.running) - len(self.prefilling)  # (seats)
         if seats <= 0:
             return
-        kv, grow = self.sim.kv, self.growing  # grow: HBM for the tokens to prefill, else all
-        free_hbm, free_host = self.free_hbm(), self.cap_host - self.used_host
+        kv, grow = sim.kv, self.growing  # grow: HBM for the tokens to prefill, else all
+        free_hbm, free_host = self.cap_hbm - self.used_hbm, self.cap_host - self.used_host
         now = self.env.now
         while self.waiting and seats > 0:  # scalars: usually one or a few
             i = self.waiting[0]
@@ -251,10 +257,12 @@ class Run:
             self.order[i] = self.admissions
             self.prefilled[i] = 0
             self.prefilling.append(i)
-        self.used_hbm = self.cap_hbm - free_hbm
-        self.used_host = self.cap_host - free_host
-        self.peak_hbm = max(self.peak_hbm, self.used_hbm)
-        self.peak_host = max(self.peak_host, self.used_host)
+        self.used_hbm = used_hbm = self.cap_hbm - free_hbm
+        self.used_host = used_host = self.cap_host - free_host
+        if used_hbm > self.peak_hbm:
+            self.peak_hbm = used_hbm
+        if used_host > self.peak_host:
+            self.peak_host = used_host
 
     # ------------------------------------------------------------------------------ steps
     def prefill_phase(self):
@@ -305,13 +313,15 @@ class Run:
             p = plans[j]
             for i, size in p.assign:
                 prefilled[i] += size
-            for i in p.done:  # emitted at the end of step j, then decoded k - 1 - j more
-                if math.isnan(first[i]):
-                    first[i] = t0 + ends[j]
-                    ctx[i] = self.prompt[i]
-                ctx[i] += k - j
-                left[i] -= k - j
-                joining.append(i)
+            if p.done:  # emitted at the end of step j, then decoded k - 1 - j more
+                at, more = t0 + ends[j], k - j
+                for i in p.done:
+                    if math.isnan(first[i]):
+                        first[i] = at
+                        ctx[i] = self.prompt[i]
+                    ctx[i] += more
+                    left[i] -= more
+                joining += p.done
         if joining:
             pf, n = self.prefilling, len(joining)
             if pf[:n] == joining:  # chunks go in order: the first prompts finish
@@ -400,8 +410,15 @@ class Run:
         gone = [heapq.heappop(heap)[1]]
         while heap and heap[0][0] <= clock:
             gone.append(heapq.heappop(heap)[1])
-        ids = gone if len(gone) == 1 else sorted(gone, key=self.running.index)  # batch order
-        self.leave(ids)
+        if len(gone) == 1:  # (leave, in scalars: the common case)
+            ids, i = gone, gone[0]
+            self.run_ctx -= self.ctx[i]
+            self.ctx[i] += clock
+            self.left[i] -= clock
+            self.running.remove(i)
+        else:
+            ids = sorted(gone, key=self.running.index)  # batch order
+            self.leave(ids)
         self.pressure = False
         now, rec = self.env.now, self.requests.record_one
         held_hbm, held_host = self.held_hbm, self.held_host
@@ -425,7 +442,8 @@ class Run:
         return self.done >= self.n
 
     def scheduler(self):
-        while not self.finished():
+        n, routed = self.n, self.routed
+        while (self.done < n) if not routed else not self.finished():
             if self.swapped:
                 yield from self.resume_swapped()
             if self.waiting or self.pulls and self.next < self.n and \

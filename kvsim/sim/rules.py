@@ -92,10 +92,14 @@ def _whole(run, decodes: int) -> StepPlan:
     costs, m = sim.steps, sim.model
     if len(pf) == 1:  # the common step, in scalars
         i = pf[0]
-        done = run.prefilled[i]
-        tokens = run.target[i] - done
-        assign, lengths = [(i, tokens)], [float(run.target[i])]
-        flops = m.attention_flops(float(tokens), float(done))
+        done, target = run.prefilled[i], run.target[i]
+        tokens = target - done
+        assign, lengths = [(i, tokens)], [float(target)]
+        s = float(tokens)  # (ModelSpec.attention_flops, in scalars: the same product)
+        flops = m.flops_per_pair * (s * float(done) + s * (s + 1) / 2)
+        if not costs.works and not costs.fixed:
+            return StepPlan(decodes, run.batch_tokens() if decodes else 0.0, tokens, flops,
+                            assign, pf, lengths, 0.0, 0.0)
     else:
         assign = [(i, run.target[i] - run.prefilled[i]) for i in pf]
         flops = sum(m.attention_flops(float(n), float(run.prefilled[i])) for i, n in assign)
@@ -121,42 +125,48 @@ class Chunked:
         if ``single``."""
         budget, D = run.sched.max_batched_tokens, len(run.running)
         target, prefilled, slots = run.target, run.prefilled, run.prefilling
-        if not single and sum([target[i] - prefilled[i] for i in slots]) <= budget - D:
+        todo = [target[i] - prefilled[i] for i in slots]
+        if not single and sum(todo) <= budget - D:
             return [_whole(run, D)]  # it all fits in one step (the common case)
         # each prompt's tokens still to prefill and prefilled; chunks go in order, so the
         # prompts that have finished are always the first ``first``
-        todo = [target[i] - prefilled[i] for i in slots]
         at = [prefilled[i] for i in slots]
         first, count = 0, len(slots)
         per_pair = run.sim.model.flops_per_pair  # (ModelSpec.attention_flops)
         tokens = run.batch_tokens()
         min_left = run.soonest() if D else None
         costs = run.sim.steps
+        works = costs.works
         held = run.batch()[1] if costs.fixed else None  # the decodes' tokens, one by one
         plans: list[StepPlan] = []
         while first < count and len(plans) < MAX_CHUNK:
             left = budget - D
-            assign, fin, ctok, cflops, prefixes = [], [], 0, 0.0, []
-            for j in range(first, count):
-                if left <= 0:
-                    break
-                size, p = int(min(todo[j], left)), at[j]
+            assign, fin, ctok, cflops = [], [], 0, 0.0
+            j = first
+            while j < count and left > 0:
+                size, q = todo[j], at[j]
+                if size > left:
+                    size = int(left)
                 assign.append((slots[j], size))
-                prefixes.append(p)
-                s, q = float(size), float(p)
-                cflops += per_pair * (s * q + s * (s + 1) / 2)
+                s = float(size)
+                cflops += per_pair * (s * float(q) + s * (s + 1) / 2)
                 ctok += size
                 left -= size
                 todo[j] -= size
-                at[j] = p + size
+                at[j] = q + size
                 if todo[j] == 0:
                     fin.append(slots[j])
+                j += 1
             first += len(fin)
             lengths = [float(target[i]) for i in fin]
-            plans.append(StepPlan(D, tokens, ctok, cflops, assign, fin, lengths,
-                                  *_work(run, lengths), *(costs.charged(held) + (
-                                      costs.written(prefixes, [n for _, n in assign]),)
-                                      if held is not None else ())))
+            work = _work(run, lengths) if works else (0.0, 0.0)
+            if held is None:
+                plans.append(StepPlan(D, tokens, ctok, cflops, assign, fin, lengths, *work))
+            else:
+                prefixes = [at[k] - n for k, (_, n) in zip(range(j - len(assign), j), assign)]
+                plans.append(StepPlan(D, tokens, ctok, cflops, assign, fin, lengths, *work,
+                                      *costs.charged(held),
+                                      costs.written(prefixes, [n for _, n in assign])))
             if single or (min_left is not None and min_left <= 1):
                 break  # a decode finishes with this step (or one step was asked for)
             tokens += D  # each decode appended a token

@@ -87,6 +87,9 @@ class StepCosts:
         self._lines: dict[int, tuple] = {}
         self._forms: dict[int, tuple | None] = {}
         self._copies: dict[int, float] = {}  # link copies of a step's D2H write, per chunks
+        self._gemm_at: dict[float, float] = {}  # a step's GEMM seconds per layer, by its tokens
+        self._decoding: dict[int, tuple | None] = {}  # (line, GEMM, LM head) per decode batch
+        self._kv_bytes = self.model.kv_bytes_per_token
         m, c, p = self.model, self.costs, self.policy
         self.overlap = c.overlap_for(p.overlap)
         self.fixed = p.fixed  # some term holds a fixed token count: charged per sequence
@@ -228,14 +231,22 @@ class StepCosts:
         :meth:`layer_costs`; ``written``: as :meth:`host_bytes`. ``tests/test_serving.py``
         holds the two equal."""
         m, c, p = self.model, self.costs, self.policy
-        L, work, ovh = m.layers, self.prefill_work, self.overhead
+        L, ovh, overlap = m.layers, self.overhead, self.overlap
         gemm_d = attn = link = decide = alone = 0.0
-        line = self._line(D) if D and tokens > 0 else None
-        if line is not None:  # roofline costs: the remembered affine parts, in scalars
-            (c0, c1), (d0, d1), (x0, x1) = line
-            gemm_d, head_d = self.per_batch(D)
+        dec = None
+        if D and tokens > 0:
+            dec = self._decoding.get(D, 0)
+            if dec == 0:
+                line = self._line(D)
+                dec = self._decoding[D] = None if line is None else (line, *self.per_batch(D))
+        if dec is not None:  # roofline costs: the remembered affine parts, in scalars
+            ((c0, c1), (d0, d1), (x0, x1)), gemm_d, head_d = dec
             attn, decide, link = c1 * tokens, d0 + d1 * tokens, x0 + x1 * tokens
-            alone = _step_time(c0 + attn, decide, link, L, self.overlap) + head_d + ovh
+            if overlap:  # (_step_time, inlined)
+                compute_d = c0 + attn + decide
+                alone = link + compute_d + (L - 1) * max(compute_d, link) + head_d + ovh
+            else:
+                alone = L * (c0 + attn + decide + link) + head_d + ovh
         elif D and self.fixed:
             gemm_d, head_d = self.per_batch(D)
             compute, decide, link = (float(x[0]) for x in self.layer_costs(
@@ -256,14 +267,22 @@ class StepCosts:
             alone = float(step_time(gemm_d + attn + float(c.allreduce_time(D, m)), decide, link, L,
                                     self.overlap)) + head_d + ovh
         n = D + chunk_tokens
-        gemm = max(gemm_d, self.matmuls.at(n))
+        at = self._gemm_at.get(n)
+        if at is None:
+            at = self._gemm_at[n] = self.matmuls.at(n)
+        gemm = max(gemm_d, at)
         reduce = float(c.allreduce_time(n, m)) if c.tp > 1 else 0.0  # tensor parallel
         compute = attn + gemm + attn_flops / L / c.flops + reduce
-        layers = _step_time(compute, decide, link, L, self.overlap)
+        if overlap:  # (_step_time, inlined)
+            compute_d = compute + decide
+            layers = link + compute_d + (L - 1) * max(compute_d, link)
+        else:
+            layers = L * (compute + decide + link)
         emit = D + len(done)
-        extra = (self.per_batch(emit)[1] if emit else 0.0) + (sum(
-            max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
-            if self.works else 0.0)
+        extra = self.per_batch(emit)[1] if emit else 0.0
+        if self.works:
+            work = self.prefill_work
+            extra += sum(max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
         write = self._write(chunk_tokens, written, count) if self.writes and count else 0.0
         return (max(layers + extra, write) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
@@ -275,8 +294,9 @@ class StepCosts:
         copies = self._copies.get(count)
         if copies is None:
             copies = self._copies[count] = float(2 * self.model.layers * c.copies(1.0, count))
-        nbytes = self.model.kv_bytes_per_token * written if written is not None else \
-            self.policy.host_frac * self.model.kv_bytes_per_token * float(chunk_tokens)
+        kv = self._kv_bytes
+        nbytes = kv * written if written is not None else \
+            self.policy.host_frac * kv * float(chunk_tokens)
         if link.curve is not None:
             return float(link.time(nbytes, copies))
         copies = max(copies, 1.0)  # LinkPath.time in floats
