@@ -270,39 +270,55 @@ class Run:
         rule plans them; a prompt that finishes emits a token and decodes from the next step.
         The run ends with the prefills, at a decode's completion, at the step after the next
         arrival, or after one step when memory grows per token (grow admission)."""
-        sim, rule = self.sim, self.scheduler_rule
-        if rule.decodes_while_prefilling and self.growing:
+        sim, rule, growing = self.sim, self.scheduler_rule, self.growing
+        if growing and rule.decodes_while_prefilling:
             while self.admission.fit(self, 1) < 1:
                 yield from self.preemption.preempt(self)
                 self.pull()  # a swap-out took time
-        plans = rule.plan(self, single=self.growing)
-        D, t0 = plans[0].decodes, self.env.now
+        plans = rule.plan(self, single=growing)
+        t0 = self.env.now
         if len(plans) == 1:  # the common case, in scalars
-            p = plans[0]
-            step, gpu, link, alone = sim.steps.step(
-                D, p.decode_tokens, p.chunk_tokens, p.chunk_flops, len(p.assign),
-                p.done_lengths, p.read_tokens, p.fetch_tokens, p.written_tokens)
+            D, tokens, ctok, cflops, assign, done, lengths, _, _, read, fetch, written = \
+                plans[0]
+            step, gpu, link, alone = sim.steps.step(D, tokens, ctok, cflops, len(assign),
+                                                    lengths, read, fetch, written)
             sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill",
-                           None, p.chunk_tokens, alone)
-            ends, k = [step], 1
+                           None, ctok, alone)
             yield self.env.timeout(step)
-        else:
-            step, gpu, link, alone = sim.steps.run(
-                np.array([p.decodes for p in plans], float),
-                np.array([p.decode_tokens for p in plans], float), Chunks.of(plans),
-                *sim.steps.charges_of(plans))
-            ends = np.cumsum(step)
-            k = len(plans)
-            until = self.until_next_arrival()
-            if until < np.inf:
-                k = min(k, int(np.searchsorted(ends, until)) + 1)
-            for j in range(k):
-                Dj = plans[j].decodes
-                sim.chunks.add(t0 + (ends[j - 1] if j else 0.0), float(step[j]),
-                               1 if Dj else 0, Dj, float(gpu[j]), float(link[j]),
-                               "mixed" if Dj else "prefill", None, plans[j].chunk_tokens,
-                               float(alone[j]))
-            yield self.env.timeout(float(ends[k - 1]))
+            if D:
+                if growing:
+                    self.admission.grow(self, 1)
+                self.clock += 1
+            prefilled = self.prefilled
+            for i, size in assign:
+                prefilled[i] += size
+            if done:  # emitted at the end of the step
+                first, ctx, left, at = self.first_token, self.ctx, self.left, t0 + step
+                for i in done:
+                    if math.isnan(first[i]):
+                        first[i] = at
+                        ctx[i] = self.prompt[i]
+                    ctx[i] += 1
+                    left[i] -= 1
+                self._joined(done)
+            return
+        D = plans[0].decodes  # a run of steps, in arrays
+        step, gpu, link, alone = sim.steps.run(
+            np.array([p.decodes for p in plans], float),
+            np.array([p.decode_tokens for p in plans], float), Chunks.of(plans),
+            *sim.steps.charges_of(plans))
+        ends = np.cumsum(step)
+        k = len(plans)
+        until = self.until_next_arrival()
+        if until < np.inf:
+            k = min(k, int(np.searchsorted(ends, until)) + 1)
+        for j in range(k):
+            Dj = plans[j].decodes
+            sim.chunks.add(t0 + (ends[j - 1] if j else 0.0), float(step[j]),
+                           1 if Dj else 0, Dj, float(gpu[j]), float(link[j]),
+                           "mixed" if Dj else "prefill", None, plans[j].chunk_tokens,
+                           float(alone[j]))
+        yield self.env.timeout(float(ends[k - 1]))
         if D:
             if self.growing:
                 self.admission.grow(self, k)
@@ -323,13 +339,17 @@ class Run:
                     left[i] -= more
                 joining += p.done
         if joining:
-            pf, n = self.prefilling, len(joining)
-            if pf[:n] == joining:  # chunks go in order: the first prompts finish
-                self.prefilling = pf[n:]
-            else:
-                gone = set(joining)
-                self.prefilling = [i for i in pf if i not in gone]
-            self.join(joining)
+            self._joined(joining)
+
+    def _joined(self, joining: list[int]) -> None:
+        """Prompts ``joining`` have finished prefilling: they join the running batch."""
+        pf, n = self.prefilling, len(joining)
+        if pf[:n] == joining:  # chunks go in order: the first prompts finish
+            self.prefilling = pf[n:]
+        else:
+            gone = set(joining)
+            self.prefilling = [i for i in pf if i not in gone]
+        self.join(joining)
 
     def decode_steps(self):
         """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
@@ -421,20 +441,23 @@ class Run:
             self.leave(ids)
         self.pressure = False
         now, rec = self.env.now, self.requests.record_one
-        held_hbm, held_host = self.held_hbm, self.held_host
+        held_hbm, held_host, used_hbm, used_host = (self.held_hbm, self.held_host,
+                                                    self.used_hbm, self.used_host)
+        arrival, admitted, first, output = self.arrival, self.admitted, self.first_token, \
+            self.output
         for i in ids:
-            rec(self.arrival[i], self.admitted[i], self.first_token[i], now, self.output[i])
-            self.used_hbm -= held_hbm[i]  # (release, in scalars)
-            self.used_host -= held_host[i]
+            rec(arrival[i], admitted[i], first[i], now, output[i])
+            used_hbm -= held_hbm[i]  # (release, in scalars)
+            used_host -= held_host[i]
             held_hbm[i] = held_host[i] = 0
+        self.used_hbm, self.used_host = used_hbm, used_host
         self.free.extend(ids)
         self.done += len(ids)
         self.mark(-len(ids))
         if not self.open:  # closed loop: replace each at once
-            for _ in ids:
-                if self.next < self.n:
-                    self.arrive(self.next)
-                    self.next += 1
+            for _ in range(min(len(ids), self.n - self.next)):
+                self.arrive(self.next)
+                self.next += 1
 
     def finished(self) -> bool:
         if self.routed:

@@ -195,11 +195,21 @@ class Requests:
         """One request that finished at ``now``."""
         ttft, e2e = first - arrival, now - arrival
         tpot = (now - first) / (output - 1) if output > 1 else math.nan
-        for q, x in ((self.ttft, ttft), (self.e2e, e2e), (self.wait, admitted - arrival)) \
-                if output <= 1 else ((self.ttft, ttft), (self.e2e, e2e),
-                                     (self.wait, admitted - arrival), (self.tpot, tpot)):
-            p = q.pending  # (Quantiles.add_one, inlined)
-            p.append(x)
+        q = self.ttft  # (Quantiles.add_one, inlined: the hot path)
+        (p := q.pending).append(ttft)
+        if len(p) == 1024:
+            q._flush()
+        q = self.e2e
+        (p := q.pending).append(e2e)
+        if len(p) == 1024:
+            q._flush()
+        q = self.wait
+        (p := q.pending).append(admitted - arrival)
+        if len(p) == 1024:
+            q._flush()
+        if output > 1:
+            q = self.tpot
+            (p := q.pending).append(tpot)
             if len(p) == 1024:
                 q._flush()
         self.count += 1

@@ -128,6 +128,9 @@ class Chunked:
         todo = [target[i] - prefilled[i] for i in slots]
         if not single and sum(todo) <= budget - D:
             return [_whole(run, D)]  # it all fits in one step (the common case)
+        costs = run.sim.steps
+        if (single or D and run.soonest() <= 1) and not costs.fixed and not costs.works:
+            return [_one_step(run, D, budget - D, todo)]  # (the loop's first step, in short)
         # each prompt's tokens still to prefill and prefilled; chunks go in order, so the
         # prompts that have finished are always the first ``first``
         at = [prefilled[i] for i in slots]
@@ -135,7 +138,6 @@ class Chunked:
         per_pair = run.sim.model.flops_per_pair  # (ModelSpec.attention_flops)
         tokens = run.batch_tokens()
         min_left = run.soonest() if D else None
-        costs = run.sim.steps
         works = costs.works
         held = run.batch()[1] if costs.fixed else None  # the decodes' tokens, one by one
         plans: list[StepPlan] = []
@@ -186,6 +188,28 @@ class Chunked:
             if min_left is not None and min_left <= 0:
                 break
         return plans
+
+
+def _one_step(run, D: int, left: int, todo: list) -> StepPlan:
+    """:meth:`Chunked.plan`'s first step alone, for a policy of shares only (no fixed terms, no
+    prefill work): ``left`` tokens of the budget after the ``D`` decodes go to the prompts in
+    order, ``todo`` the tokens each still has to prefill."""
+    per_pair, prefilled = run.sim.model.flops_per_pair, run.prefilled
+    assign, fin, ctok, cflops = [], [], 0, 0.0
+    for i, size in zip(run.prefilling, todo):
+        if left <= 0:
+            break
+        if size > left:
+            size = int(left)
+        else:
+            fin.append(i)
+        assign.append((i, size))
+        s = float(size)
+        cflops += per_pair * (s * float(prefilled[i]) + s * (s + 1) / 2)
+        ctok += size
+        left -= size
+    return StepPlan(D, run.batch_tokens(), ctok, cflops, assign, fin,
+                    [float(run.target[i]) for i in fin], 0.0, 0.0)
 
 
 @rule("scheduler", "prefill-first")

@@ -90,6 +90,7 @@ class StepCosts:
         self._gemm_at: dict[float, float] = {}  # a step's GEMM seconds per layer, by its tokens
         self._decoding: dict[int, tuple | None] = {}  # (line, GEMM, LM head) per decode batch
         self._kv_bytes = self.model.kv_bytes_per_token
+        self._d2h = self.costs.links.get("d2h")
         m, c, p = self.model, self.costs, self.policy
         self.overlap = c.overlap_for(p.overlap)
         self.fixed = p.fixed  # some term holds a fixed token count: charged per sequence
@@ -290,13 +291,14 @@ class StepCosts:
     def _write(self, chunk_tokens: float, written: float | None, count: int) -> float:
         """Seconds of one step's D2H write of ``count`` chunks (:meth:`run`'s ``write``), in
         floats where the link is a line (the copies remembered per chunk count)."""
-        c, link = self.costs, self.costs.links["d2h"]
         copies = self._copies.get(count)
         if copies is None:
+            c = self.costs
             copies = self._copies[count] = float(2 * self.model.layers * c.copies(1.0, count))
         kv = self._kv_bytes
         nbytes = kv * written if written is not None else \
             self.policy.host_frac * kv * float(chunk_tokens)
+        link = self._d2h
         if link.curve is not None:
             return float(link.time(nbytes, copies))
         copies = max(copies, 1.0)  # LinkPath.time in floats
