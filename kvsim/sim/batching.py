@@ -302,7 +302,11 @@ class Run:
                     left[i] -= 1
                 self._joined(done)
             return
-        D = plans[0].decodes  # a run of steps, in arrays
+        yield from self._run_of_steps(plans, t0)
+
+    def _run_of_steps(self, plans, t0: float):
+        """:meth:`prefill_phase`'s run of several planned steps, costed in arrays."""
+        sim, D = self.sim, plans[0].decodes
         step, gpu, link, alone = sim.steps.run(
             np.array([p.decodes for p in plans], float),
             np.array([p.decode_tokens for p in plans], float), Chunks.of(plans),
