@@ -59,9 +59,15 @@ MODELS = {  # Hugging Face id (lower case) -> catalog name
     "mistralai/mixtral-8x22b-instruct-v0.1": "mixtral-8x22b",
     "01-ai/yi-9b-200k": "yi-9b-200k", "01-ai/yi-34b": "yi-34b",
     "qwen/qwen1.5-72b": "qwen1.5-72b", "qwen/qwen2-72b": "qwen2-72b",
+    "qwen/qwen2-72b-instruct": "qwen2-72b",
+    "qwen/qwen2.5-72b-instruct": "qwen2-72b",  # the same shapes as Qwen2-72B (80 x 8192, GQA 64/8)
+    "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen3-4b": "qwen3-4b", "qwen/qwen3-4b-fp8": "qwen3-4b",
+    "qwen/qwen3-8b": "qwen3-8b", "qwen/qwen3-8b-fp8": "qwen3-8b",
 }
 FAMILIES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "trtllm", "lmdeploy": "lmdeploy",
-            "other:hf-transformers-fa2": "hf", "other:shadowkv-fullattn-baseline": "hf"}
+            "other:hf-transformers-fa2": "hf", "other:shadowkv-fullattn-baseline": "hf",
+            "other:gpt-fast": "gpt-fast"}
 LEGACY_VLLM = ("~0.2", "~0.3")  # vLLM before 0.4 (before mid-2024): its own family, "vllm-0.3"
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "": ""}
 COLUMNS = ("use", "engine", "engine_version", "gpu", "tp", "model", "weight_dtype", "kv_dtype",
