@@ -7,7 +7,8 @@ The all-layer profiles come from capture sets of every layer and KV head of the 
 (kvsim capture --lengths ... --out /tmp/full/TASK.npz; kvsim policy-profile /tmp/full/TASK.npz
 --policy verkv --compression 16 --eps 0.05 --sink 4 --local 4 --out /tmp/full/TASK-all.json).
 For each length: the whole depth's mean (every layer, every head, every question), the shipped
-profile's fitted value there with its 90% interval, and the relative difference.
+profile's fitted value there with its 90% interval (from the capture sets of the same tasks
+only), and the relative difference.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the table here")
     args = ap.parse_args()
     full = [pp.load(p) for p in args.all_layer]
-    prof = pp.load(args.profile)
+    tasks = sorted({f.captures[0]["task"] for f in full})
+    prof = pp.load(args.profile).of_tasks(tasks)  # the same prompts' capture sets only
     name, params = full[0].settings[0]
     pol = make(name, {k: v for k, v in params.items() if v is not None})
     params = dataclasses.asdict(pol.params)
@@ -52,12 +54,13 @@ def main() -> None:
                          "difference %": 100 * (got - truth) / max(abs(truth), 1e-4),
                          "inside": bool(lo <= truth <= hi)})
     from kvsim.commands._out import table
-    print(f"{name} {pp._short(params)}: shipped profile vs every layer and head of the same "
+    shown = ", ".join(f"{k} {params[k]:g}" for k in ("compression", "eps") if k in params)
+    print(f"{name} {shown}: shipped profile vs every layer and head of the same "
           f"prompts ({', '.join(f.captures[0]['task'] for f in full)})")
     table(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"setting": [name, params], "all_layer": args.all_layer,
+            json.dump({"setting": [name, params], "all_layer": args.all_layer, "tasks": tasks,
                        "profile": args.profile, "rows": rows}, f, indent=1)
 
 

@@ -5,12 +5,13 @@ decode step, per question pass and per forward pass, and the output error, at ea
     python scripts/verkv_table.py [PROFILE ...] [--length 8192] [--sketch bounded]
 
 Default profiles: the shipped one (``traces/policy-profile-smollm2.json``: the 2-bit sketch at
-8x-32x, the perfect sketch at 16x) and ``docs/verkv-sketches-profile.json`` (the bounded sketch
-at 8x and 16x, the perfect sketch at 8x and 32x, the 2-bit sketch at 16x with
-``--pass-plan shared``). Every statistic is a mean over the profile's units (2 tasks x 4
-questions per length, one draw of the sample per layer), layers weighted to the whole depth
-(the capture's ``--layer-weights``); the worst layer is the kept layer with the highest violation
-rate, averaged over the units.
+4x-32x, the perfect and the bounded sketch at 16x, six task types) and
+``docs/verkv-sketches-profile.json`` (the bounded sketch at 8x and 16x, the perfect sketch at 8x
+and 32x, the 2-bit sketch at 16x with ``--pass-plan shared``; measured on the ``mk`` and ``qa``
+sets only, which its rows say). A setting in several profiles is shown from the first. Every
+statistic is a mean over the profile's units (its tasks' questions per length, one draw of the
+sample per layer), layers weighted to the whole depth (the capture's ``--layer-weights``); the
+worst layer is the kept layer with the highest violation rate, averaged over the units.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ DEFAULT = ["traces/policy-profile-smollm2.json", "docs/verkv-sketches-profile.js
 
 
 def rows_of(path: str):
-    """(label params, stat accumulators, per-layer violations) of one profile's VerKV rows."""
+    """(label params, stat accumulators, per-layer violations, tasks) of one profile's VerKV
+    rows."""
     with open(path) as f:
         d = json.load(f)
     col = {c: i for i, c in enumerate(d["columns"])}
@@ -47,7 +49,7 @@ def rows_of(path: str):
             b = by_layer[(s, t, row[col["layer"]])]
             b[0] += v
             b[1] += 1
-    return settings, acc, by_layer
+    return settings, acc, by_layer, sorted({c["task"] for c in d["captures"]})
 
 
 def main() -> None:
@@ -60,9 +62,12 @@ def main() -> None:
     print("| sketch | budget | eps | length | violation rate | worst layer | KV read per decode "
           "step | per question pass | per forward pass | output rel. error |")
     print("|---|---|---|--:|--:|--:|--:|--:|--:|--:|")
-    lines = []
+    lines, shown, first_tasks = [], set(), None
     for path in args.profiles:
-        settings, acc, by_layer = rows_of(path)
+        settings, acc, by_layer, tasks = rows_of(path)
+        first_tasks = first_tasks or tasks
+        # a profile measured on other prompts than the first says which, in the sketch column
+        where = "" if tasks == first_tasks else f" ({', '.join(tasks)} only)"
         mean = lambda *k, acc=acc: acc[k][0] / acc[k][1] if acc[k][1] else float("nan")  # noqa: E731
         targets = sorted({t for (_, t, _, _) in acc})
         if args.length:
@@ -71,7 +76,11 @@ def main() -> None:
             if p is None or (args.sketch and p["sketch"] != args.sketch):
                 continue
             plan = p.get("pass_plan") or "rows"
-            name = p["sketch"] + ("" if plan == "rows" else f", {plan} plan")
+            name = p["sketch"] + ("" if plan == "rows" else f", {plan} plan") + where
+            same = (p["sketch"], plan, p["compression"], p["eps"])
+            if same in shown:  # a setting in several profiles: the first profile's
+                continue
+            shown.add(same)
             for t in targets:
                 layers = {la: v / n for (ss, tt, la), (v, n) in by_layer.items()
                           if ss == s and tt == t}

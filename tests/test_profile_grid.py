@@ -107,12 +107,13 @@ def test_replay_between_grid_values_has_the_interval_keys():
 def test_show_lists_the_grid():
     code, out, err = run_cli("policy-profile", "--show", PROFILE)
     assert code == 0, err
-    assert "37 settings" in out
-    for row in ("compression 16, eps 0.5, sketch perfect", "token_budget 1024", "local 252"):
+    assert "42 settings" in out
+    for row in ("compression 16, eps 0.5, sketch perfect", "compression 16, eps 0.25, sketch bounded",
+                "token_budget 1024", "local 252"):
         assert row in out
     code, out, _ = run_cli("policy-profile", "--show", PROFILE, "--json")
     got = json.loads(out)["settings"]
-    assert len(got) == 37 and {r["policy"] for r in got} >= {"verkv", "topk", "quest"}
+    assert len(got) == 42 and {r["policy"] for r in got} >= {"verkv", "topk", "quest"}
     code, out, _ = run_cli("policy-profile", "--show", PROFILE, "--policy", "verkv")
     assert code == 0 and "grid of verkv in the profile: compression 4/8/16/32, eps " in out
 

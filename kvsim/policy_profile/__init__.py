@@ -145,6 +145,17 @@ class Profile:
         if not self.cells:
             raise KvsimError(f"{where}: the profile holds no rows")
 
+    def of_tasks(self, tasks) -> Profile:
+        """This profile with the capture sets of ``tasks`` alone (to set it beside another
+        measurement of the same prompts)."""
+        keep = {old: new for new, old in enumerate(
+            i for i, c in enumerate(self.captures) if c["task"] in set(tasks))}
+        if not keep:
+            raise KvsimError(f"{self.where}: no capture set of task(s) {', '.join(tasks)}")
+        rows = [[r[0], keep[int(r[1])], *r[2:]] for r in self.data["rows"] if int(r[1]) in keep]
+        return Profile(dict(self.data, captures=[self.captures[i] for i in keep], rows=rows),
+                       f"{self.where} ({', '.join(sorted(tasks))} only)")
+
     # ------------------------------------------------------------------ settings
 
     def has(self, name: str) -> bool:
