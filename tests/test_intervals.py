@@ -71,12 +71,12 @@ def test_outside_the_checked_regime_the_interval_widens_and_says_why(trace):
     assert far["tpot_ms_lo"] == pytest.approx(far["tpot_ms"] * math.exp(-4 * s))
     # a published family names what its points cover: here a GPU none of them ran on
     eng = E.load(E.CATALOG_DEFAULT)
-    assert "h20" not in eng.fit["checked"]["gpu"]
-    h20 = _replay(trace, gpu="h20")
-    warn = next(w for w in h20["warnings"]
+    assert "gh200" not in eng.fit["checked"]["gpu"]
+    gh = _replay(trace, gpu="gh200")
+    warn = next(w for w in gh["warnings"]
                 if w.startswith(f"outside what engine {E.CATALOG_DEFAULT}"))
-    assert "GPU h20 (checked on" in warn
-    assert h20["interval"]["spread"] == pytest.approx(2 * eng.spread("decode")[0])
+    assert "GPU gh200 (checked on" in warn
+    assert gh["interval"]["spread"] == pytest.approx(2 * eng.spread("decode")[0])
     rough = _replay(trace, engine="roofline")
     assert rough["interval"]["spread"] == pytest.approx(math.log(2))
     assert any("no out-of-sample check" in w for w in rough["warnings"])
