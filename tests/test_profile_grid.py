@@ -108,8 +108,8 @@ def test_show_lists_the_grid():
     code, out, err = run_cli("policy-profile", "--show", PROFILE)
     assert code == 0, err
     assert "42 settings" in out
-    for row in ("compression 16, eps 0.5, sketch perfect", "compression 16, eps 0.25, sketch bounded",
-                "token_budget 1024", "local 252"):
+    for row in ("compression 16, eps 0.5, sketch perfect",
+                "compression 16, eps 0.25, sketch bounded", "token_budget 1024", "local 252"):
         assert row in out
     code, out, _ = run_cli("policy-profile", "--show", PROFILE, "--json")
     got = json.loads(out)["settings"]
