@@ -30,7 +30,7 @@ from kvsim.sim.metrics import Requests
 from kvsim.sim.records import MAX_CHUNK, Chunks
 from kvsim.sim.rules import RULES
 
-SCALAR_STEPS = 1  # a run of at most this many planned steps is costed in scalars, not arrays
+SCALAR_RUN = 16  # a run of at most this many planned steps is costed step by step in scalars
 
 
 class Clock:
@@ -121,9 +121,9 @@ class Run:
             getattr(self, name).extend([zero] * (new - old))
         self.free.extend(range(new - 1, old - 1, -1))
 
-    def arrive(self, i: int, at: float | None = None) -> None:
+    def arrive(self, i: int, at: float | None = None, mark: bool = True) -> None:
         """Request ``i`` of the workload arrives (now, or at ``at`` if read later): it takes a
-        free slot and waits."""
+        free slot and waits (``mark``: counted in the system here, else by the caller)."""
         if not self.free:
             self._grow()
         s = self.free.pop()
@@ -135,7 +135,8 @@ class Run:
         self.prefilled[s] = self.held_hbm[s] = self.held_host[s] = self.order[s] = 0
         self.swap_host[s] = 0
         self.waiting.append(s)
-        self.mark(+1, at)
+        if mark:
+            self.mark(+1, at)
         if self.routed and not self.wake.triggered:
             self.wake.succeed()
 
@@ -305,17 +306,30 @@ class Run:
         yield from self._run_of_steps(plans, t0)
 
     def _run_of_steps(self, plans, t0: float):
-        """:meth:`prefill_phase`'s run of several planned steps, costed in arrays."""
+        """:meth:`prefill_phase`'s run of several planned steps, costed in arrays (in scalars,
+        step by step, when the run is short and the policy's steps cost no prefill work)."""
         sim, D = self.sim, plans[0].decodes
-        step, gpu, link, alone = sim.steps.run(
-            np.array([p.decodes for p in plans], float),
-            np.array([p.decode_tokens for p in plans], float), Chunks.of(plans),
-            *sim.steps.charges_of(plans))
-        ends = np.cumsum(step)
-        k = len(plans)
+        costs, k = sim.steps, len(plans)
         until = self.until_next_arrival()
-        if until < np.inf:
-            k = min(k, int(np.searchsorted(ends, until)) + 1)
+        if k <= SCALAR_RUN and not costs.works:
+            step, gpu, link, alone, ends, end, one = [], [], [], [], [], 0.0, costs.step
+            for p in plans:
+                s, g, x, a = one(p.decodes, p.decode_tokens, p.chunk_tokens, p.chunk_flops,
+                                 len(p.assign), p.done_lengths, p.read_tokens, p.fetch_tokens,
+                                 p.written_tokens)
+                end += s  # (np.cumsum's order)
+                step.append(s), gpu.append(g), link.append(x), alone.append(a), ends.append(end)
+                if end >= until:  # the step after the next arrival ends the run
+                    k = len(ends)
+                    break
+        else:
+            step, gpu, link, alone = costs.run(
+                np.array([p.decodes for p in plans], float),
+                np.array([p.decode_tokens for p in plans], float), Chunks.of(plans),
+                *costs.charges_of(plans))
+            ends = np.cumsum(step)
+            if until < np.inf:
+                k = min(k, int(np.searchsorted(ends, until)) + 1)
         for j in range(k):
             Dj = plans[j].decodes
             sim.chunks.add(t0 + (ends[j - 1] if j else 0.0), float(step[j]),
@@ -457,11 +471,16 @@ class Run:
         self.used_hbm, self.used_host = used_hbm, used_host
         self.free.extend(ids)
         self.done += len(ids)
-        self.mark(-len(ids))
-        if not self.open:  # closed loop: replace each at once
-            for _ in range(min(len(ids), self.n - self.next)):
-                self.arrive(self.next)
-                self.next += 1
+        if self.open:
+            self.mark(-len(ids))
+            return
+        # closed loop: replace each at once (the number in the system drops and comes back at
+        # the same instant, so the area integrates only up to now)
+        more = min(len(ids), self.n - self.next)
+        self.mark(more - len(ids))
+        for _ in range(more):
+            self.arrive(self.next, mark=False)
+            self.next += 1
 
     def finished(self) -> bool:
         if self.routed:
