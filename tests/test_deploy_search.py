@@ -31,6 +31,7 @@ def searched(tmp_path_factory):
     return spec, out, summary
 
 
+@pytest.mark.slow  # the search behind it takes about a minute
 def test_the_answer_is_written_with_its_contract_keys(searched):
     spec, out, summary = searched
     answer = json.loads((out / "answer.json").read_text())
@@ -52,6 +53,7 @@ def test_the_answer_is_written_with_its_contract_keys(searched):
         assert (out / f"{name}.png").stat().st_size > 1000 and f"{name}.png" in summary["plots"]
 
 
+@pytest.mark.slow
 def test_no_cheaper_configuration_meets_the_slo_at_the_target_rate(searched):
     """Every configuration, with as many replicas as cost less than the answer, replayed at the
     target rate: none passes the SLO check."""

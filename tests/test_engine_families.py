@@ -169,6 +169,7 @@ def test_joint_fit_reproduces_two_families_made_by_known_engines():
     assert fam_a.get("step_overhead_ms") == fams["a"].get("step_overhead_ms")
 
 
+@pytest.mark.slow  # a fit per held-out source, ~15 s
 def test_cross_validation_never_fits_on_the_held_out_source(monkeypatch):
     pred = Predictor(None)
     pts = _synthetic(pred, {"hbm_efficiency": 0.8}, {"step_overhead_ms": 2.0})
@@ -216,6 +217,7 @@ def test_builtin_families_load_and_the_best_checked_one_is_the_catalog_default()
         assert 0 < s < 1 and "held-out" in why
 
 
+@pytest.mark.slow  # ~15 s
 def test_kvsim_fit_of_families_prints_the_cross_validation_table(tmp_path):
     from conftest import run_cli
     pred = Predictor(None)

@@ -118,6 +118,7 @@ def test_show_lists_the_grid():
     assert code == 0 and "grid of verkv in the profile: compression 4/8/16/32, eps " in out
 
 
+@pytest.mark.slow  # ~17 s each
 @pytest.mark.parametrize("n", [65536, 131072])
 def test_floored_statistics_keep_an_interval_far_beyond_the_data(prof, n):
     """Top-k's mean output error at 64K/128K was an extrapolation clipped to exactly 0 with a

@@ -8,6 +8,7 @@ A profiled trace (``kvsim profile``) replaces these numbers with measured ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -263,7 +264,7 @@ class ModelSpec:
         pairs = size * prefix + size * (size + 1) / 2
         return self.layers * 4.0 * self.q_heads * self.head_dim * pairs
 
-    @property
+    @functools.cached_property  # (read once a simulated step)
     def flops_per_pair(self) -> float:
         """Attention FLOPs of one query-key pair, all layers and query heads: the factor of
         :meth:`attention_flops` (the same product, so ``flops_per_pair * pairs`` is its value
