@@ -115,17 +115,22 @@ def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict
 def read_json(path: str | os.PathLike, what: str, top: type | None = dict,
               max_bytes: int = MAX_JSON_BYTES):
     """The JSON file ``path`` (a ``what``), checked as :func:`loads_json` does, after the file
-    itself: a regular file (:func:`regular_file`) of at most ``max_bytes``."""
+    itself (:func:`read_bytes`)."""
+    return loads_json(read_bytes(path, what, max_bytes), str(path), what, top)
+
+
+def read_bytes(path: str | os.PathLike, what: str, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of ``path`` (a ``what``): a regular file (:func:`regular_file`) of at most
+    ``max_bytes``."""
     p = regular_file(path, what)
     try:
         size = p.stat().st_size
         if size > max_bytes:
             raise KvsimError(f"{p}: {size / 2**20:.3g} MiB, beyond what kvsim reads as a {what} "
                              f"({max_bytes / 2**20:g} MiB)")
-        data = p.read_bytes()
+        return p.read_bytes()
     except OSError as e:
         raise KvsimError(f"{p}: cannot read the {what} file ({e.strerror or e})") from None
-    return loads_json(data, str(p), what, top)
 
 
 def _check_members(z: zipfile.ZipFile, where: str, what: str) -> None:

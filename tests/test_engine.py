@@ -63,6 +63,19 @@ def test_engine_files_are_checked_on_load(tmp_path):
         assert code == 2 and len(err.strip().splitlines()) == 1 and msg in err
 
 
+def test_an_engine_file_is_parsed_once_per_content_and_each_load_is_its_own(tmp_path):
+    path = tmp_path / "e.json"
+    Engine("x", {"step_overhead_ms": Value(1.0, "fit")}).save(path)
+    a, b = E.load(path), E.load(path)
+    assert a == b and a.fields is not b.fields and a.fit is not b.fit
+    a.fit["points"] = [1]  # what kvsim fit does to the engine it made
+    assert "points" not in E.load(path).fit
+    # the same size, rewritten at once: the content decides, not the file's time stamp
+    Engine("x", {"step_overhead_ms": Value(2.0, "fit")}).save(path, force=True)
+    assert E.load(path).get("step_overhead_ms") == 2.0
+    assert E.load("trtllm") == E.load("trtllm")
+
+
 def test_the_default_engine_leaves_a_profile_as_measured(hw_trace):
     """With a profiled trace the default engine is the bare hardware: the same numbers as
     --engine roofline; with a catalog GPU it is the best-checked published family, and says so."""
