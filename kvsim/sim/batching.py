@@ -312,16 +312,17 @@ class Run:
         costs, k = sim.steps, len(plans)
         until = self.until_next_arrival()
         if k <= SCALAR_RUN and not costs.works:
-            step, gpu, link, alone, ends, end, one = [], [], [], [], [], 0.0, costs.step
+            got, ends, end = [], [], 0.0
             for p in plans:
-                s, g, x, a = one(p.decodes, p.decode_tokens, p.chunk_tokens, p.chunk_flops,
-                                 len(p.assign), p.done_lengths, p.read_tokens, p.fetch_tokens,
-                                 p.written_tokens)
-                end += s  # (np.cumsum's order)
-                step.append(s), gpu.append(g), link.append(x), alone.append(a), ends.append(end)
+                got.append(costs.step(p.decodes, p.decode_tokens, p.chunk_tokens, p.chunk_flops,
+                                      len(p.assign), p.done_lengths, p.read_tokens,
+                                      p.fetch_tokens, p.written_tokens))
+                end += got[-1][0]  # (np.cumsum's order)
+                ends.append(end)
                 if end >= until:  # the step after the next arrival ends the run
                     k = len(ends)
                     break
+            step, gpu, link, alone = zip(*got)
         else:
             step, gpu, link, alone = costs.run(
                 np.array([p.decodes for p in plans], float),
