@@ -70,9 +70,12 @@ FAMILIES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "trtllm", "lmdeploy": 
             "other:gpt-fast": "gpt-fast"}
 LEGACY_VLLM = ("~0.2", "~0.3")  # vLLM before 0.4 (before mid-2024): its own family, "vllm-0.3"
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "": ""}
+# harnesses that repeat one prompt across the batch and decode greedily: every sequence routes
+# to the same experts (ModelSpec.routing "shared"), by (source, engine); data/published/*.md
+SHARED_ROUTING = {("llm-inference-bench-anl-2024", "trtllm")}
 COLUMNS = ("use", "engine", "engine_version", "gpu", "tp", "model", "weight_dtype", "kv_dtype",
-           "policy", "context", "batch", "output_len", "tpot_ms", "ttft_ms", "throughput_tok_s",
-           "latency_s", "certainty", "source", "where", "url", "note")
+           "routing", "policy", "context", "batch", "output_len", "tpot_ms", "ttft_ms",
+           "throughput_tok_s", "latency_s", "certainty", "source", "where", "url", "note")
 
 
 def convert(r: dict) -> tuple[dict | None, str]:
@@ -97,6 +100,9 @@ def convert(r: dict) -> tuple[dict | None, str]:
                tp=r["tp"] or "1", model=model, weight_dtype=DTYPES[w], kv_dtype=DTYPES[kv],
                policy="dense-resident", context=r["input_len"], batch=r["batch"],
                output_len=r["output_len"] or "1")
+    from kvsim.hw import catalog
+    if (r["source"], fam) in SHARED_ROUTING and catalog.model(model).experts:
+        out["routing"] = "shared"
     for k in ("tpot_ms", "ttft_ms", "throughput_tok_s", "latency_s", "certainty", "source",
               "where", "url", "note"):
         out[k] = r[k]

@@ -4,6 +4,7 @@ the two-level family fit with its leave-one-source-out check."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvsim.errors import KvsimError
 from kvsim.fit import Point, Predictor, read_points
 from kvsim.fit import families as F
 from kvsim.fit.solve import make_engine
@@ -62,6 +64,37 @@ def test_grouped_expert_matmuls_by_hand():
     w = float(m.layer_weight_bytes(n)) / (3350 * GB * HBM_EFFICIENCY)
     got = _costs(gemm_overlap=0.0, gemm_half_tokens=half, moe_efficiency=moe).gemm_time(n, m)
     assert got == pytest.approx(c + w, rel=1e-12)
+
+
+def test_shared_routing_reads_one_tokens_experts_and_gives_each_every_token_by_hand(tmp_path):
+    """A batch of copies of one greedy sequence (ModelSpec.routing "shared"): a step reads the
+    attention weights and the k experts of one token, and each of those experts gets every
+    token of the step; uniform routing reads what n independent tokens touch."""
+    m = catalog.model("mixtral-8x7b")
+    shared = dataclasses.replace(m, routing="shared")
+    k, E_, d = m.experts_per_token, m.experts, m.hidden
+    one = m.attn_params + 3 * d * k * m.moe_intermediate + d * E_  # + the router
+    for n in (1.0, 16.0, 64.0):
+        assert float(shared.layer_weight_bytes(n)) == pytest.approx(one * 2, rel=1e-12)
+        hit = E_ * (1 - (1 - k / E_) ** n)
+        assert float(m.layer_weight_bytes(n)) == pytest.approx(
+            (m.attn_params + 3 * d * hit * m.moe_intermediate + d * E_) * 2, rel=1e-12)
+    routed = 3 * d * m.moe_intermediate * k
+    dense, rate, half, n = m.active_layer_params - routed, 989e12 * FLOP_EFFICIENCY, 64.0, 16.0
+    c = 2 * dense * n / (rate * n / (n + half)) + 2 * routed * n / (rate * n / (n + half))
+    w = one * 2 / (3350 * GB * HBM_EFFICIENCY)
+    got = _costs(gemm_overlap=0.0, gemm_half_tokens=half, moe_efficiency=1.0).gemm_time(n, shared)
+    assert got == pytest.approx(c + w, rel=1e-12)
+    assert _costs().gemm_time(16.0, shared) < _costs().gemm_time(16.0, m)  # 2 experts, not ~8
+    path = tmp_path / "p.csv"
+    for value, want in (("shared", "shared"), ("", "uniform")):
+        path.write_text(f"gpu,model,policy,context,batch,tpot_ms,routing\n"
+                        f"h100-sxm,mixtral-8x7b,dense-resident,128,16,10,{value}\n")
+        assert read_points(path)[0].routing == want
+    path.write_text("gpu,model,policy,context,batch,tpot_ms,routing\n"
+                    "h100-sxm,mixtral-8x7b,dense-resident,128,16,10,greedy\n")
+    with pytest.raises(KvsimError, match="routing"):
+        read_points(path)
 
 
 def test_attention_per_query_head_rereads_kv_and_overheads_add_by_hand():

@@ -41,7 +41,8 @@ from kvsim.sim.steps import StepCosts
 REQUIRED = ("gpu", "model", "policy", "context", "batch")
 MEASURED = ("tpot_ms", "ttft_ms", "latency_s", "throughput_tok_s", "fetch_ms", "decide_ms")
 HEADLINE = ("tpot_ms", "throughput_tok_s", "latency_s", "ttft_ms")  # what a row is judged by
-SETUP = ("tp", "weight_dtype", "kv_dtype", "engine", "attention")
+SETUP = ("tp", "weight_dtype", "kv_dtype", "engine", "attention", "routing")
+ROUTING = ("uniform", "shared")  # ModelSpec.routing
 OPTIONAL = ("kv_read_frac", "output_len", *MEASURED, *SETUP)
 METADATA = ("use", "source", "certainty", "note", "where", "url", "engine_version")
 USES = ("fit", "check")
@@ -65,6 +66,7 @@ class Point:
     kv_dtype: str | None = None
     engine: str = ""  # the serving engine's family (vllm, sglang, trtllm, ...)
     attention: str | None = None  # the engine's decode attention kernel, where the row says
+    routing: str = "uniform"  # how the batch's tokens pick their experts (ModelSpec.routing)
 
     @property
     def label(self) -> str:
@@ -167,14 +169,16 @@ def read_points(path: str | Path) -> list[Point]:
 
 
 def _setup(i: int, r: dict) -> dict:
-    """The row's ``tp``, dtypes, engine family and attention kernel, each checked."""
+    """The row's ``tp``, dtypes, engine family, attention kernel and MoE routing, each
+    checked."""
     from kvsim.hw.engine import ATTENTION
     from kvsim.sim.records import KV_DTYPES, WEIGHT_DTYPES
     out = {}
     if r.get("tp"):
         out["tp"] = _number(i, "tp", r["tp"], int)
     for col, table in (("weight_dtype", WEIGHT_DTYPES), ("kv_dtype", KV_DTYPES),
-                       ("attention", dict.fromkeys(ATTENTION))):
+                       ("attention", dict.fromkeys(ATTENTION)),
+                       ("routing", dict.fromkeys(ROUTING))):
         if r.get(col):
             if r[col] not in table:
                 raise KvsimError(f"row {i}: {col} {r[col]!r} is not one of {', '.join(table)}")
@@ -213,7 +217,10 @@ class Predictor:
         and, for the values the row measured, ``ttft_ms``, ``latency_s`` and
         ``throughput_tok_s`` (see the module docstring)."""
         from kvsim.replay import with_dtypes
-        m = with_dtypes(catalog.model(p.model), p.kv_dtype, p.weight_dtype).shard(p.tp)
+        m = with_dtypes(catalog.model(p.model), p.kv_dtype, p.weight_dtype)
+        if p.routing != m.routing:
+            m = dataclasses.replace(m, routing=p.routing)
+        m = m.shard(p.tp)
         if p.attention is not None and engine.get("attention") != p.attention:
             engine = engine.with_fields(attention=p.attention)
         costs, _ = costs_for(p.gpu, None, engine)

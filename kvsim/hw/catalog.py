@@ -219,11 +219,12 @@ class ModelSpec:
         """Bytes of one layer's weights a forward pass over ``tokens`` tokens reads: every
         weight of a dense layer; of an MoE layer the experts the tokens route to, in
         expectation over uniform routing, ``E (1 - (1 - k/E)^tokens)`` (all without
-        ``tokens``)."""
+        ``tokens``); with ``shared`` routing the ``k`` experts of one token."""
         if not self.experts or tokens is None:
             return self.layer_params * self.weight_elem
         t = np.asarray(tokens, float)
-        hit = self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** t)
+        hit = self.experts * (1.0 - (1.0 - self.experts_per_token / self.experts) ** t) \
+            if self.routing == "uniform" else np.full_like(t, float(self.experts_per_token))
         return np.where(t > 0, self.attn_params + self._mlp_params(hit), 0.0) * self.weight_elem
 
     @property
@@ -278,6 +279,10 @@ class ModelSpec:
     moe_intermediate: int = 0  # per routed expert
     shared_intermediate: int = 0  # the always-active shared experts, in all
     moe_layers: int | None = None  # layers with experts (None: all of them)
+    # how a step's tokens pick their experts: "uniform" (independently, uniformly: the
+    # expectation over real traffic) or "shared" (every token like the first: a benchmark
+    # that repeats one prompt across its batch and decodes greedily)
+    routing: str = "uniform"
     # element bytes where they differ from dtype_bytes (the compute dtype)
     kv_dtype_bytes: float | None = None
     weight_dtype_bytes: float | None = None

@@ -88,9 +88,10 @@ class Matmuls:
     efficiency ``M / (M + half)``, ``M`` the tokens one matmul sees (``half`` = the engine's
     ``gemm_half_tokens``; 0: flat): every token for the dense matmuls; for a mixture of experts'
     routed experts, grouped by expert, the tokens each expert gets, ``n k / E`` under uniform
-    routing, at the engine's ``moe_efficiency`` of the dense matmuls' efficiency (grouped GEMMs
-    reach less of the peak). The weight reads are the bytes the tokens touch
-    (:meth:`ModelSpec.layer_weight_bytes`) at achievable HBM bandwidth. The engine's
+    routing (``n`` under shared routing, :attr:`ModelSpec.routing`), at the engine's
+    ``moe_efficiency`` of the dense matmuls' efficiency (grouped GEMMs reach less of the peak).
+    The weight reads are the bytes the tokens touch (:meth:`ModelSpec.layer_weight_bytes`) at
+    achievable HBM bandwidth. The engine's
     ``gemm_overlap`` says how much of the smaller of the two hides under the larger: 1 (the
     default) is the roofline's max, 0 their sum.
     ``time`` is vectorised; ``at`` is the same in floats (the simulator's hot path)."""
@@ -104,7 +105,9 @@ class Matmuls:
             routed = 3.0 * m.hidden * m.moe_intermediate * m.experts_per_token * share
         self.dense_flops = 2.0 * (m.active_layer_params - routed)  # per token
         self.routed_flops = 2.0 * routed / moe_efficiency  # per token, at the dense efficiency
-        self.per_expert = m.experts_per_token / m.experts if m.experts else 0.0
+        # the share of a step's tokens each routed expert gets (shared routing: every one)
+        self.per_expert = (m.experts_per_token / m.experts if m.routing == "uniform" else 1.0) \
+            if m.experts else 0.0
         self.dense_bytes = float(m.layer_weight_bytes())
 
     def _eff(self, tokens):
