@@ -91,9 +91,8 @@ class Matmuls:
     routing (``n`` under shared routing, :attr:`ModelSpec.routing`), at the engine's
     ``moe_efficiency`` of the dense matmuls' efficiency (grouped GEMMs reach less of the peak).
     The weight reads are the bytes the tokens touch (:meth:`ModelSpec.layer_weight_bytes`) at
-    achievable HBM bandwidth. The engine's
-    ``gemm_overlap`` says how much of the smaller of the two hides under the larger: 1 (the
-    default) is the roofline's max, 0 their sum.
+    achievable HBM bandwidth. The engine's ``gemm_overlap`` says how much of the smaller of the
+    two hides under the larger: 1 (the default) is the roofline's max, 0 their sum.
     ``time`` is vectorised; ``at`` is the same in floats (the simulator's hot path)."""
 
     def __init__(self, m: ModelSpec, rate: float, hbm_bw: float, overlap: float, half: float,
