@@ -73,9 +73,13 @@ DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "": ""}
 # harnesses that repeat one prompt across the batch and decode greedily: every sequence routes
 # to the same experts (ModelSpec.routing "shared"), by (source, engine); data/published/*.md
 SHARED_ROUTING = {("llm-inference-bench-anl-2024", "trtllm")}
+# TensorRT-LLM added FP8 for Mixtral in 0.10 ("Added FP8 quantization support for Mixtral", its
+# release notes): an earlier "fp8" MoE row ran its GEMMs at the bf16 rate (ModelSpec.weight_only)
+FP8_MOE_SINCE = {"trtllm": (0, 10)}
 COLUMNS = ("use", "engine", "engine_version", "gpu", "tp", "model", "weight_dtype", "kv_dtype",
-           "routing", "policy", "context", "batch", "output_len", "tpot_ms", "ttft_ms",
-           "throughput_tok_s", "latency_s", "certainty", "source", "where", "url", "note")
+           "routing", "weight_only", "policy", "context", "batch", "output_len", "tpot_ms",
+           "ttft_ms", "throughput_tok_s", "latency_s", "certainty", "source", "where", "url",
+           "note")
 
 
 def convert(r: dict) -> tuple[dict | None, str]:
@@ -103,6 +107,10 @@ def convert(r: dict) -> tuple[dict | None, str]:
     from kvsim.hw import catalog
     if (r["source"], fam) in SHARED_ROUTING and catalog.model(model).experts:
         out["routing"] = "shared"
+    since, version = FP8_MOE_SINCE.get(fam), r["engine_version"]
+    if since and w == "fp8" and catalog.model(model).experts and version and \
+            tuple(int(x) for x in version.split(".")[:2]) < since:
+        out["weight_only"] = "true"
     for k in ("tpot_ms", "ttft_ms", "throughput_tok_s", "latency_s", "certainty", "source",
               "where", "url", "note"):
         out[k] = r[k]

@@ -41,7 +41,7 @@ from kvsim.sim.steps import StepCosts
 REQUIRED = ("gpu", "model", "policy", "context", "batch")
 MEASURED = ("tpot_ms", "ttft_ms", "latency_s", "throughput_tok_s", "fetch_ms", "decide_ms")
 HEADLINE = ("tpot_ms", "throughput_tok_s", "latency_s", "ttft_ms")  # what a row is judged by
-SETUP = ("tp", "weight_dtype", "kv_dtype", "engine", "attention", "routing")
+SETUP = ("tp", "weight_dtype", "kv_dtype", "engine", "attention", "routing", "weight_only")
 ROUTING = ("uniform", "shared")  # ModelSpec.routing
 OPTIONAL = ("kv_read_frac", "output_len", *MEASURED, *SETUP)
 METADATA = ("use", "source", "certainty", "note", "where", "url", "engine_version")
@@ -67,6 +67,7 @@ class Point:
     engine: str = ""  # the serving engine's family (vllm, sglang, trtllm, ...)
     attention: str | None = None  # the engine's decode attention kernel, where the row says
     routing: str = "uniform"  # how the batch's tokens pick their experts (ModelSpec.routing)
+    weight_only: bool = False  # fp8 weights at the bf16 GEMM rate (ModelSpec.weight_only)
 
     @property
     def label(self) -> str:
@@ -169,8 +170,8 @@ def read_points(path: str | Path) -> list[Point]:
 
 
 def _setup(i: int, r: dict) -> dict:
-    """The row's ``tp``, dtypes, engine family, attention kernel and MoE routing, each
-    checked."""
+    """The row's ``tp``, dtypes, engine family, attention kernel, MoE routing and whether its
+    fp8 weights ran at the bf16 GEMM rate, each checked."""
     from kvsim.hw.engine import ATTENTION
     from kvsim.sim.records import KV_DTYPES, WEIGHT_DTYPES
     out = {}
@@ -185,6 +186,10 @@ def _setup(i: int, r: dict) -> dict:
             out[col] = r[col]
     if r.get("engine"):
         out["engine"] = r["engine"]
+    if r.get("weight_only"):
+        if r["weight_only"] not in ("true", "false"):
+            raise KvsimError(f"row {i}: weight_only {r['weight_only']!r} is not true or false")
+        out["weight_only"] = r["weight_only"] == "true"
     return out
 
 
@@ -218,8 +223,8 @@ class Predictor:
         ``throughput_tok_s`` (see the module docstring)."""
         from kvsim.replay import with_dtypes
         m = with_dtypes(catalog.model(p.model), p.kv_dtype, p.weight_dtype)
-        if p.routing != m.routing:
-            m = dataclasses.replace(m, routing=p.routing)
+        if (p.routing, p.weight_only) != (m.routing, m.weight_only):
+            m = dataclasses.replace(m, routing=p.routing, weight_only=p.weight_only)
         m = m.shard(p.tp)
         if p.attention is not None and engine.get("attention") != p.attention:
             engine = engine.with_fields(attention=p.attention)

@@ -283,6 +283,9 @@ class ModelSpec:
     # expectation over real traffic) or "shared" (every token like the first: a benchmark
     # that repeats one prompt across its batch and decodes greedily)
     routing: str = "uniform"
+    # narrow (1-byte) weights dequantised for bf16 GEMMs (W8A16) instead of W8A8 fp8 GEMMs:
+    # an engine without an fp8 kernel for the model (TensorRT-LLM before 0.10 for Mixtral)
+    weight_only: bool = False
     # element bytes where they differ from dtype_bytes (the compute dtype)
     kv_dtype_bytes: float | None = None
     weight_dtype_bytes: float | None = None

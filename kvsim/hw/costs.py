@@ -169,7 +169,7 @@ class CostModel:
         self.decided: set[str] = set()  # the decide kernels the simulation asked for
         self.tp = 1  # tensor parallelism (set_tp)
         self.allreduce: AllReduce | None = None
-        self._gemm_flops: dict[float, float] = {}  # per weight element size (gemm_flops)
+        self._gemm_flops: dict[tuple, float] = {}  # per (weight element size, weight-only)
         # engine fields of kernel shape (see :class:`Matmuls`, :meth:`attention_reread`)
         self.layer_overhead = 0.0  # seconds per layer and step
         self.token_overhead = 0.0  # seconds per sequence that emits a token in a step
@@ -401,10 +401,13 @@ class CostModel:
         applies to every rate. Said in ``provenance["compute_gemm"]``. Attention, the LM head and
         the policies' work stay at the bf16 rate (``flops``)."""
         elem = m.weight_elem
-        if elem in self._gemm_flops:
-            return self._gemm_flops[elem]
+        key = (elem, m.weight_only)
+        if key in self._gemm_flops:
+            return self._gemm_flops[key]
         g, rate, note = self.spec, self.flops, ""
-        if elem == 1:
+        if elem == 1 and m.weight_only:
+            note = "fp8 weights dequantised for bf16 GEMMs (W8A16): the bf16 rate"
+        elif elem == 1:
             fp8 = g.fp8_tflops if g is not None else 0.0
             if fp8:
                 rate = self.flops * fp8 / g.bf16_tflops
@@ -419,7 +422,7 @@ class CostModel:
                     f"{rate / 1e12:.4g} TFLOP/s")
         if note:
             self.provenance["compute_gemm"] = note
-        self._gemm_flops[elem] = rate
+        self._gemm_flops[key] = rate
         return rate
 
     def head_time(self, batch, m: ModelSpec) -> np.ndarray:
