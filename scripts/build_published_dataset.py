@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,12 +106,13 @@ def convert(r: dict) -> tuple[dict | None, str]:
                policy="dense-resident", context=r["input_len"], batch=r["batch"],
                output_len=r["output_len"] or "1")
     from kvsim.hw import catalog
-    if (r["source"], fam) in SHARED_ROUTING and catalog.model(model).experts:
-        out["routing"] = "shared"
-    since, version = FP8_MOE_SINCE.get(fam), r["engine_version"]
-    if since and w == "fp8" and catalog.model(model).experts and version and \
-            tuple(int(x) for x in version.split(".")[:2]) < since:
-        out["weight_only"] = "true"
+    if catalog.model(model).experts:
+        if (r["source"], fam) in SHARED_ROUTING:
+            out["routing"] = "shared"
+        since = FP8_MOE_SINCE.get(fam)
+        version = re.match(r"(\d+)\.(\d+)", r["engine_version"])
+        if since and w == "fp8" and version and tuple(map(int, version.groups())) < since:
+            out["weight_only"] = "true"
     for k in ("tpot_ms", "ttft_ms", "throughput_tok_s", "latency_s", "certainty", "source",
               "where", "url", "note"):
         out[k] = r[k]
