@@ -8,6 +8,8 @@ vectorised between batch changes); the last column is chunked's time over prefil
 Each cell's time is the least CPU time (``time.process_time``) of ``--repeats`` whole
 ``run_replay`` calls, the two schedulers' calls alternating, so that a burst of load on a shared
 machine falls on both (the median of wall times moved the ratio by up to 1.5x between runs).
+The last two columns are the same for ``Simulator.run`` alone (a replay also reads its trace,
+sets up costs and builds its report).
 
     python benchmarks/bench_sim.py [--requests 1000] [--repeats 3]
 """
@@ -17,19 +19,35 @@ from __future__ import annotations
 import argparse
 import time
 
+import kvsim.sim.engine as engine
 from kvsim.policies import load_all
 from kvsim.replay import ReplayConfig, run_replay
 
 
-def timed(cfgs: list[ReplayConfig], repeats: int) -> list[tuple[float, dict]]:
-    """The least CPU seconds of ``repeats`` runs of each configuration, run in turn."""
-    best, out = [float("inf")] * len(cfgs), [None] * len(cfgs)
-    for _ in range(repeats):
-        for j, cfg in enumerate(cfgs):
-            t0 = time.process_time()
-            out[j] = run_replay(cfg)
-            best[j] = min(best[j], time.process_time() - t0)
-    return list(zip(best, out))
+def timed(cfgs: list[ReplayConfig], repeats: int) -> list[tuple[float, float, dict]]:
+    """The least CPU seconds of ``repeats`` runs of each configuration, run in turn: of the
+    whole ``run_replay`` and of its ``Simulator.run`` alone."""
+    best, sim, out = [float("inf")] * len(cfgs), [float("inf")] * len(cfgs), [None] * len(cfgs)
+    run, inner = engine.Simulator.run, []
+
+    def timed_run(self, *a, **k):
+        t = time.process_time()
+        got = run(self, *a, **k)
+        inner.append(time.process_time() - t)
+        return got
+
+    engine.Simulator.run = timed_run
+    try:
+        for _ in range(repeats):
+            for j, cfg in enumerate(cfgs):
+                inner.clear()
+                t0 = time.process_time()
+                out[j] = run_replay(cfg)
+                best[j] = min(best[j], time.process_time() - t0)
+                sim[j] = min(sim[j], sum(inner))
+    finally:
+        engine.Simulator.run = run
+    return list(zip(best, sim, out))
 
 
 def main() -> None:
@@ -40,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     load_all()  # the policy registry (and torch) loads once per process: not the simulator's time
     print(f"{'workload':<30} {'policy':<15} {'scheduler':<13} {'cpu_s':>7} {'steps':>7} "
-          f"{'steps/s':>9} {'sim/cpu':>9} {'x pf':>6}")
+          f"{'steps/s':>9} {'sim/cpu':>9} {'x pf':>6} {'sim_s':>7} {'sim x pf':>8}")
     for label, extra in (("Poisson 4 req/s, max batch 64", dict(qps=4.0, batch=64)),
                          ("closed loop, concurrency 64", dict(concurrency=64, batch=64))):
         for policy in ("dense-resident", "dense-offload"):
@@ -50,12 +68,13 @@ def main() -> None:
                                  requests=args.requests, seed=0, scheduler=scheduler, **extra)
                     for scheduler in schedulers]
             got = timed(cfgs, args.repeats)
-            base = got[0][0]
-            for scheduler, (wall, r) in zip(schedulers, got):
+            base, sim_base = got[0][0], got[0][1]
+            for scheduler, (wall, sim_s, r) in zip(schedulers, got):
                 s = r["sim"]
                 print(f"{label:<30} {policy:<15} {scheduler:<13} {wall:7.3f} "
                       f"{s['decode_steps']:7d} {s['decode_steps'] / wall:9.0f} "
-                      f"{s['makespan_s'] / wall:9.0f} {wall / base:6.2f}")
+                      f"{s['makespan_s'] / wall:9.0f} {wall / base:6.2f} {sim_s:7.4f} "
+                      f"{sim_s / sim_base:8.2f}")
 
 
 if __name__ == "__main__":
