@@ -194,11 +194,12 @@ class Run:
     def leave(self, ids) -> None:
         """Sequences ``ids`` leave the running batch: their ``ctx`` and ``left`` are true again
         (the caller takes them out of the heap)."""
-        c, ctx, left = self.clock, self.ctx, self.left
+        c, ctx, left, run_ctx = self.clock, self.ctx, self.left, self.run_ctx
         for i in ids:
-            self.run_ctx -= ctx[i]
+            run_ctx -= ctx[i]
             ctx[i] += c
             left[i] -= c
+        self.run_ctx = run_ctx
         if len(ids) <= 8:  # a few: each found by the list itself
             for i in ids:
                 self.running.remove(i)
@@ -266,49 +267,39 @@ class Run:
             self.peak_host = used_host
 
     # ------------------------------------------------------------------------------ steps
-    def prefill_phase(self):
+    def prefill_steps(self) -> float:
         """Steps with prefill chunks, as many at once as nothing else changes, as the scheduler
-        rule plans them; a prompt that finishes emits a token and decodes from the next step.
-        The run ends with the prefills, at a decode's completion, at the step after the next
-        arrival, or after one step when memory grows per token (grow admission)."""
-        sim, rule, growing = self.sim, self.scheduler_rule, self.growing
-        if growing and rule.decodes_while_prefilling:
-            while self.admission.fit(self, 1) < 1:
-                yield from self.preemption.preempt(self)
-                self.pull()  # a swap-out took time
-        plans = rule.plan(self, single=growing)
-        t0 = self.env.now
-        if len(plans) == 1:  # the common case, in scalars
-            D, tokens, ctok, cflops, assign, done, lengths, _, _, read, fetch, written = \
-                plans[0]
-            step, gpu, link, alone = sim.steps.step(D, tokens, ctok, cflops, len(assign),
-                                                    lengths, read, fetch, written)
-            sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill",
-                           None, ctok, alone)
-            yield self.env.timeout(step)
-            if D:
-                if growing:
-                    self.admission.grow(self, 1)
-                self.clock += 1
-            prefilled = self.prefilled
-            for i, size in assign:
-                prefilled[i] += size
-            if done:  # emitted at the end of the step
-                first, ctx, left, at = self.first_token, self.ctx, self.left, t0 + step
-                for i in done:
-                    if math.isnan(first[i]):
-                        first[i] = at
-                        ctx[i] = self.prompt[i]
-                    ctx[i] += 1
-                    left[i] -= 1
-                self._joined(done)
-            return
-        yield from self._run_of_steps(plans, t0)
+        rule plans them: carried out at once, and the seconds they take returned for the
+        scheduler to wait (nothing reads what they change meanwhile). A prompt that finishes
+        emits a token and decodes from the next step. The run ends with the prefills, at a
+        decode's completion, at the step after the next arrival, or after one step when memory
+        grows per token (grow admission)."""
+        plans = self.scheduler_rule.plan(self, self.growing)
+        if len(plans) > 1:
+            return self._run_of_steps(plans)
+        # the common case, in scalars
+        D, tokens, ctok, cflops, assign, done, lengths, _, _, read, fetch, written = plans[0]
+        sim, t0 = self.sim, self.env.now
+        step, gpu, link, alone = sim.steps.step(D, tokens, ctok, cflops, len(assign), lengths,
+                                                read, fetch, written)
+        sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill", None,
+                       ctok, alone)
+        if D:
+            if self.growing:
+                self.admission.grow(self, 1)
+            self.clock += 1
+        prefilled = self.prefilled
+        for i, size in assign:
+            prefilled[i] += size
+        if done:  # emitted at the end of the step
+            self._emitted(done, t0 + step, 1)
+            self._joined(done)
+        return step
 
-    def _run_of_steps(self, plans, t0: float):
-        """:meth:`prefill_phase`'s run of several planned steps, costed in arrays (in scalars,
+    def _run_of_steps(self, plans) -> float:
+        """:meth:`prefill_steps`'s run of several planned steps, costed in arrays (in scalars,
         step by step, when the run is short and the policy's steps cost no prefill work)."""
-        sim, D = self.sim, plans[0].decodes
+        sim, D, t0 = self.sim, plans[0].decodes, self.env.now
         costs, k = sim.steps, len(plans)
         until = self.until_next_arrival()
         if k <= SCALAR_RUN and not costs.works:
@@ -337,28 +328,32 @@ class Run:
                            1 if Dj else 0, Dj, float(gpu[j]), float(link[j]),
                            "mixed" if Dj else "prefill", None, plans[j].chunk_tokens,
                            float(alone[j]))
-        yield self.env.timeout(float(ends[k - 1]))
         if D:
             if self.growing:
                 self.admission.grow(self, k)
             self.clock += k
-        prefilled, first, ctx, left, joining = (self.prefilled, self.first_token, self.ctx,
-                                                self.left, [])
+        prefilled, joining = self.prefilled, []
         for j in range(k):
             p = plans[j]
             for i, size in p.assign:
                 prefilled[i] += size
             if p.done:  # emitted at the end of step j, then decoded k - 1 - j more
-                at, more = t0 + ends[j], k - j
-                for i in p.done:
-                    if math.isnan(first[i]):
-                        first[i] = at
-                        ctx[i] = self.prompt[i]
-                    ctx[i] += more
-                    left[i] -= more
+                self._emitted(p.done, t0 + ends[j], k - j)
                 joining += p.done
         if joining:
             self._joined(joining)
+        return float(ends[k - 1])
+
+    def _emitted(self, done: list[int], at: float, tokens: int) -> None:
+        """Prompts ``done`` have emitted ``tokens`` tokens by now, the first (if it is their
+        first) at ``at``."""
+        first, ctx, left, prompt = self.first_token, self.ctx, self.left, self.prompt
+        for i in done:
+            if math.isnan(first[i]):
+                first[i] = at
+                ctx[i] = prompt[i]
+            ctx[i] += tokens
+            left[i] -= tokens
 
     def _joined(self, joining: list[int]) -> None:
         """Prompts ``joining`` have finished prefilling: they join the running batch."""
@@ -442,22 +437,15 @@ class Run:
 
     # -------------------------------------------------------------------------- completion
     def complete(self) -> None:
-        """Release finished requests (also those whose only token came from prefill)."""
+        """Release finished requests (also those whose only token came from prefill): the
+        scheduler calls it when the top of the heap has finished."""
         heap, clock = self.finish_at, self.clock
-        if not heap or heap[0][0] > clock:
-            return
-        gone = [heapq.heappop(heap)[1]]
+        ids = [heapq.heappop(heap)[1]]
         while heap and heap[0][0] <= clock:
-            gone.append(heapq.heappop(heap)[1])
-        if len(gone) == 1:  # (leave, in scalars: the common case)
-            ids, i = gone, gone[0]
-            self.run_ctx -= self.ctx[i]
-            self.ctx[i] += clock
-            self.left[i] -= clock
-            self.running.remove(i)
-        else:
-            ids = sorted(gone, key=self.running.index)  # batch order
-            self.leave(ids)
+            ids.append(heapq.heappop(heap)[1])
+        if len(ids) > 1:
+            ids.sort(key=self.running.index)  # batch order
+        self.leave(ids)
         self.pressure = False
         now, rec = self.env.now, self.requests.record_one
         held_hbm, held_host, used_hbm, used_host = (self.held_hbm, self.held_host,
@@ -497,7 +485,11 @@ class Run:
                     self.arrivals[self.next] <= self.env.now:  # (else admit does nothing)
                 self.admit()
             if self.prefilling:
-                yield from self.prefill_phase()
+                if self.growing and self.scheduler_rule.decodes_while_prefilling:
+                    while self.admission.fit(self, 1) < 1:
+                        yield from self.preemption.preempt(self)
+                        self.pull()  # a swap-out took time
+                yield self.env.timeout(self.prefill_steps())
             elif self.running:
                 yield from self.decode_steps()
             elif self.pulls and self.next < self.n:  # idle until the next arrival
