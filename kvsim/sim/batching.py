@@ -9,7 +9,8 @@ Requests wait, prefill (in chunks or whole), decode, are swapped out, and finish
 Every step advances either every running sequence by one token or none (prefill-first), so the
 running batch keeps a decode ``clock`` (steps taken) and its sequences hold ``ctx`` and
 ``left`` relative to it: a run of k decode steps is ``clock += k``, the batch's KV tokens are a
-running sum, and the next completion is the top of a heap of finishing clocks. A scheduler turn
+running sum, and the next completion is the top of a heap of finishing clocks (each with its
+slot in one int: ints compare faster than pairs). A scheduler turn
 touches no per-sequence array unless memory grows per token (grow admission).
 
 In an open loop the scheduler reads arrivals from the workload when it looks (at admission and
@@ -31,6 +32,7 @@ from kvsim.sim.records import MAX_CHUNK, Chunks
 from kvsim.sim.rules import RULES
 
 SCALAR_RUN = 16  # a run of at most this many planned steps is costed step by step in scalars
+SLOTS = 1 << 32  # more than a run ever holds: a heap key ``clock * SLOTS + slot`` is one int
 
 
 class Clock:
@@ -84,7 +86,7 @@ class Run:
         self.prefilling: list[int] = []
         self.swapped: deque[int] = deque()
         # the running batch: its slots in order, its decode clock, the sum of its (relative)
-        # ctx, and a heap of (clock at which it has emitted its last token, slot)
+        # ctx, and a heap of the clock at which each has emitted its last token (* SLOTS + slot)
         self.running: list[int] = []
         self.clock, self.run_ctx, self.finish_at = 0, 0.0, []
         self.next, self.done, self.admissions, self.preemptions = 0, 0, 0, 0
@@ -187,7 +189,7 @@ class Run:
             ctx[i] -= c
             left[i] += c
             run_ctx += ctx[i]
-            push(heap, (left[i], i))
+            push(heap, left[i] * SLOTS + i)
         self.run_ctx = run_ctx
         self.running.extend(ids)
 
@@ -213,7 +215,7 @@ class Run:
 
     def soonest(self) -> int:
         """Decode steps until the running batch's next completion."""
-        return self.finish_at[0][0] - self.clock
+        return self.finish_at[0] // SLOTS - self.clock
 
     def batch(self) -> tuple[list[int], np.ndarray]:
         """The running batch's slots and their true ``ctx`` (for per-sequence arithmetic)."""
@@ -394,7 +396,7 @@ class Run:
             self.prefilling.remove(victim)
             return True
         self.leave([victim])
-        self.finish_at = [f for f in self.finish_at if f[1] != victim]
+        self.finish_at = [f for f in self.finish_at if f % SLOTS != victim]
         heapq.heapify(self.finish_at)
         return False
 
@@ -439,10 +441,10 @@ class Run:
     def complete(self) -> None:
         """Release finished requests (also those whose only token came from prefill): the
         scheduler calls it when the top of the heap has finished."""
-        heap, clock = self.finish_at, self.clock
-        ids = [heapq.heappop(heap)[1]]
-        while heap and heap[0][0] <= clock:
-            ids.append(heapq.heappop(heap)[1])
+        heap, end = self.finish_at, (self.clock + 1) * SLOTS
+        ids = [heapq.heappop(heap) % SLOTS]
+        while heap and heap[0] < end:
+            ids.append(heapq.heappop(heap) % SLOTS)
         if len(ids) > 1:
             ids.sort(key=self.running.index)  # batch order
         self.leave(ids)
@@ -502,5 +504,5 @@ class Run:
                 self.wake = self.env.event()
                 yield self.wake
                 continue
-            if self.finish_at and self.finish_at[0][0] <= self.clock:
+            if self.finish_at and self.finish_at[0] < (self.clock + 1) * SLOTS:
                 self.complete()
