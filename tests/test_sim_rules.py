@@ -37,7 +37,7 @@ def finish_order(order: str) -> list[int]:
                     None, "")
     run = Run(sim, work)
     seen = []
-    run.requests.record_one = lambda arrival, admitted, first, end, output: seen.append(output)
+    run.requests.record = lambda arrival, admitted, first, end, output: seen.extend(output)
     run.env.run(run.scheduler())
     return seen
 

@@ -82,6 +82,7 @@ class Run:
         for name in self.SLOTS:
             setattr(self, name, [])
         self.requests = requests if requests is not None else Requests()
+        self.records: list[tuple] = []  # finished requests not yet handed to ``requests``
         self.waiting = RULES["order"][sched.admission_order](self)  # popleft() is admitted next
         self.prefilling: list[int] = []
         self.swapped: deque[int] = deque()
@@ -367,24 +368,19 @@ class Run:
             self.prefilling = [i for i in pf if i not in gone]
         self.join(joining)
 
-    def decode_steps(self):
-        """Decode steps of a fixed batch, up to the next completion, arrival or memory limit."""
-        k = min(self.soonest(), MAX_CHUNK)
-        if self.growing:
-            k = self.admission.fit(self, k)
-            if k < 1:
-                yield from self.preemption.preempt(self)
-                return
+    def decode_steps(self, k: int) -> float:
+        """At most ``k`` decode steps of a fixed batch, up to the next arrival: carried out, and
+        the seconds they take returned (as :meth:`prefill_steps`)."""
         B, log = len(self.running), self.sim.chunks
         ctx = self.batch()[1] if self.fixed or log.keeping else None
         k, seconds, gpu_s, link_s = self.sim.steps.decode_run(
             B, self.batch_tokens(), k, self.until_next_arrival(), ctx if self.fixed else None)
         log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode",
                 ctx if log.keeping else None)
-        yield self.env.timeout(seconds)
         if self.growing:
             self.admission.grow(self, k)
         self.clock += k
+        return seconds
 
     # ------------------------------------------------------------------------ preemption
     def evict(self, victim: int) -> bool:
@@ -449,17 +445,19 @@ class Run:
             ids.sort(key=self.running.index)  # batch order
         self.leave(ids)
         self.pressure = False
-        now, rec = self.env.now, self.requests.record_one
+        now, records = self.env.now, self.records
         held_hbm, held_host, used_hbm, used_host = (self.held_hbm, self.held_host,
                                                     self.used_hbm, self.used_host)
         arrival, admitted, first, output = self.arrival, self.admitted, self.first_token, \
             self.output
         for i in ids:
-            rec(arrival[i], admitted[i], first[i], now, output[i])
+            records.append((arrival[i], admitted[i], first[i], now, output[i]))
             used_hbm -= held_hbm[i]  # (release, in scalars)
             used_host -= held_host[i]
             held_hbm[i] = held_host[i] = 0
         self.used_hbm, self.used_host = used_hbm, used_host
+        if len(records) >= 1024:
+            self.hand_over()
         self.free.extend(ids)
         self.done += len(ids)
         if self.open:
@@ -472,6 +470,12 @@ class Run:
         for _ in range(more):
             self.arrive(self.next, mark=False)
             self.next += 1
+
+    def hand_over(self) -> None:
+        """The finished requests' metrics to ``requests``, in a block."""
+        if self.records:
+            self.requests.record(*np.array(self.records, float).T)
+            self.records = []
 
     def finished(self) -> bool:
         if self.routed:
@@ -492,8 +496,14 @@ class Run:
                         yield from self.preemption.preempt(self)
                         self.pull()  # a swap-out took time
                 yield self.env.timeout(self.prefill_steps())
-            elif self.running:
-                yield from self.decode_steps()
+            elif self.running:  # up to the next completion or memory limit
+                k = min(self.soonest(), MAX_CHUNK)
+                if self.growing:
+                    k = self.admission.fit(self, k)
+                if k >= 1:
+                    yield self.env.timeout(self.decode_steps(k))
+                else:  # the next step does not fit
+                    yield from self.preemption.preempt(self)
             elif self.pulls and self.next < self.n:  # idle until the next arrival
                 i, at = self.next, self.arrivals[self.next]
                 yield self.env.timeout(max(at - self.env.now, 0.0))
@@ -506,3 +516,4 @@ class Run:
                 continue
             if self.finish_at and self.finish_at[0] < (self.clock + 1) * SLOTS:
                 self.complete()
+        self.hand_over()

@@ -94,6 +94,14 @@ class Quantiles:
         if len(p) == 1024:
             self._flush()
 
+    def add_many(self, values: list[float]) -> None:
+        """:meth:`add_one` of each of ``values`` in turn (added in the same blocks)."""
+        p = self.pending
+        p += values
+        while len(p) >= 1024:
+            self.add(np.array(p[:1024]))
+            del p[:1024]
+
     def _flush(self) -> None:
         if self.pending:
             values, self.pending = np.array(self.pending), []
@@ -225,6 +233,31 @@ class Requests:
         if self.window is not None:
             self.done_by_t0 += now <= self.window[0]
             self.done_by_t1 += now <= self.window[1]
+
+    def record(self, arrival: np.ndarray, admitted: np.ndarray, first: np.ndarray,
+               now: np.ndarray, output: np.ndarray) -> None:
+        """:meth:`record_one` of each of these requests, in order (columns of floats; the
+        simulator hands them over in blocks: ``tests/test_streaming.py`` holds the two
+        equal)."""
+        ttft, e2e, multi = first - arrival, now - arrival, output > 1
+        tpot = np.where(multi, (now - first) / np.where(multi, output - 1, 1.0), math.nan)
+        self.ttft.add_many(ttft.tolist())
+        self.e2e.add_many(e2e.tolist())
+        self.wait.add_many((admitted - arrival).tolist())
+        self.tpot.add_many(tpot[multi].tolist())
+        self.count += len(now)
+        self.output_tokens += int(output.sum())
+        self.first_arrival = min(self.first_arrival, float(arrival.min()))
+        self.last_finish = max(self.last_finish, float(now.max()))
+        if self.slo:
+            got, ok = {"ttft": ttft, "e2e": e2e, "tpot": tpot}, np.ones(len(now), bool)
+            for key, limit in self.slo.items():
+                v = got[SLO_KEYS[key][0]] * SLO_KEYS[key][1]
+                ok &= np.isnan(v) | (v <= limit)
+            self.meet_slo += int(ok.sum())
+        if self.window is not None:
+            self.done_by_t0 += int((now <= self.window[0]).sum())
+            self.done_by_t1 += int((now <= self.window[1]).sum())
 
     @staticmethod
     def merged(parts: list[Requests]) -> Requests:
