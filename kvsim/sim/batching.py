@@ -64,8 +64,8 @@ class Run:
         self.sim, self.work, self.n = sim, work, work.n
         # the workload's columns as Python lists (a turn reads a few scalars of them)
         self.arrivals, self.prompts, self.outputs = (np.asarray(work.arrival, float).tolist(),
-                                                     work.prompt.tolist(),
-                                                     work.output.tolist())
+                                                     work.prompt.astype(np.int64).tolist(),
+                                                     work.output.astype(np.int64).tolist())
         self.sched = sched = sim.scheduling
         self.scheduler_rule, self.admission, self.preemption = sched.rules()
         self.growing = self.admission.grows  # memory held grows per token
@@ -126,17 +126,16 @@ class Run:
 
     def arrive(self, i: int, at: float | None = None, mark: bool = True) -> None:
         """Request ``i`` of the workload arrives (now, or at ``at`` if read later): it takes a
-        free slot and waits (``mark``: counted in the system here, else by the caller)."""
+        free slot and waits (``mark``: counted in the system here, else by the caller). A free
+        slot holds no memory; its other fields are set where they are first read (at admission
+        and at the first token)."""
         if not self.free:
             self._grow()
         s = self.free.pop()
         self.arrival[s] = self.env.now if at is None else at
         self.first_token[s] = self.admitted[s] = math.nan
-        self.prompt[s] = self.target[s] = int(self.prompts[i])
-        self.output[s] = self.left[s] = int(self.outputs[i])
-        self.ctx[s] = 0.0
-        self.prefilled[s] = self.held_hbm[s] = self.held_host[s] = self.order[s] = 0
-        self.swap_host[s] = 0
+        self.prompt[s] = self.target[s] = self.prompts[i]
+        self.output[s] = self.left[s] = self.outputs[i]
         self.waiting.append(s)
         if mark:
             self.mark(+1, at)
