@@ -124,11 +124,11 @@ class Chunked:
         """The next steps, in scalars, up to the next completion, at most ``MAX_CHUNK``, one
         if ``single``."""
         budget, D, costs = run.sched.max_batched_tokens, len(run.running), run.sim.steps
-        target, prefilled, slots = run.target, run.prefilled, run.prefilling
         if not costs.fixed and not costs.works:  # (the loop's first step, in short)
             step = _one_step(run, D, budget - D)
-            if single or len(step.done) == len(slots) or D and run.soonest() <= 1:
+            if single or len(step.done) == len(run.prefilling) or D and run.soonest() <= 1:
                 return [step]  # one step asked for, it all fits, or a decode finishes with it
+        target, prefilled, slots = run.target, run.prefilled, run.prefilling
         todo = [target[i] - prefilled[i] for i in slots]
         if not single and sum(todo) <= budget - D:
             return [_whole(run, D)]  # it all fits in one step
@@ -208,11 +208,12 @@ def _one_step(run, D: int, left: int) -> StepPlan:
             fin.append(i)
         assign.append((i, size))
         s = float(size)
-        cflops += per_pair * (s * float(done) + s * (s + 1) / 2)
+        cflops += per_pair * (s * done + s * (s + 1) / 2)  # (float * int: the int as a float)
         ctok += size
         left -= size
-    return StepPlan(D, run.batch_tokens(), ctok, cflops, assign, fin,
-                    [float(target[i]) for i in fin], 0.0, 0.0)
+    # (tuple.__new__: a NamedTuple's own is a Python call; every field given)
+    return tuple.__new__(StepPlan, (D, run.batch_tokens(), ctok, cflops, assign, fin,
+                                    [float(target[i]) for i in fin], 0.0, 0.0, None, None, None))
 
 
 @rule("scheduler", "prefill-first")
