@@ -371,11 +371,11 @@ class Run:
         """At most ``k`` decode steps of a fixed batch, up to the next arrival: carried out, and
         the seconds they take returned (as :meth:`prefill_steps`)."""
         B, log = len(self.running), self.sim.chunks
-        ctx = self.batch()[1] if self.fixed or log.keeping else None
+        keep = log.keeping
+        ctx = self.batch()[1] if self.fixed or keep else None
         k, seconds, gpu_s, link_s = self.sim.steps.decode_run(
             B, self.batch_tokens(), k, self.until_next_arrival(), ctx if self.fixed else None)
-        log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode",
-                ctx if log.keeping else None)
+        log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode", ctx if keep else None)
         if self.growing:
             self.admission.grow(self, k)
         self.clock += k
@@ -473,7 +473,7 @@ class Run:
     def hand_over(self) -> None:
         """The finished requests' metrics to ``requests``, in a block."""
         if self.records:
-            self.requests.record(*np.array(self.records, float).T)
+            self.requests.record(*(np.array(c, float) for c in zip(*self.records)))
             self.records = []
 
     def finished(self) -> bool:
