@@ -294,8 +294,7 @@ class Run:
         for i, size in assign:
             prefilled[i] += size
         if done:  # emitted at the end of the step
-            self._emitted(done, t0 + step, 1)
-            self._joined(done)
+            self._joined(done, t0 + step, 1)
         return step
 
     def _run_of_steps(self, plans) -> float:
@@ -334,21 +333,18 @@ class Run:
             if self.growing:
                 self.admission.grow(self, k)
             self.clock += k
-        prefilled, joining = self.prefilled, []
+        prefilled = self.prefilled
         for j in range(k):
             p = plans[j]
             for i, size in p.assign:
                 prefilled[i] += size
             if p.done:  # emitted at the end of step j, then decoded k - 1 - j more
-                self._emitted(p.done, t0 + ends[j], k - j)
-                joining += p.done
-        if joining:
-            self._joined(joining)
+                self._joined(p.done, t0 + ends[j], k - j)
         return float(ends[k - 1])
 
-    def _emitted(self, done: list[int], at: float, tokens: int) -> None:
-        """Prompts ``done`` have emitted ``tokens`` tokens by now, the first (if it is their
-        first) at ``at``."""
+    def _joined(self, done: list[int], at: float, tokens: int) -> None:
+        """Prompts ``done`` have finished prefilling and emitted ``tokens`` tokens by now, the
+        first (if it is their first) at ``at``: they join the running batch."""
         first, ctx, left, prompt = self.first_token, self.ctx, self.left, self.prompt
         for i in done:
             if math.isnan(first[i]):
@@ -356,16 +352,13 @@ class Run:
                 ctx[i] = prompt[i]
             ctx[i] += tokens
             left[i] -= tokens
-
-    def _joined(self, joining: list[int]) -> None:
-        """Prompts ``joining`` have finished prefilling: they join the running batch."""
-        pf, n = self.prefilling, len(joining)
-        if pf[:n] == joining:  # chunks go in order: the first prompts finish
+        pf, n = self.prefilling, len(done)
+        if pf[:n] == done:  # chunks go in order: the first prompts finish
             self.prefilling = pf[n:]
         else:
-            gone = set(joining)
+            gone = set(done)
             self.prefilling = [i for i in pf if i not in gone]
-        self.join(joining)
+        self.join(done)
 
     def decode_steps(self, k: int) -> float:
         """At most ``k`` decode steps of a fixed batch, up to the next arrival: carried out, and
