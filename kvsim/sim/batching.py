@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from itertools import chain
 
 import numpy as np
 
@@ -465,8 +466,9 @@ class Run:
 
     def hand_over(self) -> None:
         """The finished requests' metrics to ``requests``, in a block."""
-        if self.records:
-            self.requests.record(*(np.array(c, float) for c in zip(*self.records)))
+        if n := len(self.records):  # (one flat pass: the fastest way into an array)
+            self.requests.record(*np.fromiter(chain.from_iterable(self.records), float, 5 * n)
+                                 .reshape(n, 5).T)
             self.records = []
 
     def finished(self) -> bool:
