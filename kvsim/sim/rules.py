@@ -139,7 +139,6 @@ class Chunked:
         per_pair = run.sim.model.flops_per_pair  # (ModelSpec.attention_flops)
         tokens = run.batch_tokens()
         min_left = run.soonest() if D else None
-        works = costs.works
         held = run.batch()[1] if costs.fixed else None  # the decodes' tokens, one by one
         plans: list[StepPlan] = []
         while first < count and len(plans) < MAX_CHUNK:
@@ -162,7 +161,7 @@ class Chunked:
                 j += 1
             first += len(fin)
             lengths = [float(target[i]) for i in fin]
-            work = _work(run, lengths) if works else (0.0, 0.0)
+            work = _work(run, lengths)
             if held is None:
                 plans.append(StepPlan(D, tokens, ctok, cflops, assign, fin, lengths, *work))
             else:
