@@ -458,8 +458,9 @@ class Run:
             return
         # closed loop: replace each at once (the number in the system drops and comes back at
         # the same instant, so the area integrates only up to now)
-        more = min(len(ids), self.n - self.next)
-        self.mark(more - len(ids))
+        gone, rest = len(ids), self.n - self.next
+        more = rest if rest < gone else gone  # (min, without the call)
+        self.mark(more - gone)
         for _ in range(more):
             self.arrive(self.next, mark=False)
             self.next += 1

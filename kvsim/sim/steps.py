@@ -232,7 +232,8 @@ class StepCosts:
         of ``chunk_tokens`` tokens in all with ``attn_flops`` of attention, ``done``: the
         lengths of the prompts that finish (a sequence of floats); ``read``, ``fetch``: as
         :meth:`layer_costs`; ``written``: as :meth:`host_bytes`. ``tests/test_serving.py``
-        holds the two equal."""
+        holds the two equal. (``b if b > a else a`` is ``max(a, b)``, the same float, without
+        the call: a tenth of its time.)"""
         m, c, p = self.model, self.costs, self.policy
         L, ovh, overlap = m.layers, self.overhead, self.overlap
         gemm_d = attn = link = decide = alone = 0.0
@@ -246,7 +247,8 @@ class StepCosts:
             attn, decide, link = c1 * tokens, d0 + d1 * tokens, x0 + x1 * tokens
             if overlap:  # (_step_time, inlined)
                 compute_d = c0 + attn + decide
-                alone = link + compute_d + (L - 1) * max(compute_d, link) + head_d + ovh
+                alone = link + compute_d + (L - 1) * (link if link > compute_d else compute_d) \
+                    + head_d + ovh
             else:
                 alone = L * (c0 + attn + decide + link) + head_d + ovh
         elif D and self.fixed:
@@ -274,10 +276,10 @@ class StepCosts:
             got = self._gemm_at[n] = (self.matmuls.at(n), float(c.allreduce_time(n, m))
                                       if c.tp > 1 else 0.0)
         at, reduce = got
-        compute = attn + max(gemm_d, at) + attn_flops / L / c.flops + reduce
+        compute = attn + (at if at > gemm_d else gemm_d) + attn_flops / L / c.flops + reduce
         if overlap:  # (_step_time, inlined)
             compute_d = compute + decide
-            layers = link + compute_d + (L - 1) * max(compute_d, link)
+            layers = link + compute_d + (L - 1) * (link if link > compute_d else compute_d)
         else:
             layers = L * (compute + decide + link)
         emit = D + len(done)
@@ -286,7 +288,8 @@ class StepCosts:
             work = self.prefill_work
             extra += sum(max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
         write = self._write(chunk_tokens, written, count) if self.writes and count else 0.0
-        return (max(layers + extra, write) + ovh, L * (compute + decide) + extra,
+        busy = layers + extra
+        return ((write if write > busy else busy) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
 
     def _write(self, chunk_tokens: float, written: float | None, count: int) -> float:
@@ -301,7 +304,7 @@ class StepCosts:
         link = self._d2h
         if link.curve is not None:
             return float(link.time(nbytes, copies))
-        copies = max(copies, 1.0)  # LinkPath.time in floats
+        copies = 1.0 if 1.0 > copies else copies  # (LinkPath.time in floats: the max)
         return copies * (link.alpha + nbytes / copies / link.beta) if nbytes > 0 else 0.0
 
     def decode(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -397,15 +400,16 @@ class StepCosts:
         if until <= k * u + v * (k - 1) * k / 2:
             if v > 0:
                 b = u + v / 2
-                j = max(math.ceil((-b + math.sqrt(max(b * b + 2 * v * (until - u), 0.0))) / v),
-                        0)
+                disc = b * b + 2 * v * (until - u)
+                j = math.ceil((-b + math.sqrt(0.0 if 0.0 > disc else disc)) / v)
             else:
-                j = max(math.ceil(until / u - 1), 0)
+                j = math.ceil(until / u - 1)
+            j = 0 if 0 > j else j  # (max and min as conditionals here: no calls)
             while j > 0 and j * u + v * (j - 1) * j / 2 >= until:  # the end of step j - 1
                 j -= 1
             while (j + 1) * u + v * j * (j + 1) / 2 < until and j < k:
                 j += 1
-            k = min(k, j + 1)
+            k = j + 1 if j + 1 < k else k
         tri = B * k * (k - 1) / 2  # tokens added over the run's steps
         gpu = L * (g0 * k + g1 * (T0 * k + tri)) + head * k
         return k, k * u + v * k * (k - 1) / 2, gpu, L * (x0 * k + x1 * (T0 * k + tri))
