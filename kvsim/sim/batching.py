@@ -247,9 +247,9 @@ class Run:
             n = self.target[i] if grow else whole
             if kv.fixed:
                 h, o = int(kv.hbm_need(n)), 0 if self.held_host[i] else int(kv.host_need(whole))
-            else:  # (in scalars: the hot path)
-                h = math.ceil(kv.hbm_per_token * float(n))
-                o = 0 if self.held_host[i] else math.ceil(kv.host_per_token * float(whole))
+            else:  # (in scalars: the hot path; float * int takes the int as a float)
+                h = math.ceil(kv.hbm_per_token * n)
+                o = 0 if self.held_host[i] else math.ceil(kv.host_per_token * whole)
             if h > free_hbm or o > free_host:
                 break
             self.waiting.popleft()
