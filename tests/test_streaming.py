@@ -76,9 +76,9 @@ def test_merged_sketches_are_the_sketch_of_all_values():
     assert small.exact and small.percentile(99) == np.percentile(b, 99)
 
 
-def test_requests_recorded_in_blocks_are_recorded_one_by_one():
-    """``Requests.record`` (the simulator hands finished requests over in blocks) is
-    ``record_one`` of each request in turn, to the last bit and the last counter."""
+def test_requests_recorded_in_any_blocks_are_recorded_alike():
+    """The simulator hands finished requests to ``Requests.record`` in blocks: one request at a
+    time and blocks of any size give the same figures, to the last bit and the last counter."""
     rng = np.random.default_rng(7)
     n = 2600
     arrival = np.sort(rng.uniform(0, 100, n))
@@ -89,7 +89,8 @@ def test_requests_recorded_in_blocks_are_recorded_one_by_one():
     slo = {"ttft_ms": 600.0, "tpot_ms": 31.0, "e2e_s": 1.0}
     one, blocks = Requests(slo, (20.0, 80.0)), Requests(slo, (20.0, 80.0))
     for j in range(n):
-        one.record_one(arrival[j], admitted[j], first[j], now[j], int(output[j]))
+        one.record(arrival[j:j + 1], admitted[j:j + 1], first[j:j + 1], now[j:j + 1],
+                   output[j:j + 1].astype(float))
     i = 0
     while i < n:
         m = int(rng.integers(1, 700))
@@ -123,8 +124,7 @@ def test_request_metrics_match_per_request_arrays():
         ids = order[i:i + m]
         for j in ids:  # a group finishes at the same instant
             finish[j] = finish[ids[-1]]
-        for j in ids:
-            req.record_one(arrival[j], admitted[j], first[j], finish[j], int(output[j]))
+        req.record(arrival[ids], admitted[ids], first[ids], finish[ids], output[ids] * 1.0)
         i += m
     ttft, multi = first - arrival, output > 1
     tpot = (finish - first)[multi] / (output[multi] - 1)
