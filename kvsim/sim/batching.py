@@ -33,7 +33,8 @@ from kvsim.sim.records import MAX_CHUNK, Chunks
 from kvsim.sim.rules import RULES
 
 SCALAR_RUN = 16  # a run of at most this many planned steps is costed step by step in scalars
-SLOTS = 1 << 32  # more than a run ever holds: a heap key ``clock * SLOTS + slot`` is one int
+SLOT_BITS = 32  # a heap key ``clock << SLOT_BITS | slot`` is one int (slots: fewer than 2**32)
+SLOT_MASK = (1 << SLOT_BITS) - 1  # key & SLOT_MASK is the slot
 
 
 class Clock:
@@ -88,7 +89,7 @@ class Run:
         self.prefilling: list[int] = []
         self.swapped: deque[int] = deque()
         # the running batch: its slots in order, its decode clock, the sum of its (relative)
-        # ctx, and a heap of the clock at which each has emitted its last token (* SLOTS + slot)
+        # ctx, and a heap of the clock at which each has emitted its last token (and its slot)
         self.running: list[int] = []
         self.clock, self.run_ctx, self.finish_at = 0, 0.0, []
         self.next, self.done, self.admissions, self.preemptions = 0, 0, 0, 0
@@ -190,7 +191,7 @@ class Run:
             ctx[i] -= c
             left[i] += c
             run_ctx += ctx[i]
-            push(heap, left[i] * SLOTS + i)
+            push(heap, left[i] << SLOT_BITS | i)
         self.run_ctx = run_ctx
         self.running.extend(ids)
 
@@ -216,7 +217,7 @@ class Run:
 
     def soonest(self) -> int:
         """Decode steps until the running batch's next completion."""
-        return self.finish_at[0] // SLOTS - self.clock
+        return (self.finish_at[0] >> SLOT_BITS) - self.clock
 
     def batch(self) -> tuple[list[int], np.ndarray]:
         """The running batch's slots and their true ``ctx`` (for per-sequence arithmetic)."""
@@ -385,7 +386,7 @@ class Run:
             self.prefilling.remove(victim)
             return True
         self.leave([victim])
-        self.finish_at = [f for f in self.finish_at if f % SLOTS != victim]
+        self.finish_at = [f for f in self.finish_at if f & SLOT_MASK != victim]
         heapq.heapify(self.finish_at)
         return False
 
@@ -430,10 +431,10 @@ class Run:
     def complete(self) -> None:
         """Release finished requests (also those whose only token came from prefill): the
         scheduler calls it when the top of the heap has finished."""
-        heap, end = self.finish_at, (self.clock + 1) * SLOTS
-        ids = [heapq.heappop(heap) % SLOTS]
+        heap, end = self.finish_at, (self.clock + 1) << SLOT_BITS
+        ids = [heapq.heappop(heap) & SLOT_MASK]
         while heap and heap[0] < end:
-            ids.append(heapq.heappop(heap) % SLOTS)
+            ids.append(heapq.heappop(heap) & SLOT_MASK)
         if len(ids) > 1:
             ids.sort(key=self.running.index)  # batch order
         self.leave(ids)
@@ -509,6 +510,6 @@ class Run:
                 self.wake = self.env.event()
                 yield self.wake
                 continue
-            if self.finish_at and self.finish_at[0] < (self.clock + 1) * SLOTS:
+            if self.finish_at and self.finish_at[0] < (self.clock + 1) << SLOT_BITS:
                 self.complete()
         self.hand_over()
