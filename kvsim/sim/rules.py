@@ -195,7 +195,7 @@ def _one_step(run, D: int, left: int) -> StepPlan:
     prefill work): ``left`` tokens of the budget after the ``D`` decodes go to the prompts in
     order (:func:`_whole`'s step where they all fit)."""
     per_pair, prefilled, target = run.sim.model.flops_per_pair, run.prefilled, run.target
-    assign, fin, ctok, cflops = [], [], 0, 0.0
+    assign, fin, lengths, ctok, cflops = [], [], [], 0, 0.0
     for i in run.prefilling:
         if left <= 0:
             break
@@ -205,14 +205,15 @@ def _one_step(run, D: int, left: int) -> StepPlan:
             size = int(left)
         else:
             fin.append(i)
+            lengths.append(float(target[i]))
         assign.append((i, size))
         s = float(size)
         cflops += per_pair * (s * done + s * (s + 1) / 2)  # (float * int: the int as a float)
         ctok += size
         left -= size
     # (tuple.__new__: a NamedTuple's own is a Python call; every field given)
-    return tuple.__new__(StepPlan, (D, run.batch_tokens(), ctok, cflops, assign, fin,
-                                    [float(target[i]) for i in fin], 0.0, 0.0, None, None, None))
+    return tuple.__new__(StepPlan, (D, run.batch_tokens(), ctok, cflops, assign, fin, lengths,
+                                    0.0, 0.0, None, None, None))
 
 
 @rule("scheduler", "prefill-first")
