@@ -435,7 +435,8 @@ class Run:
         ids = [heapq.heappop(heap) & SLOT_MASK]
         while heap and heap[0] < end:
             ids.append(heapq.heappop(heap) & SLOT_MASK)
-        if len(ids) > 1:
+        gone = len(ids)
+        if gone > 1:
             ids.sort(key=self.running.index)  # batch order
         self.leave(ids)
         self.pressure = False
@@ -453,13 +454,13 @@ class Run:
         if len(records) >= 1024:
             self.hand_over()
         self.free.extend(ids)
-        self.done += len(ids)
+        self.done += gone
         if self.open:
-            self.mark(-len(ids))
+            self.mark(-gone)
             return
         # closed loop: replace each at once (the number in the system drops and comes back at
         # the same instant, so the area integrates only up to now)
-        gone, rest = len(ids), self.n - self.next
+        rest = self.n - self.next
         more = rest if rest < gone else gone  # (min, without the call)
         self.mark(more - gone)
         for _ in range(more):
