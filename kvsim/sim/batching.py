@@ -463,9 +463,9 @@ class Run:
         rest = self.n - self.next
         more = rest if rest < gone else gone  # (min, without the call)
         self.mark(more - gone)
-        for _ in range(more):
-            self.arrive(self.next, mark=False)
-            self.next += 1
+        for i in range(self.next, self.next + more):
+            self.arrive(i, mark=False)
+        self.next += more
 
     def hand_over(self) -> None:
         """The finished requests' metrics to ``requests``, in a block."""
