@@ -354,12 +354,7 @@ class Run:
                 ctx[i] = prompt[i]
             ctx[i] += tokens
             left[i] -= tokens
-        pf, n = self.prefilling, len(done)
-        if pf[:n] == done:  # chunks go in order: the first prompts finish
-            self.prefilling = pf[n:]
-        else:
-            gone = set(done)
-            self.prefilling = [i for i in pf if i not in gone]
+        del self.prefilling[:len(done)]  # chunks go in order: the first prompts finish
         self.join(done)
 
     def decode_steps(self, k: int) -> float:
