@@ -10,6 +10,7 @@ from kvsim.contract import DecodeCost
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.costs import costs_for
+from kvsim.sim import rules
 from kvsim.sim.batching import Run
 from kvsim.sim.engine import Memory, Simulator
 from kvsim.sim.rules import RULES, Scheduling
@@ -36,7 +37,7 @@ def finish_order(order: str) -> list[int]:
                     None, "")
     run = Run(sim, work)
     seen = []
-    run.requests.record_one = lambda arrival, admitted, first, end, output: seen.append(output)
+    run.requests.record = lambda arrival, admitted, first, end, output: seen.extend(output)
     run.env.run(run.scheduler())
     return seen
 
@@ -122,3 +123,35 @@ def test_a_fixed_host_term_is_written_once_per_sequence():
     one = steps.step(0, 0.0, 8192.0, 1e12, 1, [8192.0], written=1024.0)
     assert one[2] == pytest.approx(steps.costs.link_time(
         1024 * KV, "d2h", copies=2 * M.layers * steps.costs.copies(1.0, 1)))
+
+
+def test_the_one_step_plan_is_the_general_plans_first_step():
+    """``Chunked.plan``'s first step in short (a policy of shares only: ``_one_step``) is the
+    first step its general loop plans, and ``_whole``'s step where every prompt fits."""
+    budget = 8192
+    sim = sim_for(QUARTER, Scheduling(max_batched_tokens=budget), batch=64)
+    rng = np.random.default_rng(0)
+    work = Workload(np.zeros(48), rng.integers(1, 9000, 48), np.full(48, 300), None, "")
+    run = Run(sim, work)
+    run.admit()  # all 48 arrive at once and start prefilling
+    slots = list(run.prefilling)
+    decodes = slots[:8]
+    for i in decodes:  # 8 sequences decoding, none finishing within the next steps
+        run.first_token[i], run.ctx[i], run.left[i] = 0.0, float(run.prompt[i] + 1), 250
+    run.join(decodes)
+    checked = {"loop": 0, "whole": 0}
+    for trial in range(200):
+        run.prefilling = list(rng.choice(slots[8:], rng.integers(1, 8), replace=False))
+        for i in run.prefilling:
+            run.prefilled[i] = int(rng.integers(0, run.target[i]))
+        D = len(run.running) if trial % 2 else 0
+        run.running = run.running if D else []
+        fast = rules._one_step(run, D, budget - D)
+        if len(fast.done) == len(run.prefilling):
+            assert fast == rules._whole(run, D)
+            checked["whole"] += 1
+        else:  # the general loop (no decode finishes with its first step)
+            assert fast == rules.Chunked().plan(run, False)[0]
+            checked["loop"] += 1
+        run.running = decodes
+    assert min(checked.values()) > 20

@@ -76,6 +76,37 @@ def test_merged_sketches_are_the_sketch_of_all_values():
     assert small.exact and small.percentile(99) == np.percentile(b, 99)
 
 
+def test_requests_recorded_in_any_blocks_are_recorded_alike():
+    """The simulator hands finished requests to ``Requests.record`` in blocks: one request at a
+    time and blocks of any size give the same figures, to the last bit and the last counter."""
+    rng = np.random.default_rng(7)
+    n = 2600
+    arrival = np.sort(rng.uniform(0, 100, n))
+    admitted = arrival + rng.exponential(0.5, n)
+    first = admitted + rng.exponential(0.2, n)
+    output = rng.integers(1, 6, n)
+    now = first + (output - 1) * 0.03 + rng.exponential(0.01, n)
+    slo = {"ttft_ms": 600.0, "tpot_ms": 31.0, "e2e_s": 1.0}
+    one, blocks = Requests(slo, (20.0, 80.0)), Requests(slo, (20.0, 80.0))
+    for j in range(n):
+        one.record(arrival[j:j + 1], admitted[j:j + 1], first[j:j + 1], now[j:j + 1],
+                   output[j:j + 1].astype(float))
+    i = 0
+    while i < n:
+        m = int(rng.integers(1, 700))
+        blocks.record(arrival[i:i + m], admitted[i:i + m], first[i:i + m], now[i:i + m],
+                      output[i:i + m].astype(float))
+        i += m
+    for name in ("count", "output_tokens", "first_arrival", "last_finish", "meet_slo",
+                 "done_by_t0", "done_by_t1"):
+        assert getattr(one, name) == getattr(blocks, name), name
+    assert 0 < one.meet_slo < n
+    for name in ("ttft", "tpot", "e2e", "wait"):
+        a, b = getattr(one, name), getattr(blocks, name)
+        assert a.pending == b.pending and a.k == b.k and a._total == b._total, name
+        assert np.array_equal(a.buf[:a.k], b.buf[:b.k]), name
+
+
 def test_request_metrics_match_per_request_arrays():
     rng = np.random.default_rng(6)
     n = 5000
@@ -93,8 +124,7 @@ def test_request_metrics_match_per_request_arrays():
         ids = order[i:i + m]
         for j in ids:  # a group finishes at the same instant
             finish[j] = finish[ids[-1]]
-        for j in ids:
-            req.record_one(arrival[j], admitted[j], first[j], finish[j], int(output[j]))
+        req.record(arrival[ids], admitted[ids], first[ids], finish[ids], output[ids] * 1.0)
         i += m
     ttft, multi = first - arrival, output > 1
     tpot = (finish - first)[multi] / (output[multi] - 1)

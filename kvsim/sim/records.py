@@ -176,9 +176,10 @@ class ChunkLog:
             decode_time: float | None = None) -> None:
         """Count a :class:`Chunk` of these fields (built only while chunks are kept)."""
         self.count += 1
-        if self.count <= self.keep:
-            self.kept.append(Chunk(start, duration, steps, batch, gpu_busy, link_busy, kind, ctx,
-                                   prefill_tokens, decode_time))
+        if self.count <= self.keep:  # (tuple.__new__: a NamedTuple's own is a Python call)
+            self.kept.append(tuple.__new__(Chunk, (start, duration, steps, batch, gpu_busy,
+                                                   link_busy, kind, ctx, prefill_tokens,
+                                                   decode_time)))
         if steps:  # decode and mixed chunks
             seconds = duration if decode_time is None else decode_time
             self.decode_seconds += seconds

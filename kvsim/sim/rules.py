@@ -123,14 +123,15 @@ class Chunked:
     def plan(self, run, single: bool) -> list[StepPlan]:
         """The next steps, in scalars, up to the next completion, at most ``MAX_CHUNK``, one
         if ``single``."""
-        budget, D = run.sched.max_batched_tokens, len(run.running)
+        budget, D, costs = run.sched.max_batched_tokens, len(run.running), run.sim.steps
+        if not costs.fixed and not costs.works:  # (the loop's first step, in short)
+            step = _one_step(run, D, budget - D)
+            if single or len(step.done) == len(run.prefilling) or D and run.soonest() <= 1:
+                return [step]  # one step asked for, it all fits, or a decode finishes with it
         target, prefilled, slots = run.target, run.prefilled, run.prefilling
         todo = [target[i] - prefilled[i] for i in slots]
         if not single and sum(todo) <= budget - D:
-            return [_whole(run, D)]  # it all fits in one step (the common case)
-        costs = run.sim.steps
-        if (single or D and run.soonest() <= 1) and not costs.fixed and not costs.works:
-            return [_one_step(run, D, budget - D, todo)]  # (the loop's first step, in short)
+            return [_whole(run, D)]  # it all fits in one step
         # each prompt's tokens still to prefill and prefilled; chunks go in order, so the
         # prompts that have finished are always the first ``first``
         at = [prefilled[i] for i in slots]
@@ -138,7 +139,6 @@ class Chunked:
         per_pair = run.sim.model.flops_per_pair  # (ModelSpec.attention_flops)
         tokens = run.batch_tokens()
         min_left = run.soonest() if D else None
-        works = costs.works
         held = run.batch()[1] if costs.fixed else None  # the decodes' tokens, one by one
         plans: list[StepPlan] = []
         while first < count and len(plans) < MAX_CHUNK:
@@ -161,7 +161,7 @@ class Chunked:
                 j += 1
             first += len(fin)
             lengths = [float(target[i]) for i in fin]
-            work = _work(run, lengths) if works else (0.0, 0.0)
+            work = _work(run, lengths)
             if held is None:
                 plans.append(StepPlan(D, tokens, ctok, cflops, assign, fin, lengths, *work))
             else:
@@ -190,26 +190,30 @@ class Chunked:
         return plans
 
 
-def _one_step(run, D: int, left: int, todo: list) -> StepPlan:
+def _one_step(run, D: int, left: int) -> StepPlan:
     """:meth:`Chunked.plan`'s first step alone, for a policy of shares only (no fixed terms, no
     prefill work): ``left`` tokens of the budget after the ``D`` decodes go to the prompts in
-    order, ``todo`` the tokens each still has to prefill."""
-    per_pair, prefilled = run.sim.model.flops_per_pair, run.prefilled
-    assign, fin, ctok, cflops = [], [], 0, 0.0
-    for i, size in zip(run.prefilling, todo):
+    order (:func:`_whole`'s step where they all fit)."""
+    per_pair, prefilled, target = run.sim.model.flops_per_pair, run.prefilled, run.target
+    assign, fin, lengths, ctok, cflops = [], [], [], 0, 0.0
+    for i in run.prefilling:
         if left <= 0:
             break
+        done = prefilled[i]
+        size = target[i] - done
         if size > left:
             size = int(left)
         else:
             fin.append(i)
+            lengths.append(float(target[i]))
         assign.append((i, size))
         s = float(size)
-        cflops += per_pair * (s * float(prefilled[i]) + s * (s + 1) / 2)
+        cflops += per_pair * (s * done + s * (s + 1) / 2)  # (float * int: the int as a float)
         ctok += size
         left -= size
-    return StepPlan(D, run.batch_tokens(), ctok, cflops, assign, fin,
-                    [float(run.target[i]) for i in fin], 0.0, 0.0)
+    # (tuple.__new__: a NamedTuple's own is a Python call; every field given)
+    return tuple.__new__(StepPlan, (D, run.batch_tokens(), ctok, cflops, assign, fin, lengths,
+                                    0.0, 0.0, None, None, None))
 
 
 @rule("scheduler", "prefill-first")

@@ -87,9 +87,11 @@ class StepCosts:
         self._lines: dict[int, tuple] = {}
         self._forms: dict[int, tuple | None] = {}
         self._copies: dict[int, float] = {}  # link copies of a step's D2H write, per chunks
-        self._gemm_at: dict[float, float] = {}  # a step's GEMM seconds per layer, by its tokens
-        self._decoding: dict[int, tuple | None] = {}  # (line, GEMM, LM head) per decode batch
+        # a step's (GEMM, all-reduce) seconds per layer, by its tokens
+        self._gemm_at: dict[float, tuple[float, float]] = {}
+        self._decoding: dict[int, tuple | None] = {}  # (line..., GEMM, LM head) per decode batch
         self._kv_bytes = self.model.kv_bytes_per_token
+        self._host_kv = self.policy.host_frac * self._kv_bytes  # (host_bytes, per token)
         self._d2h = self.costs.links.get("d2h")
         m, c, p = self.model, self.costs, self.policy
         self.overlap = c.overlap_for(p.overlap)
@@ -230,22 +232,23 @@ class StepCosts:
         of ``chunk_tokens`` tokens in all with ``attn_flops`` of attention, ``done``: the
         lengths of the prompts that finish (a sequence of floats); ``read``, ``fetch``: as
         :meth:`layer_costs`; ``written``: as :meth:`host_bytes`. ``tests/test_serving.py``
-        holds the two equal."""
+        holds the two equal. (``b if b > a else a`` is ``max(a, b)``, the same float, without
+        the call: a tenth of its time.)"""
         m, c, p = self.model, self.costs, self.policy
         L, ovh, overlap = m.layers, self.overhead, self.overlap
         gemm_d = attn = link = decide = alone = 0.0
-        dec = None
-        if D and tokens > 0:
-            dec = self._decoding.get(D, 0)
-            if dec == 0:
-                line = self._line(D)
-                dec = self._decoding[D] = None if line is None else (line, *self.per_batch(D))
+        dec = self._decoding.get(D, 0) if D and tokens > 0 else None
+        if dec == 0:
+            line = self._line(D)
+            dec = self._decoding[D] = None if line is None else (*line[0], *line[1], *line[2],
+                                                                 *self.per_batch(D))
         if dec is not None:  # roofline costs: the remembered affine parts, in scalars
-            ((c0, c1), (d0, d1), (x0, x1)), gemm_d, head_d = dec
+            c0, c1, d0, d1, x0, x1, gemm_d, head_d = dec
             attn, decide, link = c1 * tokens, d0 + d1 * tokens, x0 + x1 * tokens
             if overlap:  # (_step_time, inlined)
                 compute_d = c0 + attn + decide
-                alone = link + compute_d + (L - 1) * max(compute_d, link) + head_d + ovh
+                alone = link + compute_d + (L - 1) * (link if link > compute_d else compute_d) \
+                    + head_d + ovh
             else:
                 alone = L * (c0 + attn + decide + link) + head_d + ovh
         elif D and self.fixed:
@@ -268,24 +271,25 @@ class StepCosts:
             alone = float(step_time(gemm_d + attn + float(c.allreduce_time(D, m)), decide, link, L,
                                     self.overlap)) + head_d + ovh
         n = D + chunk_tokens
-        at = self._gemm_at.get(n)
-        if at is None:
-            at = self._gemm_at[n] = self.matmuls.at(n)
-        gemm = max(gemm_d, at)
-        reduce = float(c.allreduce_time(n, m)) if c.tp > 1 else 0.0  # tensor parallel
-        compute = attn + gemm + attn_flops / L / c.flops + reduce
+        got = self._gemm_at.get(n)
+        if got is None:  # (tensor parallel: the all-reduces)
+            got = self._gemm_at[n] = (self.matmuls.at(n), float(c.allreduce_time(n, m))
+                                      if c.tp > 1 else 0.0)
+        at, reduce = got
+        compute = attn + (at if at > gemm_d else gemm_d) + attn_flops / L / c.flops + reduce
         if overlap:  # (_step_time, inlined)
             compute_d = compute + decide
-            layers = link + compute_d + (L - 1) * max(compute_d, link)
+            layers = link + compute_d + (L - 1) * (link if link > compute_d else compute_d)
         else:
             layers = L * (compute + decide + link)
         emit = D + len(done)
-        extra = self.per_batch(emit)[1] if emit else 0.0
+        extra = (self._per_batch.get(emit) or self.per_batch(emit))[1] if emit else 0.0
         if self.works:
             work = self.prefill_work
             extra += sum(max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
         write = self._write(chunk_tokens, written, count) if self.writes and count else 0.0
-        return (max(layers + extra, write) + ovh, L * (compute + decide) + extra,
+        busy = layers + extra
+        return ((write if write > busy else busy) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
 
     def _write(self, chunk_tokens: float, written: float | None, count: int) -> float:
@@ -295,13 +299,12 @@ class StepCosts:
         if copies is None:
             c = self.costs
             copies = self._copies[count] = float(2 * self.model.layers * c.copies(1.0, count))
-        kv = self._kv_bytes
-        nbytes = kv * written if written is not None else \
-            self.policy.host_frac * kv * float(chunk_tokens)
+        nbytes = self._kv_bytes * written if written is not None else \
+            self._host_kv * float(chunk_tokens)
         link = self._d2h
         if link.curve is not None:
             return float(link.time(nbytes, copies))
-        copies = max(copies, 1.0)  # LinkPath.time in floats
+        copies = 1.0 if 1.0 > copies else copies  # (LinkPath.time in floats: the max)
         return copies * (link.alpha + nbytes / copies / link.beta) if nbytes > 0 else 0.0
 
     def decode(self, ctx: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -397,15 +400,16 @@ class StepCosts:
         if until <= k * u + v * (k - 1) * k / 2:
             if v > 0:
                 b = u + v / 2
-                j = max(math.ceil((-b + math.sqrt(max(b * b + 2 * v * (until - u), 0.0))) / v),
-                        0)
+                disc = b * b + 2 * v * (until - u)
+                j = math.ceil((-b + math.sqrt(0.0 if 0.0 > disc else disc)) / v)
             else:
-                j = max(math.ceil(until / u - 1), 0)
+                j = math.ceil(until / u - 1)
+            j = 0 if 0 > j else j  # (max and min as conditionals here: no calls)
             while j > 0 and j * u + v * (j - 1) * j / 2 >= until:  # the end of step j - 1
                 j -= 1
             while (j + 1) * u + v * j * (j + 1) / 2 < until and j < k:
                 j += 1
-            k = min(k, j + 1)
+            k = j + 1 if j + 1 < k else k
         tri = B * k * (k - 1) / 2  # tokens added over the run's steps
         gpu = L * (g0 * k + g1 * (T0 * k + tri)) + head * k
         return k, k * u + v * k * (k - 1) / 2, gpu, L * (x0 * k + x1 * (T0 * k + tri))
