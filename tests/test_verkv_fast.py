@@ -48,8 +48,13 @@ def test_top_desc_is_a_stable_descending_sort(ties, dtype):
             v, i = C.top_desc(x, k)
             assert torch.equal(i, ref_i[..., :k]), (n, k)
             assert torch.equal(v, ref_v[..., :k])
-        _, whole = C.top_desc(x, n // 2 + 1, whole=True)
-        assert torch.equal(whole[..., :n // 2 + 1], ref_i[..., :n // 2 + 1])
+        for k in sorted({1, n // 16, n // 2, n - 1} & set(range(1, n))):  # the fetch head
+            head, rest, after = C._fetch_head(x, k)
+            assert torch.equal(head, ref_i[..., :k]), (n, k)
+            if rest is not None:
+                assert torch.equal(rest.sort(-1).values, ref_i[..., k:].sort(-1).values)
+            if after is not None:
+                assert torch.equal(after, ref_i[..., k])
 
 
 def _reference_shrink(w, f, head):
@@ -165,7 +170,7 @@ def test_fetch_plan_equals_the_reference_bit_for_bit(ties, scan_cells, monkeypat
                 -1, idx, torch.arange(idx.shape[-1]) < count[..., None]) & (sh.u > -1))
         terms = C.terms(w, f, C.binary_shrink(w, f))
         for eps in (1e-9, 0.01, 0.05, 0.3, 1e9):
-            for head in (None, 1, 8, n):
+            for head in (None, 1, 8, n // 2 + 1, max(n - 1, 1), n):
                 for also in (None, C.output_terms(0.1, DELTA, 64)):
                     plan = C.fetch_plan_terms(*terms, denom, eps, DELTA, head=head, also=also)
                     ref = _reference_plan(*terms, denom, eps, DELTA, head, also)
