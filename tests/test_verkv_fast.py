@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kvsim.attention.dense import expand_kv, logits
+from kvsim.attention.dense import expand_kv, gqa_einsum, logits
 from kvsim.attention.weighted import weighted_attention
 from kvsim.model.synthetic import synthetic_attention_trace
 from kvsim.policies import make
@@ -215,3 +215,23 @@ def test_attend_log_factors_and_softmax_equal_the_plain_forms(options):
     o = torch.einsum("hmn,hnd->hmd", torch.exp(s - ld[..., None]), expand_kv(v, qq.shape[0]))
     got_o, got_ld = weighted_attention(qq, qpos, k, v, union)
     assert torch.equal(got_o, o) and torch.equal(got_ld, ld)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gqa_einsum_equals_einsum_over_expanded_heads(dtype):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the grouped products (several threads: einsum itself)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for n_q, n_kv in ((9, 3), (4, 4), (8, 2)):
+            for m, n, d in ((1, 1, 8), (1, 300, 64), (6, 1, 16), (36, 2092, 64), (5, 77, 1)):
+                q = torch.randn(n_q, m + 2, d, generator=g, dtype=dtype)[:, 1:m + 1]  # a slice
+                k, v = (torch.randn(n_kv, n, d, generator=g, dtype=dtype) for _ in range(2))
+                p = torch.rand(n_q, m, n, generator=g, dtype=dtype)
+                assert torch.equal(gqa_einsum("hmd,hnd->hmn", q, k),
+                                   torch.einsum("hmd,hnd->hmn", q, expand_kv(k, n_q)))
+                assert torch.equal(gqa_einsum("hmn,hnd->hmd", p, v),
+                                   torch.einsum("hmn,hnd->hmd", p, expand_kv(v, n_q)))
+                assert torch.equal(expand_kv(k, n_q), k.repeat_interleave(n_q // n_kv, 0))
+    finally:
+        torch.set_num_threads(threads)

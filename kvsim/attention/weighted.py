@@ -4,7 +4,7 @@ reweighting all reduce to it: -inf drops a token, log(lambda_i / r_i) reweights 
 from __future__ import annotations
 
 from kvsim._torch import torch
-from kvsim.attention.dense import expand_kv, logits
+from kvsim.attention.dense import gqa_einsum, logits
 
 
 def weighted_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -12,18 +12,18 @@ def weighted_attention(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v:
     """Output (n_q, m, d) and log-denominator (n_q, m) of attention over all keys ``k``, ``v``
     (n_kv, n, d), with ``log_w_ctx`` (broadcastable to (n_q, m, n_ctx)) added to the logits of
     the first n_ctx (context) tokens; later tokens keep weight 1. Causal as ``logits``."""
-    return weighted_from_logits(logits(q, k, q_pos), log_w_ctx, expand_kv(v, q.shape[0]))
+    return weighted_from_logits(logits(q, k, q_pos), log_w_ctx, v)
 
 
 def weighted_from_logits(s: torch.Tensor, log_w_ctx: torch.Tensor,
-                         v_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`weighted_attention` from its logits ``s`` (n_q, m, n), which it overwrites, and
-    the values ``v_q`` already expanded to the query heads (n_q, n, d)."""
+    the values ``v`` (n_kv, n, d)."""
     n_ctx = log_w_ctx.shape[-1]
     s[..., :n_ctx] += log_w_ctx
     log_d = torch.logsumexp(s, dim=-1)
     p = s.sub_(log_d[..., None]).exp_()
-    return torch.einsum("hmn,hnd->hmd", p, v_q), log_d
+    return gqa_einsum("hmn,hnd->hmd", p, v), log_d
 
 
 def weighted_attention_chunked(q, q_pos, k, v, log_w_ctx) -> tuple[torch.Tensor, torch.Tensor]:
