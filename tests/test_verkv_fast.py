@@ -235,3 +235,11 @@ def test_gqa_einsum_equals_einsum_over_expanded_heads(dtype):
                 assert torch.equal(expand_kv(k, n_q), k.repeat_interleave(n_q // n_kv, 0))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_running_max_reads_equal_cummax():
+    g = torch.Generator().manual_seed(1)
+    for k in (1, 63, 64, 65, 200, 4096):
+        x = _rows(k, (2, 3, k), ties=k % 2 == 1)
+        col = torch.randint(0, k, (2, 3, 5), generator=g)
+        assert same(C._RunningMax(x.abs()).at(col), x.abs().cummax(-1).values.gather(-1, col))

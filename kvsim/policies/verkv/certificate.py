@@ -26,6 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvsim._torch import torch
 
 FETCH_HEAD = 4096  # the paper's kernel sorts the top 4096 and falls back to a full sort
@@ -73,20 +75,30 @@ def top_desc(x: torch.Tensor, k: int, values: bool = True):
     return v, idx
 
 
-def _desc_keys(x: torch.Tensor) -> torch.Tensor:
-    """64-bit keys of float32 values >= 0 (-0.0 included) whose ascending order is the stable
-    descending order of the values: (bits of +inf - bits of the value) * 2^32 + index."""
-    key = x.view(torch.int32).to(torch.int64).clamp_min_(0)  # -0.0's bits (negative) -> +0.0's
-    return key.mul_(-(1 << 32)).add_((0x7F800000 << 32)
-                                     + torch.arange(x.shape[-1], dtype=torch.int64))
+def _desc_keys(x: torch.Tensor) -> np.ndarray:
+    """(-1, n) 64-bit keys of float32 values >= 0 (-0.0 included) whose ascending order is the
+    stable descending order of the values: (bits of +inf - bits of the value) * 2^32 + index
+    (numpy: faster than torch's 64-bit integer arithmetic)."""
+    bits = x.reshape(-1, x.shape[-1]).view(torch.int32).numpy()
+    key = np.maximum(bits, 0, dtype=np.int64)  # -0.0's bits (negative) -> +0.0's
+    np.subtract(0x7F800000, key, out=key)
+    key <<= 32
+    key |= np.arange(x.shape[-1], dtype=np.int64)
+    return key
+
+
+def _indices(key: np.ndarray, shape) -> torch.Tensor:
+    """The token indices (..., c) held in the low half of the keys ``key`` (-1, c)."""
+    key &= 0xFFFFFFFF
+    return torch.from_numpy(key).reshape(*shape[:-1], key.shape[-1])
 
 
 def _sorted_keys(x: torch.Tensor) -> torch.Tensor:
     """The stable descending order of float32 rows >= 0 by one numpy sort of
     :func:`_desc_keys`."""
     key = _desc_keys(x)
-    key.numpy().reshape(-1, x.shape[-1]).sort(axis=-1)
-    return key.bitwise_and_(0xFFFFFFFF)
+    key.sort(axis=-1)
+    return _indices(key, x.shape)
 
 
 def _fetch_head(g: torch.Tensor, k: int):
@@ -100,11 +112,10 @@ def _fetch_head(g: torch.Tensor, k: int):
     if 16 * k <= n:
         return top_desc(g, k, values=False)[1], None, None
     key = _desc_keys(g)
-    rows = key.numpy().reshape(-1, n)
-    rows.partition(k, axis=-1)  # the k smallest keys first, the next one at k
-    rows[:, :k].sort(axis=-1)  # only the head needs an order
-    key.bitwise_and_(0xFFFFFFFF)
-    return key[..., :k], key[..., k:], key[..., k]
+    key.partition(k, axis=-1)  # the k smallest keys first, the next one at k
+    key[:, :k].sort(axis=-1)  # only the head needs an order
+    idx = _indices(key, g.shape)
+    return idx[..., :k], idx[..., k:], idx[..., k]
 
 
 def _topk_rows(g, terms, head, after) -> torch.Tensor:
@@ -431,9 +442,8 @@ def _plan_on(head, rest, bi, vi, bb, tot_beta, tot_var, d, eps: float, delta: fl
             tail_b = bb.masked_fill(in_head, 0.0).amax(-1, keepdim=True)
     # column j: the head's last j + 1 tokens
     ext_beta, ext_var = hb.flip(-1).cumsum_(-1), hv.flip(-1).cumsum_(-1)
-    ext_b = hm.flip(-1).cummax(-1).values
-    k_star, found, eps_at = _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b, d,
-                                      eps, log_term(delta), also)
+    k_star, found, eps_at = _first_ok(ext_beta, ext_var, hm.flip(-1), tail_beta, tail_var,
+                                      tail_b, d, eps, log_term(delta), also)
     upto = int(k_star.max()) if k_star.numel() else 0
     live = (hb[..., :upto] > 0) | (hv[..., :upto] > 0) | (hm[..., :upto] > 0)
     sel = (torch.arange(upto, device=head.device) < k_star[..., None]) & live
@@ -446,23 +456,26 @@ def _plan_on(head, rest, bi, vi, bb, tot_beta, tot_var, d, eps: float, delta: fl
 SCAN_CELLS = 1 << 17  # above this many (row, k) cells, bisect for k* instead of scanning all k
 
 
-def _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b, d, eps: float, l: float,
+def _first_ok(ext_beta, ext_var, rev_b, tail_beta, tail_var, tail_b, d, eps: float, l: float,
               also):
     """(k*, found, eps_at): the smallest k in 0..K whose suffix has eps_hat below ``eps`` (and
     the output certificate's bound, ``also``), k* = 0 where none is, and a function giving
     eps_hat of the suffix from given positions. The suffix from position k < K is column
-    K - 1 - k of ``ext_*`` (the head's last K - k tokens) plus the tail's, from K the tail's
-    alone: the same operations as summing the flipped head from 0, then the tail. The suffix
-    quantities do not increase with k, and every step of eps_hat is a monotone IEEE operation
-    of them, so "ok" does not decrease with k (a NaN can only hide a prefix of k): on many cells
-    a bisection finds the first ok k, the one a scan finds."""
+    K - 1 - k of ``ext_*`` (the head's last K - k tokens' sums) and of the running max of
+    ``rev_b`` (the head's b, last token first), plus the tail's; from K the tail's alone: the
+    same operations as summing the flipped head from 0, then the tail. The suffix quantities do
+    not increase with k, and every step of eps_hat is a monotone IEEE operation of them, so "ok"
+    does not decrease with k (a NaN can only hide a prefix of k): on many cells a bisection
+    finds the first ok k, the one a scan finds, reading the running max at its columns alone."""
     K = ext_beta.shape[-1]
     dd = d[..., None]
+    scan = ext_beta[..., 0].numel() * (K + 1) <= SCAN_CELLS
+    run_b = rev_b.cummax(-1).values if scan else _RunningMax(rev_b)
 
     def at(pos):  # (..., c) positions -> the suffix quantities there
         col, empty = (K - 1 - pos).clamp_min(0), pos >= K
-        sb, sv, sm = (x.gather(-1, col).masked_fill_(empty, 0.0)
-                      for x in (ext_beta, ext_var, ext_b))
+        sb, sv = (x.gather(-1, col).masked_fill_(empty, 0.0) for x in (ext_beta, ext_var))
+        sm = (run_b.gather(-1, col) if scan else run_b.at(col)).masked_fill_(empty, 0.0)
         return sb + tail_beta, sv + tail_var, sm.maximum(tail_b)
 
     def ok(sb, sv, sm):
@@ -474,9 +487,9 @@ def _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b, d, eps: flo
     def eps_at(pos):
         return bernstein_eps(*at(pos[..., None]), dd, l)[..., 0]
 
-    if ext_beta[..., 0].numel() * (K + 1) <= SCAN_CELLS:
+    if scan:
         zero = torch.zeros_like(ext_beta[..., :1])
-        sb, sv, sm = (torch.cat([zero, x], -1) for x in (ext_beta, ext_var, ext_b))
+        sb, sv, sm = (torch.cat([zero, x], -1) for x in (ext_beta, ext_var, run_b))
         good = ok(sb + tail_beta, sv + tail_var, sm.maximum(tail_b)).flip(-1)
         return good.int().argmax(-1), good.any(-1), eps_at
     lead = ext_beta.shape[:-1]
@@ -490,6 +503,32 @@ def _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b, d, eps: flo
         lo = torch.where(open_ & ~good, mid + 1, lo)
     found = hi <= K
     return torch.where(found, hi, 0), found, eps_at
+
+
+class _RunningMax:
+    """The running max of rows ``x`` (..., K) read at a few columns: the running max of whole
+    blocks of ``BLOCK`` columns, then the block holding the column up to it (a full cummax
+    costs more than a bisection's reads; max is exact, so the values are cummax's)."""
+
+    BLOCK = 64
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+        whole = x.shape[-1] // self.BLOCK
+        blocks = x[..., :whole * self.BLOCK].unflatten(-1, (whole, self.BLOCK)).amax(-1)
+        # column j + 1: the max of the first j + 1 whole blocks; column 0: none (0, as b >= 0)
+        self.before = torch.cat([blocks.new_zeros(*blocks.shape[:-1], 1),
+                                 blocks.cummax(-1).values], -1)
+
+    def at(self, col: torch.Tensor) -> torch.Tensor:
+        """max(x[..., :c + 1]) for the columns ``col`` (..., c)."""
+        block = col // self.BLOCK
+        start = block * self.BLOCK
+        span = (start[..., None] + torch.arange(self.BLOCK, device=col.device)).minimum(
+            col[..., None])  # the block's columns up to col (col repeated past it)
+        lead = self.x.shape[:-1]
+        part = self.x.gather(-1, span.reshape(*lead, -1)).reshape(span.shape).amax(-1)
+        return part.maximum(self.before.gather(-1, block))
 
 
 def fetch_plan(w, r, lam, in_l, denom, eps: float, delta: float,
