@@ -444,11 +444,14 @@ def _plan_on(head, rest, bi, vi, bb, tot_beta, tot_var, d, eps: float, delta: fl
     ext_beta, ext_var = hb.flip(-1).cumsum_(-1), hv.flip(-1).cumsum_(-1)
     k_star, found, eps_at = _first_ok(ext_beta, ext_var, hm.flip(-1), tail_beta, tail_var,
                                       tail_b, d, eps, log_term(delta), also)
-    upto = int(k_star.max()) if k_star.numel() else 0
-    live = (hb[..., :upto] > 0) | (hv[..., :upto] > 0) | (hm[..., :upto] > 0)
-    sel = (torch.arange(upto, device=head.device) < k_star[..., None]) & live
-    exact = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device).scatter_(
-        -1, head[..., :upto], sel)
+    # the first k* tokens of each row, those with a contribution (the others never are exact)
+    counts = k_star.reshape(-1)
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=head.device), counts)
+    pos = torch.arange(rows.numel(), device=head.device) - (counts.cumsum(0) - counts)[rows]
+    live = (hb.reshape(-1, k)[rows, pos] > 0) | (hv.reshape(-1, k)[rows, pos] > 0) \
+        | (hm.reshape(-1, k)[rows, pos] > 0)
+    exact = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device)
+    exact.view(-1, n)[rows[live], head.reshape(-1, k)[rows[live], pos[live]]] = True
     return FetchPlan(k_star, exact, eps_at(torch.zeros_like(k_star)), eps_at(k_star),
                      head), found
 

@@ -38,7 +38,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvsim._torch import torch
+from kvsim._torch import F, torch
 from kvsim.attention.sampling import PoissonSample
 from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv.sketch import KeySketch, logit_halfwidth, shortlist, sketch_logits
@@ -319,7 +319,8 @@ def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
     w = torch.exp((s if e is None else s + e) - shift[..., None])  # (n_kv, g*m, n)
     # weights under a tiny floor move D by < n * floor (the largest weight is 1): flush them to 0
     # so that squares stay out of subnormal arithmetic, which is ~100x slower on CPUs
-    w.masked_fill_(w < WEIGHT_FLOOR.get(str(w.dtype).removeprefix("torch."), 0.0), 0.0)
+    floor = torch.tensor(WEIGHT_FLOOR.get(str(w.dtype).removeprefix("torch."), 0.0), dtype=w.dtype)
+    F.threshold_(w, float(torch.nextafter(floor, torch.zeros_like(floor))), 0.0)  # w < floor: 0
     denom = w.sum(-1) if e is None else torch.exp(s - e - shift[..., None]).sum(-1)
     if extra is not None:
         denom = denom + torch.exp(extra - shift[..., None]).sum(-1)
