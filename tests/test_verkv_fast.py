@@ -243,3 +243,18 @@ def test_running_max_reads_equal_cummax():
         x = _rows(k, (2, 3, k), ties=k % 2 == 1)
         col = torch.randint(0, k, (2, 3, 5), generator=g)
         assert same(C._RunningMax(x.abs()).at(col), x.abs().cummax(-1).values.gather(-1, col))
+
+
+def test_logits_mask_as_written_before():
+    """The causal mask on the keys after each row's position, masked in place from the first
+    key any row can miss (k_pos None), as the masked_fill over every key was."""
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(2, 100, 16, generator=g)
+    for rows in ([0, 1, 2], [5, 9, 20], [-3, 2], [99, 100], [150, 160], [], [40, 10, 70]):
+        q_pos = torch.tensor(rows, dtype=torch.long)
+        q = torch.randn(6, len(rows), 16, generator=g)
+        for k_pos in (None, torch.arange(30, 130), torch.arange(100).flip(0)):
+            at = torch.arange(100) if k_pos is None else k_pos
+            want = (torch.einsum("hmd,hnd->hmn", q, expand_kv(k, 6)) / 4.0).masked_fill(
+                at[None, None, :] > q_pos[None, :, None], float("-inf"))
+            assert torch.equal(logits(q, k, q_pos, k_pos), want)

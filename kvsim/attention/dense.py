@@ -31,15 +31,20 @@ def gqa_einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     grouped = a.unflatten(0, (n_kv, g))
     for j in range(g):
         torch.bmm(grouped[:, j], rhs, out=out[:, j])
-    return out.view(n_q, m, -1)
+    return out.view(n_q, m, rhs.shape[-1])
 
 
 def logits(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
            k_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Scaled logits (n_q, m, n) with -inf where a key lies after its query (causal mask)."""
-    k_pos = torch.arange(k.shape[1], device=k.device) if k_pos is None else k_pos
     s = gqa_einsum("hmd,hnd->hmn", q, k) / q.shape[-1] ** 0.5
-    return s.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    if k_pos is None:  # positions 0..n-1: no row masks a key before its earliest position
+        first = min(max(int(q_pos.min()) + 1, 0), k.shape[1]) if q_pos.numel() else k.shape[1]
+        k_pos, s_masked = torch.arange(first, k.shape[1], device=k.device), s[..., first:]
+    else:
+        s_masked = s
+    s_masked.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return s
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
