@@ -18,7 +18,8 @@ recomputed with a full sort, so the result equals ``head=None`` (full sort). Eve
 :func:`top_desc`'s: descending, equal values by increasing token index (a stable sort's), so a
 head is exactly the start of the full order, except that a head of fewer than n tokens keeps
 ``torch.topk``'s order among equal positive values (which of two tied tokens is shrunk or fetched
-is that order's choice; rows with such ties take ``torch.topk`` itself).
+is that order's choice): rows with such ties take ``torch.topk`` itself where that order could
+change the result (the fetch plan: :func:`_topk_rows`).
 """
 
 from __future__ import annotations
