@@ -370,7 +370,7 @@ def reweighted_log_factors(layer: VerKVLayer, dec: Decision,
     r = smp.r.to(lam_dtype)
     base = torch.full((n_kv, n), float("-inf"), dtype=lam_dtype, device=r.device)
     base[smp.sampled] = -torch.log(r[smp.sampled])
-    out = base.repeat_interleave(g, dim=0)[:, None, :].expand(n_q, m, n).clone()
+    out = base[:, None, None, :].expand(n_kv, g, m, n).contiguous().view(n_q, m, n)
     # sampled tokens with lambda = r: log factor 0
     width = dec.shrink.idx.shape[-1]
     sel = torch.arange(width, device=r.device) < dec.shrink.count.reshape(-1, 1)
@@ -378,8 +378,8 @@ def reweighted_log_factors(layer: VerKVLayer, dec: Decision,
     cols = dec.shrink.idx.reshape(-1, width)[rows, at]
     hit = smp.sampled[rows // (g * m), cols]
     out.view(-1, n)[rows[hit], cols[hit]] = 0.0
-    in_h = smp.in_h.repeat_interleave(g, dim=0)[:, None, :]
-    own = out.masked_fill(in_h | dec.own_exact, 0.0)
-    union = out.masked_fill_((smp.in_h[:, None, :] | dec.exact_kv).repeat_interleave(g, dim=0),
-                             0.0)
-    return union, own
+    own = out.view(n_kv, g, m, n).masked_fill(
+        smp.in_h[:, None, None, :] | dec.own_exact.view(n_kv, g, m, n), 0.0).view(n_q, m, n)
+    # the KV head's mask broadcast over its query heads (no copy per query head)
+    out.view(n_kv, g, m, n).masked_fill_((smp.in_h[:, None, :] | dec.exact_kv)[:, None], 0.0)
+    return out, own
