@@ -258,3 +258,31 @@ def test_logits_mask_as_written_before():
             want = (torch.einsum("hmd,hnd->hmn", q, expand_kv(k, 6)) / 4.0).masked_fill(
                 at[None, None, :] > q_pos[None, :, None], float("-inf"))
             assert torch.equal(logits(q, k, q_pos, k_pos), want)
+
+
+@pytest.mark.parametrize("k", [20, 37, 50])
+def test_rows_kept_in_stable_order_plan_as_torch_topk_order(k):
+    """Rows :func:`C._topk_rows` leaves in the stable order get the plan ``torch.topk``'s order
+    of their tied gains gives (the order the fetch head keeps): gains of few values, tied tokens
+    with equal beta and V but for some rows, b free, heads cut inside runs of ties."""
+    g = torch.Generator().manual_seed(k)
+    rows, n = 400, 64
+    gain = torch.randint(1, 17, (rows, n), generator=g).float() / 16
+    gain[torch.rand(rows, n, generator=g) < 0.1] = 0.0
+    beta_i = torch.where(gain > 0.9, gain / 3, 0.0)  # equal for equal gains
+    var_i = gain * gain / 5
+    odd = torch.rand(rows, 1, generator=g) < 0.3  # rows where tied tokens' V differ
+    var_i = torch.where(odd, var_i * (1 + torch.rand(rows, n, generator=g) / 8), var_i)
+    b_i = gain * torch.rand(rows, n, generator=g)
+    denom = torch.full((rows,), 2.0)
+    stable, rest, after = C._fetch_head(gain, k)
+    topk = torch.topk(gain, k, dim=-1).indices
+    for eps in (0.05, 0.3, 1.0):
+        args = (beta_i, var_i, b_i, beta_i.sum(-1), var_i.sum(-1), denom, eps, DELTA, None)
+        plan, _ = C._plan_on(stable, rest, *args)
+        want, _ = C._plan_on(topk, None, *args)
+        redo = C._topk_rows(gain, (beta_i, var_i, b_i, plan.k_star), stable, after)
+        keep = torch.ones(rows, dtype=torch.bool).index_fill_(0, redo, False)
+        assert 0 < int(keep.sum()) < rows
+        for name in ("k_star", "exact", "eps_before", "eps_after"):
+            assert same(getattr(plan, name)[keep], getattr(want, name)[keep]), (eps, name)

@@ -125,9 +125,10 @@ def _topk_rows(g, terms, head, after) -> torch.Tensor:
     the token just past it; None: not known, then every such row) whose plan could depend on the
     order of tied tokens (``terms`` = (beta_i, V_i, b_i, k*)). Tied tokens with equal beta and V
     add the same sums in the same order; their b only moves the suffix max from positions
-    inside their run of ties. So the stable order's plan stands unless tied tokens' beta or V
-    differ, k* cuts a run (positions k* - 1 and k* tied), or tied b differ and k* - 1 ends a run
-    or the head's cut lies inside one (k*, or whether the head holds it, may then move)."""
+    inside their run of ties, where k* cannot move unless it lies in the run or just past it.
+    So the stable order's plan stands unless tied tokens' beta or V differ, the cut lies inside
+    a run (the head could hold other tokens of it), k* cuts a run (positions k* - 1 and k* tied)
+    or tied b differ and k* - 1 ends a run."""
     n = g.shape[-1]
     at = head if after is None else torch.cat([head, after[..., None]], -1)
     at = at.reshape(-1, at.shape[-1])
@@ -148,8 +149,8 @@ def _topk_rows(g, terms, head, after) -> torch.Tensor:
 
     beta_i, var_i, b_i, k_star = terms
     k_star = k_star.reshape(-1)[rows]
-    moves = differ(beta_i) | differ(var_i) | tied_at(k_star - 1)
-    moves |= differ(b_i) & (tied_at(k_star - 2) | tie[:, -1])
+    moves = differ(beta_i) | differ(var_i) | tie[:, -1] | tied_at(k_star - 1)
+    moves |= differ(b_i) & tied_at(k_star - 2)
     return rows[moves]
 
 
