@@ -267,14 +267,14 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
     if e is not None:
         # bounded sketch, second look: read the keys of what the bounds would fetch (its K
         # only), score them exactly, and plan again; K+V are fetched for the second plan alone
-        keys = plan.exact.view(n_kv, g, m, n).any(dim=1)  # (n_kv, m, n)
+        keys = C.gqa_union(plan.exact.view(n_q, m, n), n_kv)  # (n_kv, m, n)
         rows = keys[:, None].expand(n_kv, g, m, n).reshape(n_kv, g * m, n)
         if exact_logits is None:
             exact_logits = _exact_logits(q, layer, visible)
         s, e, shift = _make_exact(s, e, shift, exact_logits, rows)
         denom, shrink, (beta_i, var_i, b_i), plan = _certify(s, e, shift, extra, f, cfg, also)
         short = short | keys
-    exact_kv = plan.exact.view(n_kv, g, m, n).any(dim=1)  # GQA union
+    exact_kv = C.gqa_union(plan.exact.view(n_q, m, n), n_kv)
     eps_after = plan.eps_after  # before the union; lowered by it, computed below if asked
     out_after = None
     if cfg.report_after:  # eps_hat after the union: remove the union's contributions
