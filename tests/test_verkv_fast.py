@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvsim.attention.dense import expand_kv, gqa_einsum, logits
-from kvsim.attention.weighted import weighted_attention
+from kvsim.attention.weighted import logsumexp, weighted_attention, weighted_from_logits
 from kvsim.model.synthetic import synthetic_attention_trace
 from kvsim.policies import make
 from kvsim.policies.verkv import certificate as C
@@ -286,3 +286,29 @@ def test_rows_kept_in_stable_order_plan_as_torch_topk_order(k):
         assert 0 < int(keep.sum()) < rows
         for name in ("k_star", "exact", "eps_before", "eps_after"):
             assert same(getattr(plan, name)[keep], getattr(want, name)[keep]), (eps, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_logsumexp_and_softmax_with_masked_entries_equal_torch(dtype):
+    """logsumexp and weighted_from_logits' exp with -inf entries off exp's slow path: torch's
+    logsumexp and exp bit for bit, rows of -inf only, with a NaN or +inf among them."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        rows, n = int(torch.randint(1, 12, (1,), generator=g)), int(torch.randint(1, 3000, (1,),
+                                                                                 generator=g))
+        s = (torch.randn(2, rows, n, generator=g) * float(torch.rand(1, generator=g) * 60))
+        s[torch.rand(2, rows, n, generator=g) < float(torch.rand(1, generator=g))] = -math.inf
+        s[0, 0] = -math.inf if trial % 5 == 0 else s[0, 0]
+        if trial % 7 == 0:
+            s[1, -1, 0] = math.inf
+        if trial % 9 == 0:
+            s[1, 0, -1] = math.nan
+        s = s.to(dtype)
+        assert same(logsumexp(s), torch.logsumexp(s, dim=-1))
+        log_w = torch.zeros(n, dtype=dtype)
+        v = torch.randn(1, n, 4, generator=g).to(dtype)
+        o, ld = weighted_from_logits(s.clone(), log_w, v)
+        want_ld = torch.logsumexp(s, dim=-1)
+        p = (s - want_ld[..., None]).exp()
+        assert same(ld, want_ld)
+        assert same(o, torch.einsum("hmn,hnd->hmd", p, expand_kv(v, 2)))

@@ -48,7 +48,7 @@ from kvsim._torch import torch
 from kvsim.attention.dense import logits
 from kvsim.attention.sampling import poisson_compress
 from kvsim.attention.scoring import to_tau
-from kvsim.attention.weighted import row_chunks, weighted_from_logits
+from kvsim.attention.weighted import logsumexp, row_chunks, weighted_from_logits
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.policies import options as O
@@ -195,10 +195,10 @@ class VerKV(FetchPolicy):
                 made_exact |= dec.exact_kv.any(1)
             log_w, own_w = reweighted_log_factors(layer, dec, n_q)
             full = logits(qc, k, pc)
-            true_logd = torch.logsumexp(full, dim=-1)
+            true_logd = logsumexp(full)
             o, ld = weighted_from_logits(full.clone(), log_w, v)
             full[..., :n_ctx] += own_w
-            ld_own = torch.logsumexp(full, dim=-1)
+            ld_own = logsumexp(full)
             outs.append(o)
             logds.append(ld)
             logds_own.append(ld_own)
