@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from kvsim.attention.dense import expand_kv, logits
-from kvsim.attention.weighted import weighted_attention
+from kvsim.attention.dense import expand_kv, gqa_einsum, logits
+from kvsim.attention.weighted import logsumexp, weighted_attention, weighted_from_logits
 from kvsim.model.synthetic import synthetic_attention_trace
 from kvsim.policies import make
 from kvsim.policies.verkv import certificate as C
@@ -48,8 +48,13 @@ def test_top_desc_is_a_stable_descending_sort(ties, dtype):
             v, i = C.top_desc(x, k)
             assert torch.equal(i, ref_i[..., :k]), (n, k)
             assert torch.equal(v, ref_v[..., :k])
-        _, whole = C.top_desc(x, n // 2 + 1, whole=True)
-        assert torch.equal(whole[..., :n // 2 + 1], ref_i[..., :n // 2 + 1])
+        for k in sorted({1, n // 16, n // 2, n - 1} & set(range(1, n))):  # the fetch head
+            head, rest, after = C._fetch_head(x, k)
+            assert torch.equal(head, ref_i[..., :k]), (n, k)
+            if rest is not None:
+                assert torch.equal(rest.sort(-1).values, ref_i[..., k:].sort(-1).values)
+            if after is not None:
+                assert torch.equal(after, ref_i[..., k])
 
 
 def _reference_shrink(w, f, head):
@@ -165,7 +170,7 @@ def test_fetch_plan_equals_the_reference_bit_for_bit(ties, scan_cells, monkeypat
                 -1, idx, torch.arange(idx.shape[-1]) < count[..., None]) & (sh.u > -1))
         terms = C.terms(w, f, C.binary_shrink(w, f))
         for eps in (1e-9, 0.01, 0.05, 0.3, 1e9):
-            for head in (None, 1, 8, n):
+            for head in (None, 1, 8, n // 2 + 1, max(n - 1, 1), n):
                 for also in (None, C.output_terms(0.1, DELTA, 64)):
                     plan = C.fetch_plan_terms(*terms, denom, eps, DELTA, head=head, also=also)
                     ref = _reference_plan(*terms, denom, eps, DELTA, head, also)
@@ -210,3 +215,100 @@ def test_attend_log_factors_and_softmax_equal_the_plain_forms(options):
     o = torch.einsum("hmn,hnd->hmd", torch.exp(s - ld[..., None]), expand_kv(v, qq.shape[0]))
     got_o, got_ld = weighted_attention(qq, qpos, k, v, union)
     assert torch.equal(got_o, o) and torch.equal(got_ld, ld)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gqa_einsum_equals_einsum_over_expanded_heads(dtype):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the grouped products (several threads: einsum itself)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for n_q, n_kv in ((9, 3), (4, 4), (8, 2)):
+            for m, n, d in ((1, 1, 8), (1, 300, 64), (6, 1, 16), (36, 2092, 64), (5, 77, 1)):
+                q = torch.randn(n_q, m + 2, d, generator=g, dtype=dtype)[:, 1:m + 1]  # a slice
+                k, v = (torch.randn(n_kv, n, d, generator=g, dtype=dtype) for _ in range(2))
+                p = torch.rand(n_q, m, n, generator=g, dtype=dtype)
+                assert torch.equal(gqa_einsum("hmd,hnd->hmn", q, k),
+                                   torch.einsum("hmd,hnd->hmn", q, expand_kv(k, n_q)))
+                assert torch.equal(gqa_einsum("hmn,hnd->hmd", p, v),
+                                   torch.einsum("hmn,hnd->hmd", p, expand_kv(v, n_q)))
+                assert torch.equal(expand_kv(k, n_q), k.repeat_interleave(n_q // n_kv, 0))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_running_max_reads_equal_cummax():
+    g = torch.Generator().manual_seed(1)
+    for k in (1, 63, 64, 65, 200, 4096):
+        x = _rows(k, (2, 3, k), ties=k % 2 == 1)
+        col = torch.randint(0, k, (2, 3, 5), generator=g)
+        assert same(C._RunningMax(x.abs()).at(col), x.abs().cummax(-1).values.gather(-1, col))
+
+
+def test_logits_mask_as_written_before():
+    """The causal mask on the keys after each row's position, masked in place from the first
+    key any row can miss (k_pos None), as the masked_fill over every key was."""
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(2, 100, 16, generator=g)
+    for rows in ([0, 1, 2], [5, 9, 20], [-3, 2], [99, 100], [150, 160], [], [40, 10, 70]):
+        q_pos = torch.tensor(rows, dtype=torch.long)
+        q = torch.randn(6, len(rows), 16, generator=g)
+        for k_pos in (None, torch.arange(30, 130), torch.arange(100).flip(0)):
+            at = torch.arange(100) if k_pos is None else k_pos
+            want = (torch.einsum("hmd,hnd->hmn", q, expand_kv(k, 6)) / 4.0).masked_fill(
+                at[None, None, :] > q_pos[None, :, None], float("-inf"))
+            assert torch.equal(logits(q, k, q_pos, k_pos), want)
+
+
+@pytest.mark.parametrize("k", [20, 37, 50])
+def test_rows_kept_in_stable_order_plan_as_torch_topk_order(k):
+    """Rows :func:`C._topk_rows` leaves in the stable order get the plan ``torch.topk``'s order
+    of their tied gains gives (the order the fetch head keeps): gains of few values, tied tokens
+    with equal beta and V but for some rows, b free, heads cut inside runs of ties."""
+    g = torch.Generator().manual_seed(k)
+    rows, n = 400, 64
+    gain = torch.randint(1, 17, (rows, n), generator=g).float() / 16
+    gain[torch.rand(rows, n, generator=g) < 0.1] = 0.0
+    beta_i = torch.where(gain > 0.9, gain / 3, 0.0)  # equal for equal gains
+    var_i = gain * gain / 5
+    odd = torch.rand(rows, 1, generator=g) < 0.3  # rows where tied tokens' V differ
+    var_i = torch.where(odd, var_i * (1 + torch.rand(rows, n, generator=g) / 8), var_i)
+    b_i = gain * torch.rand(rows, n, generator=g)
+    denom = torch.full((rows,), 2.0)
+    stable, rest, after = C._fetch_head(gain, k)
+    topk = torch.topk(gain, k, dim=-1).indices
+    for eps in (0.05, 0.3, 1.0):
+        args = (beta_i, var_i, b_i, beta_i.sum(-1), var_i.sum(-1), denom, eps, DELTA, None)
+        plan, _ = C._plan_on(stable, rest, *args)
+        want, _ = C._plan_on(topk, None, *args)
+        redo = C._topk_rows(gain, (beta_i, var_i, b_i, plan.k_star), stable, after)
+        keep = torch.ones(rows, dtype=torch.bool).index_fill_(0, redo, False)
+        assert 0 < int(keep.sum()) < rows
+        for name in ("k_star", "exact", "eps_before", "eps_after"):
+            assert same(getattr(plan, name)[keep], getattr(want, name)[keep]), (eps, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_logsumexp_and_softmax_with_masked_entries_equal_torch(dtype):
+    """logsumexp and weighted_from_logits' exp with -inf entries off exp's slow path: torch's
+    logsumexp and exp bit for bit, rows of -inf only, with a NaN or +inf among them."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        rows, n = int(torch.randint(1, 12, (1,), generator=g)), int(torch.randint(1, 3000, (1,),
+                                                                                 generator=g))
+        s = (torch.randn(2, rows, n, generator=g) * float(torch.rand(1, generator=g) * 60))
+        s[torch.rand(2, rows, n, generator=g) < float(torch.rand(1, generator=g))] = -math.inf
+        s[0, 0] = -math.inf if trial % 5 == 0 else s[0, 0]
+        if trial % 7 == 0:
+            s[1, -1, 0] = math.inf
+        if trial % 9 == 0:
+            s[1, 0, -1] = math.nan
+        s = s.to(dtype)
+        assert same(logsumexp(s), torch.logsumexp(s, dim=-1))
+        log_w = torch.zeros(n, dtype=dtype)
+        v = torch.randn(1, n, 4, generator=g).to(dtype)
+        o, ld = weighted_from_logits(s.clone(), log_w, v)
+        want_ld = torch.logsumexp(s, dim=-1)
+        p = (s - want_ld[..., None]).exp()
+        assert same(ld, want_ld)
+        assert same(o, torch.einsum("hmn,hnd->hmd", p, expand_kv(v, 2)))

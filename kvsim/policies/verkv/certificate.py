@@ -18,13 +18,16 @@ recomputed with a full sort, so the result equals ``head=None`` (full sort). Eve
 :func:`top_desc`'s: descending, equal values by increasing token index (a stable sort's), so a
 head is exactly the start of the full order, except that a head of fewer than n tokens keeps
 ``torch.topk``'s order among equal positive values (which of two tied tokens is shrunk or fetched
-is that order's choice; rows with such ties take ``torch.topk`` itself).
+is that order's choice): rows with such ties take ``torch.topk`` itself where that order could
+change the result (the fetch plan: :func:`_topk_rows`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvsim._torch import torch
 
@@ -33,10 +36,17 @@ SHRINK_HEAD = 512
 SHRINK_FIRST = 32  # the shrinkage prefix is tried on this many tokens before SHRINK_HEAD
 
 
-def top_desc(x: torch.Tensor, k: int, whole: bool = False, values: bool = True):
+def _key_sortable(x: torch.Tensor) -> bool:
+    """Whether numpy's key sort applies: float32 on the CPU, every value >= 0 and finite."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.numel():
+        return False
+    lo_hi = torch.aminmax(x)
+    return float(lo_hi.min) >= 0 and float(lo_hi.max) < math.inf
+
+
+def top_desc(x: torch.Tensor, k: int, values: bool = True):
     """(values, indices) of the ``k`` largest entries of each row of ``x`` (..., n), descending,
-    equal values in increasing index order: the first ``k`` of a stable descending sort (with
-    ``whole``, when the order was sorted in full anyway, all ``n`` columns of it; without
+    equal values in increasing index order: the first ``k`` of a stable descending sort (without
     ``values`` the values may be None).
 
     On the CPU, float32 rows of non-negative finite values take a faster way: a short head
@@ -46,14 +56,11 @@ def top_desc(x: torch.Tensor, k: int, whole: bool = False, values: bool = True):
     takes torch's stable sort."""
     n = x.shape[-1]
     k = min(k, n)
-    lo_hi = torch.aminmax(x) if x.numel() else None
-    if x.device.type != "cpu" or x.dtype != torch.float32 or lo_hi is None \
-            or not (float(lo_hi.min) >= 0 and float(lo_hi.max) < math.inf):
+    if not _key_sortable(x):
         vals, idx = torch.sort(x, dim=-1, descending=True, stable=True)
-        return (vals, idx) if whole else (vals[..., :k], idx[..., :k])
+        return vals[..., :k], idx[..., :k]
     if 16 * k > n:
-        idx = _sorted_keys(x)
-        idx = idx if whole else idx[..., :k]
+        idx = _sorted_keys(x)[..., :k]
         return (x.gather(-1, idx) if values else None), idx
     vals, idx = torch.topk(x, k + 1, dim=-1)
     # equal values in index order: sort by index, then stably by value
@@ -69,33 +76,82 @@ def top_desc(x: torch.Tensor, k: int, whole: bool = False, values: bool = True):
     return v, idx
 
 
+def _desc_keys(x: torch.Tensor) -> np.ndarray:
+    """(-1, n) 64-bit keys of float32 values >= 0 (-0.0 included) whose ascending order is the
+    stable descending order of the values: (bits of +inf - bits of the value) * 2^32 + index
+    (numpy: faster than torch's 64-bit integer arithmetic)."""
+    bits = x.reshape(-1, x.shape[-1]).view(torch.int32).numpy()
+    key = np.maximum(bits, 0, dtype=np.int64)  # -0.0's bits (negative) -> +0.0's
+    np.subtract(0x7F800000, key, out=key)
+    key <<= 32
+    key |= np.arange(x.shape[-1], dtype=np.int64)
+    return key
+
+
+def _indices(key: np.ndarray, shape) -> torch.Tensor:
+    """The token indices (..., c) held in the low half of the keys ``key`` (-1, c)."""
+    key &= 0xFFFFFFFF
+    return torch.from_numpy(key).reshape(*shape[:-1], key.shape[-1])
+
+
 def _sorted_keys(x: torch.Tensor) -> torch.Tensor:
-    """The stable descending order of float32 rows >= 0 (-0.0 included) by one numpy sort of
-    64-bit keys: (bits of +inf - bits of the value) * 2^32 + index."""
-    n = x.shape[-1]
-    key = x.view(torch.int32).to(torch.int64).clamp_min_(0)  # -0.0's bits (negative) -> +0.0's
-    key.mul_(-(1 << 32)).add_((0x7F800000 << 32) + torch.arange(n, dtype=torch.int64))
-    key.numpy().reshape(-1, n).sort(axis=-1)
-    return key.bitwise_and_(0xFFFFFFFF)
+    """The stable descending order of float32 rows >= 0 by one numpy sort of
+    :func:`_desc_keys`."""
+    key = _desc_keys(x)
+    key.sort(axis=-1)
+    return _indices(key, x.shape)
 
 
-def _head_order(g: torch.Tensor, k: int) -> torch.Tensor:
-    """The fetch order's head of ``k`` tokens (all ``n`` columns where a full sort gave them):
-    :func:`top_desc`, except on rows where equal positive values lie in the head or across its
-    cut, which take ``torch.topk``'s order (tokens with a zero gain contribute nothing and are
-    never fetched, so their order does not matter)."""
+def _fetch_head(g: torch.Tensor, k: int):
+    """The first ``k < n`` tokens of :func:`top_desc`'s order of ``g`` (..., n), the other
+    tokens in any order (None: those ``head`` leaves out) and the token just after the head
+    (None: not looked for, as on :func:`top_desc`'s short-head way)."""
     n = g.shape[-1]
-    order = top_desc(g, k, whole=True, values=False)[1]
-    if k >= n:
-        return order
-    vals = g.gather(-1, order[..., :k + 1])
-    tied = ((vals[..., 1:] == vals[..., :-1]) & (vals[..., 1:] > 0)).any(-1).reshape(-1)
-    if not bool(tied.any()):
-        return order
-    rows = tied.nonzero()[:, 0]
-    head = order[..., :k].reshape(-1, k).clone()
-    head[rows] = torch.topk(g.reshape(-1, n)[rows], k, dim=-1).indices
-    return head.reshape(*g.shape[:-1], k)
+    if not _key_sortable(g):
+        idx = torch.sort(g, dim=-1, descending=True, stable=True).indices
+        return idx[..., :k], idx[..., k:], idx[..., k]
+    if 16 * k <= n:
+        return top_desc(g, k, values=False)[1], None, None
+    key = _desc_keys(g)
+    key.partition(k, axis=-1)  # the k smallest keys first, the next one at k
+    key[:, :k].sort(axis=-1)  # only the head needs an order
+    idx = _indices(key, g.shape)
+    return idx[..., :k], idx[..., k:], idx[..., k]
+
+
+def _topk_rows(g, terms, head, after) -> torch.Tensor:
+    """Flat rows whose head must take ``torch.topk``'s order, the one the fetch head keeps
+    among equal positive gains: rows with such a tie in the head or across its cut (``after``:
+    the token just past it; None: not known, then every such row) whose plan could depend on the
+    order of tied tokens (``terms`` = (beta_i, V_i, b_i, k*)). Tied tokens with equal beta and V
+    add the same sums in the same order; their b only moves the suffix max from positions
+    inside their run of ties, where k* cannot move unless it lies in the run or just past it.
+    So the stable order's plan stands unless tied tokens' beta or V differ, the cut lies inside
+    a run (the head could hold other tokens of it), k* cuts a run (positions k* - 1 and k* tied)
+    or tied b differ and k* - 1 ends a run."""
+    n = g.shape[-1]
+    at = head if after is None else torch.cat([head, after[..., None]], -1)
+    at = at.reshape(-1, at.shape[-1])
+    gv = g.reshape(-1, n).gather(-1, at)
+    rows = ((gv[:, 1:] == gv[:, :-1]) & (gv[:, 1:] > 0)).any(-1).nonzero()[:, 0]
+    if after is None or not rows.numel():
+        return rows
+    at, gv = at[rows], gv[rows]
+    tie = gv[:, 1:] == gv[:, :-1]  # (rows, K): positions j and j + 1 tied
+
+    def differ(t):
+        tv = t.reshape(-1, n)[rows].gather(-1, at)
+        return ((tv[:, 1:] != tv[:, :-1]) & tie).any(-1)
+
+    def tied_at(j):  # False outside 0..K - 1
+        inside = (j >= 0) & (j < tie.shape[-1])
+        return tie.gather(-1, j.clamp(0, tie.shape[-1] - 1)[:, None])[:, 0] & inside
+
+    beta_i, var_i, b_i, k_star = terms
+    k_star = k_star.reshape(-1)[rows]
+    moves = differ(beta_i) | differ(var_i) | tie[:, -1] | tied_at(k_star - 1)
+    moves |= differ(b_i) & tied_at(k_star - 2)
+    return rows[moves]
 
 
 def log_term(delta: float) -> float:
@@ -330,78 +386,102 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
         root1 + torch.sqrt(c2)).clamp_min(torch.finfo(x.dtype).tiny)
     gain.scatter_(-1, arg, gain_arg)
 
-    def evaluate(g, bi, vi, bb, tot_beta, tot_var, d, k):
-        order = _head_order(g, k)
-        idx = order[..., :k]
-        hb, hv, hm = bi.gather(-1, idx), vi.gather(-1, idx), bb.gather(-1, idx)
-        # suffix sums over the head by reversed cumsums (exactly 0 past the last token, however
-        # small eps), plus the tail (the tokens outside the head) as total minus head
-        if k >= n:
-            tail_beta = tail_var = tail_b = torch.zeros_like(hb[..., :1])
-        else:
-            tail_beta = (tot_beta[..., None] - hb.sum(-1, keepdim=True)).clamp_min(0)
-            tail_var = (tot_var[..., None] - hv.sum(-1, keepdim=True)).clamp_min(0)
-            if order.shape[-1] == n:  # b >= 0: the tail's max is the max outside the head
-                tail_b = bb.gather(-1, order[..., k:]).amax(-1, keepdim=True)
-            else:
-                in_head = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device).scatter_(
-                    -1, idx, True)
-                tail_b = bb.masked_fill(in_head, 0.0).amax(-1, keepdim=True)
-        # suffix sums from the end of the head: column j holds the last j head tokens' (so
-        # column k - pos is the suffix from head position pos; column 0 is empty)
-        zero = torch.zeros_like(hb[..., :1])
-        ext_beta = torch.cat([zero, hb.flip(-1)], -1).cumsum_(-1)
-        ext_var = torch.cat([zero, hv.flip(-1)], -1).cumsum_(-1)
-        ext_b = torch.cat([zero, hm.flip(-1)], -1).cummax(-1).values
-        k_star, found, eps_at = _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b,
-                                          d, eps, log_term(delta), also)
-        upto = int(k_star.max()) if k_star.numel() else 0
-        live = (hb[..., :upto] > 0) | (hv[..., :upto] > 0) | (hm[..., :upto] > 0)
-        sel = (torch.arange(upto, device=idx.device) < k_star[..., None]) & live
-        exact = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device).scatter_(
-            -1, idx[..., :upto], sel)
-        return FetchPlan(k_star, exact, eps_at(torch.zeros_like(k_star)), eps_at(k_star),
-                         idx), found
-
     k = n if head is None else min(head, n)
-    plan, found = evaluate(gain, beta_i, var_i, b_i, beta, var, denom, k)
-    if k < n and not bool(found.all()):
+    rows = lambda x, at: x.reshape(-1, *x.shape[len(shape) - 1:])[at]  # noqa: E731
+    tensors = (gain, beta_i, var_i, b_i, beta, var, denom)
+    if k == n:
+        return _plan_on(top_desc(gain, n, values=False)[1], None, *tensors[1:], eps, delta,
+                        also)[0]
+    idx, rest, after = _fetch_head(gain, k)
+    plan, found = _plan_on(idx, rest, *tensors[1:], eps, delta, also)
+    tied = _topk_rows(gain, (beta_i, var_i, b_i, plan.k_star), idx, after)
+    if tied.numel():
+        g, *more = (rows(x, tied) for x in tensors)
+        sub, sub_found = _plan_on(torch.topk(g, k, dim=-1).indices, None, *more, eps, delta,
+                                  also)
+        found = found.reshape(-1).index_put((tied,), sub_found)
+        _put_rows(plan, tied, sub)
+    if not bool(found.all()):  # rows whose cut lies beyond the head: a full sort
         redo = (~found).reshape(-1).nonzero()[:, 0]
-        flat = lambda x: x.reshape(-1, n)[redo]  # noqa: E731
-        full, _ = evaluate(flat(gain), flat(beta_i), flat(var_i), flat(b_i),
-                           beta.reshape(-1)[redo], var.reshape(-1)[redo],
-                           denom.reshape(-1)[redo], n)
-        lead = shape[:-1]
-        for name in ("k_star", "eps_before", "eps_after"):
-            v = getattr(plan, name).reshape(-1).clone()
-            v[redo] = getattr(full, name)
-            setattr(plan, name, v.reshape(lead))
-        ex = plan.exact.reshape(-1, n).clone()
-        ex[redo] = full.exact
-        plan.exact = ex.reshape(shape)
+        g, *more = (rows(x, redo) for x in tensors)
+        full, _ = _plan_on(top_desc(g, n, values=False)[1], None, *more, eps, delta, also)
+        _put_rows(plan, redo, full)
         plan.order = None  # rows differ in length; the exact mask is the result
     return plan
+
+
+def _put_rows(plan: FetchPlan, at: torch.Tensor, sub: FetchPlan) -> None:
+    """Writes ``sub``'s rows into the flat rows ``at`` of ``plan``."""
+    for name in ("k_star", "eps_before", "eps_after", "exact", "order"):
+        whole, part = getattr(plan, name), getattr(sub, name)
+        if whole is None or (name == "order" and whole.shape[-1] != part.shape[-1]):
+            setattr(plan, name, None)
+            continue
+        lead = plan.k_star.dim()
+        flat = whole.reshape(-1, *whole.shape[lead:]).clone()
+        flat[at] = part
+        setattr(plan, name, flat.reshape(whole.shape))
+
+
+def _plan_on(head, rest, bi, vi, bb, tot_beta, tot_var, d, eps: float, delta: float, also):
+    """The fetch plan on the head ``head`` (..., k) of the fetch order (all of it when k = n),
+    ``rest`` the other tokens (None: those ``head`` leaves out), and whether k* lies in it."""
+    n, k = bb.shape[-1], head.shape[-1]
+    hb, hv, hm = bi.gather(-1, head), vi.gather(-1, head), bb.gather(-1, head)
+    # the suffix of the order from a position: its part in the head, from reversed cumulative
+    # sums (exactly 0 past the last token, however small eps), plus the tail (the tokens
+    # outside the head) as total minus head
+    if k == n:
+        tail_beta = tail_var = tail_b = torch.zeros_like(hb[..., :1])
+    else:
+        tail_beta = (tot_beta[..., None] - hb.sum(-1, keepdim=True)).clamp_min(0)
+        tail_var = (tot_var[..., None] - hv.sum(-1, keepdim=True)).clamp_min(0)
+        if rest is not None:  # b >= 0: the tail's max is the max outside the head
+            tail_b = bb.gather(-1, rest).amax(-1, keepdim=True)
+        else:
+            in_head = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device).scatter_(
+                -1, head, True)
+            tail_b = bb.masked_fill(in_head, 0.0).amax(-1, keepdim=True)
+    # column j: the head's last j + 1 tokens
+    ext_beta, ext_var = hb.flip(-1).cumsum_(-1), hv.flip(-1).cumsum_(-1)
+    k_star, found, eps_at = _first_ok(ext_beta, ext_var, hm.flip(-1), tail_beta, tail_var,
+                                      tail_b, d, eps, log_term(delta), also)
+    # the first k* tokens of each row, those with a contribution (the others never are exact)
+    counts = k_star.reshape(-1)
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=head.device), counts)
+    pos = torch.arange(rows.numel(), device=head.device) - (counts.cumsum(0) - counts)[rows]
+    live = (hb.reshape(-1, k)[rows, pos] > 0) | (hv.reshape(-1, k)[rows, pos] > 0) \
+        | (hm.reshape(-1, k)[rows, pos] > 0)
+    exact = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device)
+    exact.view(-1, n)[rows[live], head.reshape(-1, k)[rows[live], pos[live]]] = True
+    return FetchPlan(k_star, exact, eps_at(torch.zeros_like(k_star)), eps_at(k_star),
+                     head), found
 
 
 SCAN_CELLS = 1 << 17  # above this many (row, k) cells, bisect for k* instead of scanning all k
 
 
-def _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b, d, eps: float, l: float,
+def _first_ok(ext_beta, ext_var, rev_b, tail_beta, tail_var, tail_b, d, eps: float, l: float,
               also):
     """(k*, found, eps_at): the smallest k in 0..K whose suffix has eps_hat below ``eps`` (and
     the output certificate's bound, ``also``), k* = 0 where none is, and a function giving
-    eps_hat of the suffix from given positions. Suffix quantities at position k are column K - k
-    of ``ext_*`` plus the tail's (the same operations as summing the flipped head, then the
-    tail). The suffix quantities do not increase with k, and every step of eps_hat is a
-    monotone IEEE operation of them, so "ok" does not decrease with k (a NaN can only hide a
-    prefix of k): on many cells a bisection finds the first ok k, the one a scan finds."""
-    K = ext_beta.shape[-1] - 1
+    eps_hat of the suffix from given positions. The suffix from position k < K is column
+    K - 1 - k of ``ext_*`` (the head's last K - k tokens' sums) and of the running max of
+    ``rev_b`` (the head's b, last token first), plus the tail's; from K the tail's alone: the
+    same operations as summing the flipped head from 0, then the tail. The suffix quantities do
+    not increase with k, and every step of eps_hat is a monotone IEEE operation of them, so "ok"
+    does not decrease with k (a NaN can only hide a prefix of k): on many cells a bisection
+    finds the first ok k, the one a scan finds, reading the running max at its columns alone."""
+    K = ext_beta.shape[-1]
     dd = d[..., None]
+    scan = ext_beta[..., 0].numel() * (K + 1) <= SCAN_CELLS
+    run_b = rev_b.cummax(-1).values if scan else _RunningMax(rev_b)
 
     def at(pos):  # (..., c) positions -> the suffix quantities there
-        col = K - pos
-        return (ext_beta.gather(-1, col) + tail_beta, ext_var.gather(-1, col) + tail_var,
-                ext_b.gather(-1, col).maximum(tail_b))
+        col, empty = (K - 1 - pos).clamp_min(0), pos >= K
+        sb, sv = (x.gather(-1, col).masked_fill_(empty, 0.0) for x in (ext_beta, ext_var))
+        sm = (run_b.gather(-1, col) if scan else run_b.at(col)).masked_fill_(empty, 0.0)
+        return sb + tail_beta, sv + tail_var, sm.maximum(tail_b)
 
     def ok(sb, sv, sm):
         good = bernstein_eps(sb, sv, sm, dd, l) < eps
@@ -412,8 +492,10 @@ def _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b, d, eps: flo
     def eps_at(pos):
         return bernstein_eps(*at(pos[..., None]), dd, l)[..., 0]
 
-    if ext_beta[..., 0].numel() * (K + 1) <= SCAN_CELLS:
-        good = ok(ext_beta + tail_beta, ext_var + tail_var, ext_b.maximum(tail_b)).flip(-1)
+    if scan:
+        zero = torch.zeros_like(ext_beta[..., :1])
+        sb, sv, sm = (torch.cat([zero, x], -1) for x in (ext_beta, ext_var, run_b))
+        good = ok(sb + tail_beta, sv + tail_var, sm.maximum(tail_b)).flip(-1)
         return good.int().argmax(-1), good.any(-1), eps_at
     lead = ext_beta.shape[:-1]
     lo = torch.zeros(lead, dtype=torch.long, device=ext_beta.device)
@@ -427,6 +509,33 @@ def _first_ok(ext_beta, ext_var, ext_b, tail_beta, tail_var, tail_b, d, eps: flo
     found = hi <= K
     return torch.where(found, hi, 0), found, eps_at
 
+
+class _RunningMax:
+    """The running max of rows ``x`` (..., K) read at a few columns: the running max of whole
+    blocks of ``BLOCK`` columns, then the block holding the column up to it (a full cummax
+    costs more than a bisection's reads; max is exact, so the values are cummax's)."""
+
+    BLOCK = 64
+
+    def __init__(self, x: torch.Tensor):
+        self.x = x
+        whole = x.shape[-1] // self.BLOCK
+        blocks = x[..., :whole * self.BLOCK].unflatten(-1, (whole, self.BLOCK)).amax(-1)
+        # column j + 1: the max of the first j + 1 whole blocks; column 0: none (0, as b >= 0)
+        self.before = torch.cat([blocks.new_zeros(*blocks.shape[:-1], 1),
+                                 blocks.cummax(-1).values], -1)
+
+    def at(self, col: torch.Tensor) -> torch.Tensor:
+        """max(x[..., :c + 1]) for the columns ``col`` (..., c)."""
+        block = col // self.BLOCK
+        start = block * self.BLOCK
+        span = (start[..., None] + torch.arange(self.BLOCK, device=col.device)).minimum(
+            col[..., None])  # the block's columns up to col (col repeated past it)
+        lead = self.x.shape[:-1]
+        part = self.x.gather(-1, span.reshape(*lead, -1)).reshape(span.shape).amax(-1)
+        return part.maximum(self.before.gather(-1, block))
+
+
 def fetch_plan(w, r, lam, in_l, denom, eps: float, delta: float,
                head: int | None = FETCH_HEAD) -> FetchPlan:
     """KVFetch with a dense lambda (see :func:`fetch_plan_terms`)."""
@@ -437,4 +546,8 @@ def gqa_union(mask: torch.Tensor, n_kv: int) -> torch.Tensor:
     """(n_q, m, n) per-query-head token masks -> (n_kv, m, n): the union over the query heads
     that share each KV head (head j serves query heads j*g .. (j+1)*g - 1)."""
     n_q = mask.shape[0]
-    return mask.reshape(n_kv, n_q // n_kv, *mask.shape[1:]).any(dim=1)
+    heads = mask.reshape(n_kv, n_q // n_kv, *mask.shape[1:]).unbind(1)
+    union = heads[0].clone()
+    for h in heads[1:]:  # an or per head: faster than any() over the group's dimension
+        union |= h
+    return union

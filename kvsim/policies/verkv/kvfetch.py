@@ -38,7 +38,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvsim._torch import torch
+from kvsim._torch import F, torch
 from kvsim.attention.sampling import PoissonSample
 from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv.sketch import KeySketch, logit_halfwidth, shortlist, sketch_logits
@@ -267,14 +267,14 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
     if e is not None:
         # bounded sketch, second look: read the keys of what the bounds would fetch (its K
         # only), score them exactly, and plan again; K+V are fetched for the second plan alone
-        keys = plan.exact.view(n_kv, g, m, n).any(dim=1)  # (n_kv, m, n)
+        keys = C.gqa_union(plan.exact.view(n_q, m, n), n_kv)  # (n_kv, m, n)
         rows = keys[:, None].expand(n_kv, g, m, n).reshape(n_kv, g * m, n)
         if exact_logits is None:
             exact_logits = _exact_logits(q, layer, visible)
         s, e, shift = _make_exact(s, e, shift, exact_logits, rows)
         denom, shrink, (beta_i, var_i, b_i), plan = _certify(s, e, shift, extra, f, cfg, also)
         short = short | keys
-    exact_kv = plan.exact.view(n_kv, g, m, n).any(dim=1)  # GQA union
+    exact_kv = C.gqa_union(plan.exact.view(n_q, m, n), n_kv)
     eps_after = plan.eps_after  # before the union; lowered by it, computed below if asked
     out_after = None
     if cfg.report_after:  # eps_hat after the union: remove the union's contributions
@@ -319,7 +319,8 @@ def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
     w = torch.exp((s if e is None else s + e) - shift[..., None])  # (n_kv, g*m, n)
     # weights under a tiny floor move D by < n * floor (the largest weight is 1): flush them to 0
     # so that squares stay out of subnormal arithmetic, which is ~100x slower on CPUs
-    w.masked_fill_(w < WEIGHT_FLOOR.get(str(w.dtype).removeprefix("torch."), 0.0), 0.0)
+    floor = torch.tensor(WEIGHT_FLOOR.get(str(w.dtype).removeprefix("torch."), 0.0), dtype=w.dtype)
+    F.threshold_(w, float(torch.nextafter(floor, torch.zeros_like(floor))), 0.0)  # w < floor: 0
     denom = w.sum(-1) if e is None else torch.exp(s - e - shift[..., None]).sum(-1)
     if extra is not None:
         denom = denom + torch.exp(extra - shift[..., None]).sum(-1)
@@ -369,7 +370,7 @@ def reweighted_log_factors(layer: VerKVLayer, dec: Decision,
     r = smp.r.to(lam_dtype)
     base = torch.full((n_kv, n), float("-inf"), dtype=lam_dtype, device=r.device)
     base[smp.sampled] = -torch.log(r[smp.sampled])
-    out = base.repeat_interleave(g, dim=0)[:, None, :].expand(n_q, m, n).clone()
+    out = base[:, None, None, :].expand(n_kv, g, m, n).contiguous().view(n_q, m, n)
     # sampled tokens with lambda = r: log factor 0
     width = dec.shrink.idx.shape[-1]
     sel = torch.arange(width, device=r.device) < dec.shrink.count.reshape(-1, 1)
@@ -377,8 +378,8 @@ def reweighted_log_factors(layer: VerKVLayer, dec: Decision,
     cols = dec.shrink.idx.reshape(-1, width)[rows, at]
     hit = smp.sampled[rows // (g * m), cols]
     out.view(-1, n)[rows[hit], cols[hit]] = 0.0
-    in_h = smp.in_h.repeat_interleave(g, dim=0)[:, None, :]
-    own = out.masked_fill(in_h | dec.own_exact, 0.0)
-    union = out.masked_fill_((smp.in_h[:, None, :] | dec.exact_kv).repeat_interleave(g, dim=0),
-                             0.0)
-    return union, own
+    own = out.view(n_kv, g, m, n).masked_fill(
+        smp.in_h[:, None, None, :] | dec.own_exact.view(n_kv, g, m, n), 0.0).view(n_q, m, n)
+    # the KV head's mask broadcast over its query heads (no copy per query head)
+    out.view(n_kv, g, m, n).masked_fill_((smp.in_h[:, None, :] | dec.exact_kv)[:, None], 0.0)
+    return out, own

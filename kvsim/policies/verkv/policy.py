@@ -45,10 +45,10 @@ import math
 from dataclasses import dataclass, field
 
 from kvsim._torch import torch
-from kvsim.attention.dense import expand_kv, logits
+from kvsim.attention.dense import logits
 from kvsim.attention.sampling import poisson_compress
 from kvsim.attention.scoring import to_tau
-from kvsim.attention.weighted import row_chunks, weighted_from_logits
+from kvsim.attention.weighted import logsumexp, row_chunks, weighted_from_logits
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.policies import options as O
@@ -182,7 +182,6 @@ class VerKV(FetchPolicy):
         short, planned = pass_shortlist_planned(q, q_pos, layer, cfg, chunks,
                                                 keep=0 if shared else PLANNED_CHUNKS)
         made_exact = torch.zeros_like(fetched_pass)  # shared: what earlier rows made exact
-        k_q, v_q = expand_kv(k, n_q), expand_kv(v, n_q)  # once per call, not per chunk
         for i, sl in enumerate([slice(j, j + 1) for j in range(m)] if shared else chunks):
             qc, pc = q[:, sl], q_pos[sl]
             extra = logits(qc, k[:, n_ctx:], pc, extra_pos)
@@ -195,11 +194,11 @@ class VerKV(FetchPolicy):
                 dec.own_exact = own_plan | made_exact.repeat_interleave(g, 0)[:, None]
                 made_exact |= dec.exact_kv.any(1)
             log_w, own_w = reweighted_log_factors(layer, dec, n_q)
-            full = logits(qc, k_q, pc)
-            true_logd = torch.logsumexp(full, dim=-1)
-            o, ld = weighted_from_logits(full.clone(), log_w, v_q)
+            full = logits(qc, k, pc)
+            true_logd = logsumexp(full)
+            o, ld = weighted_from_logits(full.clone(), log_w, v)
             full[..., :n_ctx] += own_w
-            ld_own = torch.logsumexp(full, dim=-1)
+            ld_own = logsumexp(full)
             outs.append(o)
             logds.append(ld)
             logds_own.append(ld_own)

@@ -142,7 +142,7 @@ def sketch_logits(sk: KeySketch, q: torch.Tensor) -> torch.Tensor:
     ch = sk.channels.repeat_interleave(g, dim=0)  # (n_q, c)
     q_sel = q.gather(-1, ch[:, None, :].expand(n_q, m, c))
     s = torch.matmul(q_sel.reshape(n_kv, g * m, c), sk.keys.transpose(1, 2).to(q.dtype))
-    return s.view(n_q, m, -1) / math.sqrt(d)
+    return s.view(n_q, m, -1).div_(math.sqrt(d))
 
 
 def logit_halfwidth(sk: KeySketch, q: torch.Tensor) -> torch.Tensor:
