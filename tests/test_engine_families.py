@@ -130,11 +130,37 @@ def test_attention_per_query_head_rereads_kv_and_overheads_add_by_hand():
     (c0,), _, _ = base.layer_costs(8, np.array([tokens]))
     (c1,), _, _ = slow.layer_costs(8, np.array([tokens]))
     assert c1 - c0 == pytest.approx(extra, rel=1e-9)
+    # where a share of the 7 repeat reads hit the L2 cache, only the rest cost HBM time
+    part = StepCosts(m, _costs(attention="per-query-head", head_reread_share=0.25), cost)
+    (c2,), _, _ = part.layer_costs(8, np.array([tokens]))
+    assert c2 - c0 == pytest.approx(0.25 * extra, rel=1e-9)
     over = StepCosts(m, _costs(layer_overhead_us=10.0, step_overhead_ms=1.0,
                                token_overhead_us=20.0), cost)
     s0 = base.decode(np.full(8, 32768.0), 1)[0][0]
     s1 = over.decode(np.full(8, 32768.0), 1)[0][0]
     assert s1 - s0 == pytest.approx(1e-3 + 80 * 10e-6 + 8 * 20e-6, rel=1e-9)
+
+
+def test_the_share_of_per_query_head_rereads_is_identified_and_fitted():
+    """Rows of a kernel that is not GQA-aware at several contexts (and GQA-aware ones beside
+    them) identify how many of its repeat KV reads reach HBM; the fit recovers it."""
+    from kvsim.fit.solve import fit, identified
+    truth = {"step_overhead_ms": 1.5, "head_reread_share": 0.3}
+    known = make_engine(E.ROOFLINE, truth, "default", "", "h100-sxm", "llama-3.1-70b")
+    (spec,), _ = parse("dense-resident")
+    pred, pts = Predictor(None), []
+    for i, (ctx, b, attention) in enumerate(((2048, 8, "per-query-head"),
+                                             (16384, 4, "per-query-head"),
+                                             (4096, 16, None), (32768, 2, None)), start=2):
+        p = Point(i, "h100-sxm", "llama-3.1-70b", spec, ctx, b, {}, None, 16, tp=4,
+                  attention=attention)
+        p.measured = {"tpot_ms": pred.predict(p, known)["tpot_ms"]}
+        pts.append(p)
+    assert "head_reread_share" in identified(pts, pred)
+    assert "head_reread_share" not in identified(pts[2:], pred)  # GQA-aware rows only
+    res = fit(pts, pred, E.ROOFLINE, free=list(truth), loo=False)
+    for k, v in truth.items():
+        assert res.values[k] == pytest.approx(v, rel=1e-3), k
 
 
 def test_engine_allreduce_latency_adds_per_call():
@@ -157,7 +183,8 @@ def test_default_engine_fields_leave_the_roofline_unchanged():
 
 def test_engine_fields_are_checked():
     for key, bad in (("gemm_overlap", 1.5), ("attention", "per-head"), ("moe_efficiency", 0),
-                     ("token_overhead_us", -1.0), ("allreduce_us", float("nan"))):
+                     ("token_overhead_us", -1.0), ("allreduce_us", float("nan")),
+                     ("head_reread_share", 1.5)):
         with pytest.raises(E.KvsimError, match=key):
             E.ROOFLINE.with_fields(**{key: bad})
 

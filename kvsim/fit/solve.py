@@ -11,6 +11,8 @@ identify them (:func:`identified`):
 * ``hbm_efficiency``: with resident rows at two or more KV sizes per step (at one size it
   trades one-for-one against the overhead);
 * ``link.<path>.gbps``: with rows of a policy that moves KV over that path;
+* ``head_reread_share``: with two or more decode rows of a GQA model whose ``attention`` column
+  says ``per-query-head`` (the share of its repeat KV reads that reach HBM);
 * ``decide.<kernel>`` (e.g. ``decide.verkv``): ``per_ktoken_us`` with rows of that kernel's
   policy; ``per_kfetched_us`` with its rows at two or more fetch fractions and a measured
   ``fetch_ms`` (without one, the fetch and this term both grow with the fetched bytes and only
@@ -42,6 +44,7 @@ PARAMS = {
     "gemm_overlap": (0.0, 1.0),
     "gemm_half_tokens": (0.0, 1e4),
     "moe_efficiency": (0.05, 1.0),
+    "head_reread_share": (0.0, 1.0),
     "hbm_efficiency": (0.05, 1.0),
     "flop_efficiency": (0.05, 1.0),
     **{f"link.{p}.gbps": (0.05, 2e3) for p in ("h2d", "d2h", "gather")},
@@ -94,6 +97,9 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
         out.append("allreduce_us")
     if sum(bool(m[p.model].experts) for p in points) >= 2:
         out.append("moe_efficiency")
+    if sum(p.attention == "per-query-head" and m[p.model].q_heads > m[p.model].kv_heads
+           for p in decodes) >= 2:  # rows that decode with a kernel that is not GQA-aware
+        out.append("head_reread_share")
     paths = {costs[id(p)].path for p in points if costs[id(p)].host_read_frac > 0}
     out += [f"link.{p}.gbps" for p in ("h2d", "gather") if p in paths]
     for kernel in decide_kernels(points, pred):
@@ -114,6 +120,7 @@ def start_values(gpu: str, kernels: list[str]) -> dict:
     return {"step_overhead_ms": 0.5, "layer_overhead_us": 5.0, "token_overhead_us": 5.0,
             "allreduce_us": 5.0,
             "gemm_overlap": 0.5, "gemm_half_tokens": 32.0, "moe_efficiency": 0.7,
+            "head_reread_share": 0.5,
             "hbm_efficiency": HBM_EFFICIENCY, "flop_efficiency": FLOP_EFFICIENCY,
             "link.h2d.gbps": g.h2d_gbps,
             "link.d2h.gbps": g.h2d_gbps, "link.gather.gbps": g.h2d_gbps * GATHER_EFFICIENCY,

@@ -178,6 +178,7 @@ class CostModel:
         self.gemm_half_tokens = 0.0  # tokens per matmul at half its large-shape efficiency
         self.moe_efficiency = 1.0  # grouped expert matmuls' efficiency over the dense ones'
         self.attention = "gqa"  # decode attention reads a KV head once ("gqa") or per query head
+        self.head_reread_share = 1.0  # per query head: share of the repeat reads that reach HBM
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -363,6 +364,7 @@ class CostModel:
         self.gemm_half_tokens = engine.get("gemm_half_tokens", 0.0)
         self.moe_efficiency = engine.get("moe_efficiency", 1.0)
         self.attention = engine.get("attention", "gqa")
+        self.head_reread_share = engine.get("head_reread_share", 1.0)
 
     # ------------------------------------------------------------------------- cost functions
     def link_time(self, nbytes, path: str = "h2d", copies=1) -> np.ndarray:
@@ -390,9 +392,13 @@ class CostModel:
                        self.gemm_half_tokens, self.moe_efficiency)
 
     def attention_reread(self, m: ModelSpec) -> float:
-        """How many times decode attention reads each cached KV head: once with a GQA-aware
-        kernel, once per query head of its group with one that is not (engine ``attention``)."""
-        return m.q_heads / m.kv_heads if self.attention == "per-query-head" else 1.0
+        """How many times decode attention reads each cached KV head from HBM: once with a
+        GQA-aware kernel; with one that is not (engine ``attention``), once per query head of its
+        group, of which the repeats after the first cost a read where they miss the L2 cache
+        (engine ``head_reread_share`` of them: 1, every one)."""
+        if self.attention != "per-query-head":
+            return 1.0
+        return 1.0 + (m.q_heads / m.kv_heads - 1.0) * self.head_reread_share
 
     def gemm_flops(self, m: ModelSpec) -> float:
         """Achievable FLOP/s of ``m``'s layer GEMMs, by the type its weights are stored in:

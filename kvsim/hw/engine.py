@@ -14,7 +14,8 @@ defaults or the profile's measured tables). Built-in engines:
 * ``roofline``: no field set: the hardware as it is (the default with a measured profile, so a
   profile's numbers are unchanged);
 * ``trtllm``, ``vllm``, ``sglang``: engine families fitted to published measurements of many
-  GPUs, models and TP sizes (``data/published.csv``, :mod:`kvsim.fit.families`), each with its
+  GPUs, models and TP sizes (``data/published.csv``, :mod:`kvsim.fit.families`; ``vllm`` is
+  vLLM's V1 engine, 0.8 on: its older releases are families of their own in the fit), each with its
   leave-one-source-out errors (``fit["cv"]``: the intervals) and the configurations its points
   cover (``fit["checked"]``); ``trtllm``, the best-checked, is the default with a catalog GPU;
 * ``vllm-paper``: fitted by ``kvsim fit`` to the VerKV paper's vLLM measurements on one H100
@@ -145,6 +146,9 @@ FIELDS = {
     "moe_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of the dense "
                        "matmuls' compute efficiency that grouped expert matmuls reach"),
     "attention": (lambda v: v in ATTENTION, f"one of {', '.join(ATTENTION)}"),
+    "head_reread_share": (lambda v: _nonneg(v) and v <= 1, "a share in [0, 1] of a per-query-"
+                          "head kernel's repeat reads of a KV head that reach HBM (the rest hit "
+                          "the L2 cache)"),
     "link_launches": (lambda v: v in LAUNCHES, f"one of {', '.join(LAUNCHES)}"),
     "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
     **{f"link.{p}.gbps": (_positive, "GB/s > 0") for p in PATHS},
