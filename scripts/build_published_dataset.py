@@ -15,9 +15,12 @@ Left out, each for a reason printed per source with ``--why``:
   sequences at once than the table says;
 * LMDeploy's first-token latency at batch > 1 (requests sent at once queue for the prefill:
   their mean TTFT is not one prefill step, the source's own minimum is 100x lower);
-Families: the ``engine`` column, except that vLLM before 0.4 (the early-2024 pull requests) is
-``vllm-0.3``: its per-step costs are several times today's (``kvsim fit --cv source`` fitted one
-vLLM family to both and missed either by 30-90%).
+Families: the ``engine`` column, except that vLLM is split by its engine generation
+(:data:`VLLM_GENERATIONS`): before 0.4 (the early-2024 pull requests) ``vllm-0.3``, whose per-step
+costs are several times today's (one vLLM family fitted to both missed either by 30-90%); 0.4 to
+0.7, the V0 engine, ``vllm-v0``; 0.8 on, the V1 engine, ``vllm``. Pooled, the V0 rows' per-step
+costs made every V1 row 21-34% slow in leave-one-source-out (the V1 rows within 20%: 0 of 12
+pooled, 12 of 12 split).
 
 * end-to-end latency where the row also gives throughput (the same measurement: B x O / latency),
   and a decode-only throughput where the row gives its TPOT (batch / TPOT).
@@ -69,7 +72,10 @@ MODELS = {  # Hugging Face id (lower case) -> catalog name
 FAMILIES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "trtllm", "lmdeploy": "lmdeploy",
             "other:hf-transformers-fa2": "hf", "other:shadowkv-fullattn-baseline": "hf",
             "other:gpt-fast": "gpt-fast"}
-LEGACY_VLLM = ("~0.2", "~0.3")  # vLLM before 0.4 (before mid-2024): its own family, "vllm-0.3"
+# vLLM's engine generations, each its own family: (first major.minor, family), newest first
+VLLM_GENERATIONS = (((0, 8), "vllm"), ((0, 4), "vllm-v0"), ((0, 0), "vllm-0.3"))
+# versions a source does not state but its harness shows, by (source, engine); data/published/*.md
+HARNESS_VERSION = {("llm-inference-bench-anl-2024", "vllm"): "0.5 (its script's API)"}
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "": ""}
 # harnesses that repeat one prompt across the batch and decode greedily: every sequence routes
 # to the same experts (ModelSpec.routing "shared"), by (source, engine); data/published/*.md
@@ -77,10 +83,16 @@ SHARED_ROUTING = {("llm-inference-bench-anl-2024", "trtllm")}
 # TensorRT-LLM added FP8 for Mixtral in 0.10 ("Added FP8 quantization support for Mixtral", its
 # release notes): an earlier "fp8" MoE row ran its GEMMs at the bf16 rate (ModelSpec.weight_only)
 FP8_MOE_SINCE = {"trtllm": (0, 10)}
+# engines whose decode attention was not GQA-aware before these versions (ModelSpec: a KV head is
+# read once per query head of its group, ``attention=per-query-head``): TensorRT-LLM's masked MHA
+# before its XQA kernel (news of 2024-01-30; 0.5 and 0.6 here), vLLM's PagedAttention before
+# flash-attn decoding (PR #2744: "does not leverage the benefits of MQA/GQA"; PR #4907 of
+# 2024-05-19 brought flash-attn decoding back after 0.4.2); data/published/*.md
+GQA_AWARE_SINCE = {"trtllm": (0, 7, 0), "vllm": (0, 4, 3)}
 COLUMNS = ("use", "engine", "engine_version", "gpu", "tp", "model", "weight_dtype", "kv_dtype",
-           "routing", "weight_only", "policy", "context", "batch", "output_len", "tpot_ms",
-           "ttft_ms", "throughput_tok_s", "latency_s", "certainty", "source", "where", "url",
-           "note")
+           "attention", "routing", "weight_only", "policy", "context", "batch", "output_len",
+           "tpot_ms", "ttft_ms", "throughput_tok_s", "latency_s", "certainty", "source", "where",
+           "url", "note")
 
 
 def convert(r: dict) -> tuple[dict | None, str]:
@@ -99,19 +111,27 @@ def convert(r: dict) -> tuple[dict | None, str]:
     if w not in DTYPES or kv not in DTYPES:
         return None, f"dtype {w}/{kv} has no rate in kvsim"
     out = {c: "" for c in COLUMNS}
-    if fam == "vllm" and r["engine_version"].startswith(LEGACY_VLLM):
-        fam = "vllm-0.3"  # no custom all-reduce, per-sequence Python sampling: another engine
-    out.update(use="fit", engine=fam, engine_version=r["engine_version"], gpu=r["gpu"],
+    version = r["engine_version"] or HARNESS_VERSION.get((r["source"], fam), "")
+    release = re.match(r"~?(\d+)\.(\d+)(?:\.(\d+))?", version)
+    release = tuple(int(x or 0) for x in release.groups()) if release else None
+    major_minor = release[:2] if release else None
+    gqa_since = GQA_AWARE_SINCE.get(fam)
+    if fam == "vllm":
+        if major_minor is None:
+            return None, "vLLM version neither stated nor shown by the harness"
+        fam = next(f for since, f in VLLM_GENERATIONS if major_minor >= since)
+    out.update(use="fit", engine=fam, engine_version=version, gpu=r["gpu"],
                tp=r["tp"] or "1", model=model, weight_dtype=DTYPES[w], kv_dtype=DTYPES[kv],
                policy="dense-resident", context=r["input_len"], batch=r["batch"],
                output_len=r["output_len"] or "1")
     from kvsim.hw import catalog
+    if gqa_since and release and release < gqa_since:
+        out["attention"] = "per-query-head"
     if catalog.model(model).experts:
         if (r["source"], fam) in SHARED_ROUTING:
             out["routing"] = "shared"
         since = FP8_MOE_SINCE.get(fam)
-        version = re.match(r"(\d+)\.(\d+)", r["engine_version"])
-        if since and w == "fp8" and version and tuple(map(int, version.groups())) < since:
+        if since and w == "fp8" and major_minor and major_minor < since:
             out["weight_only"] = "true"
     for k in ("tpot_ms", "ttft_ms", "throughput_tok_s", "latency_s", "certainty", "source",
               "where", "url", "note"):
