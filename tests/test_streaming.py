@@ -76,16 +76,23 @@ def test_merged_sketches_are_the_sketch_of_all_values():
     assert small.exact and small.percentile(99) == np.percentile(b, 99)
 
 
-def test_requests_recorded_in_any_blocks_are_recorded_alike():
-    """The simulator hands finished requests to ``Requests.record`` in blocks: one request at a
-    time and blocks of any size give the same figures, to the last bit and the last counter."""
-    rng = np.random.default_rng(7)
-    n = 2600
+def _synthetic_requests(seed: int, n: int, max_output: int, per_token: float):
+    """The generator, then the arrival, admission and first-token times, output lengths and
+    finish times of ``n`` requests arriving over 100 s."""
+    rng = np.random.default_rng(seed)
     arrival = np.sort(rng.uniform(0, 100, n))
     admitted = arrival + rng.exponential(0.5, n)
     first = admitted + rng.exponential(0.2, n)
-    output = rng.integers(1, 6, n)
-    now = first + (output - 1) * 0.03 + rng.exponential(0.01, n)
+    output = rng.integers(1, max_output, n)
+    finish = first + (output - 1) * per_token + rng.exponential(0.01, n)
+    return rng, arrival, admitted, first, output, finish
+
+
+def test_requests_recorded_in_any_blocks_are_recorded_alike():
+    """The simulator hands finished requests to ``Requests.record`` in blocks: one request at a
+    time and blocks of any size give the same figures, to the last bit and the last counter."""
+    n = 2600
+    rng, arrival, admitted, first, output, now = _synthetic_requests(7, n, 6, 0.03)
     slo = {"ttft_ms": 600.0, "tpot_ms": 31.0, "e2e_s": 1.0}
     one, blocks = Requests(slo, (20.0, 80.0)), Requests(slo, (20.0, 80.0))
     for j in range(n):
@@ -108,13 +115,8 @@ def test_requests_recorded_in_any_blocks_are_recorded_alike():
 
 
 def test_request_metrics_match_per_request_arrays():
-    rng = np.random.default_rng(6)
     n = 5000
-    arrival = np.sort(rng.uniform(0, 100, n))
-    admitted = arrival + rng.exponential(0.5, n)
-    first = admitted + rng.exponential(0.2, n)
-    output = rng.integers(1, 50, n)
-    finish = first + (output - 1) * 0.02 + rng.exponential(0.01, n)
+    rng, arrival, admitted, first, output, finish = _synthetic_requests(6, n, 50, 0.02)
     slo = {"ttft_ms": 800.0, "tpot_ms": 25.0}
     req = Requests(slo, (arrival[n // 5], arrival[-1]))
     order = np.argsort(finish)  # completions in time order, alone or in groups
