@@ -19,8 +19,7 @@ Families: the ``engine`` column, except that vLLM is split by its engine generat
 (:data:`VLLM_GENERATIONS`): before 0.4 (the early-2024 pull requests) ``vllm-0.3``, whose per-step
 costs are several times today's (one vLLM family fitted to both missed either by 30-90%); 0.4 to
 0.7, the V0 engine, ``vllm-v0``; 0.8 on, the V1 engine, ``vllm``. Pooled, the V0 rows' per-step
-costs made every V1 row 21-34% slow in leave-one-source-out (the V1 rows within 20%: 0 of 12
-pooled, 12 of 12 split).
+costs made every V1 row 21-34% slow in leave-one-source-out (docs/results/published.md).
 
 * end-to-end latency where the row also gives throughput (the same measurement: B x O / latency),
   and a decode-only throughput where the row gives its TPOT (batch / TPOT).
