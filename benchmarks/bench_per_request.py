@@ -11,28 +11,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
-import kvsim.sim.engine as engine
+from _sim_timer import simulator_seconds
+
 from kvsim.replay import ReplayConfig, run_replay
 
 
 def us_per_request(cfg: ReplayConfig, repeats: int) -> list[float]:
     """CPU microseconds ``Simulator.run`` spends per simulated request of ``cfg``, per repeat."""
-    seconds, run = [], engine.Simulator.run
-
-    def timed(self, *a, **k):
-        t = time.process_time()
-        out = run(self, *a, **k)
-        seconds.append(time.process_time() - t)
-        return out
-
-    engine.Simulator.run = timed
-    try:
+    with simulator_seconds() as seconds:
         for _ in range(repeats):
             run_replay(cfg)
-    finally:
-        engine.Simulator.run = run
     return [s / cfg.requests * 1e6 for s in seconds]
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import kvsim.sim.engine as engine
+from _sim_timer import simulator_seconds
+
 from kvsim.policies import load_all
 from kvsim.replay import ReplayConfig, run_replay
 
@@ -28,16 +29,7 @@ def timed(cfgs: list[ReplayConfig], repeats: int) -> list[tuple[float, float, di
     """The least CPU seconds of ``repeats`` runs of each configuration, run in turn: of the
     whole ``run_replay`` and of its ``Simulator.run`` alone."""
     best, sim, out = [float("inf")] * len(cfgs), [float("inf")] * len(cfgs), [None] * len(cfgs)
-    run, inner = engine.Simulator.run, []
-
-    def timed_run(self, *a, **k):
-        t = time.process_time()
-        got = run(self, *a, **k)
-        inner.append(time.process_time() - t)
-        return got
-
-    engine.Simulator.run = timed_run
-    try:
+    with simulator_seconds() as inner:
         for _ in range(repeats):
             for j, cfg in enumerate(cfgs):
                 inner.clear()
@@ -45,8 +37,6 @@ def timed(cfgs: list[ReplayConfig], repeats: int) -> list[tuple[float, float, di
                 out[j] = run_replay(cfg)
                 best[j] = min(best[j], time.process_time() - t0)
                 sim[j] = min(sim[j], sum(inner))
-    finally:
-        engine.Simulator.run = run
     return list(zip(best, sim, out))
 
 
