@@ -1,0 +1,333 @@
+"""Compiled per-row loops of the certificate (numba), for float32 rows on the CPU.
+
+Each kernel repeats, row by row and in the same order, the float32 operations of the torch code
+in :mod:`kvsim.policies.verkv.certificate` that it stands for, so the results are the same to
+the bit: every operation is an IEEE one (+ - * / sqrt, compare, max; no exp or log, no fused
+multiply-add), Python floats enter as float32 (as torch casts a scalar operand to a float32
+tensor's type) and torch's cumulative sums of float32 accumulate in float64, so these do too.
+Row sums (``Tensor.sum``: a cascade whose order depends on the vector width) stay with torch.
+Rows whose result would depend on ``torch.topk``'s order among equal values are flagged for
+the torch code. Without numba (``AVAILABLE`` False) the torch code runs alone.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:  # pragma: no cover - numba is a dependency; the torch code still works
+    numba = None
+
+AVAILABLE = numba is not None
+INDEX_BITS = 32  # a sort key: (bits of +inf - bits of the value) << 32 | token index
+INF_BITS = 0x7F800000
+NEG_ZERO_BITS = -0x80000000  # -0.0 as an int32
+SCRATCH_BYTES = 1 << 28
+_scratch = threading.local()
+
+
+def scratch(name: str, shape, dtype) -> np.ndarray:
+    """A buffer reused from call to call (per thread; up to ``SCRATCH_BYTES`` each): a fresh
+    array's first touch of its pages can cost more than the loops that fill it."""
+    size = math.prod(shape)
+    if size * np.dtype(dtype).itemsize > SCRATCH_BYTES:
+        return np.empty(shape, dtype)
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    buf = bufs.get((name, np.dtype(dtype)))
+    if buf is None or buf.size < size:
+        buf = bufs[(name, np.dtype(dtype))] = np.empty(size, dtype)
+    return buf[:size].reshape(shape)
+
+
+def _jit(fn):
+    return numba.njit(cache=True, nogil=True, error_model="numpy")(fn) if AVAILABLE else fn
+
+
+@_jit
+def shrink_first(u, w, omr, s):
+    """The first ``s`` of binary shrinkage's visiting order per row: the ``s + 1`` largest
+    ``u`` (descending), ``a = w * (1 - r)`` there, ``before = cumsum(a) - a`` and the count of
+    leading ``u > 2 before`` among the first ``s``. ``w`` and ``omr`` have one row per
+    ``len(u) // len(w)`` (``// len(omr)``) consecutive rows of ``u``. Returns (idx (R, s), count (R,), tied (R,): equal positive values among the
+    ``s + 1``, where torch.topk's order decides; bad: a row with a NaN)."""
+    rows, n = u.shape
+    per_w = rows // w.shape[0]
+    per = rows // omr.shape[0]
+    idx = np.zeros((rows, s), np.int64)
+    count = np.zeros(rows, np.int64)
+    tied = np.zeros(rows, np.bool_)
+    bad = False
+    two = np.float32(2.0)
+    k = s + 1
+    vals = np.empty(k, u.dtype)
+    at = np.empty(k, np.int64)
+    for r in range(rows):
+        ur = u[r]
+        size = 0
+        for j in range(n):
+            v = ur[j]
+            if v != v:
+                bad = True
+            if size == k and not v > vals[k - 1]:
+                continue
+            p = size if size < k else k - 1
+            while p > 0 and vals[p - 1] < v:
+                vals[p] = vals[p - 1]
+                at[p] = at[p - 1]
+                p -= 1
+            vals[p] = v
+            at[p] = j
+            if size < k:
+                size += 1
+        wrow = w[r // per_w]
+        orow = omr[r // per]
+        acc = 0.0  # float64, as torch's cumsum of float32
+        c = 0
+        going = True
+        for j in range(s):
+            a = wrow[at[j]] * orow[at[j]]
+            acc += a
+            before = np.float32(acc) - a
+            if going and vals[j] > two * before:
+                c += 1
+            else:
+                going = False
+            idx[r, j] = at[j]
+        for j in range(k - 1):
+            if vals[j + 1] == vals[j] and vals[j + 1] > 0:
+                tied[r] = True
+        count[r] = c
+    return idx, count, tied, bad
+
+
+@_jit
+def top_two(b_i):
+    """Per row of ``b_i`` (R, n): the first token holding the largest value, that value, the
+    second largest (the largest again where it is held twice: then ``ambiguous``, the token is
+    torch.topk's choice) and whether every value is >= 0 and not NaN (-0.0 excluded): on such
+    values the float order is the order of the bits, and these loops vectorise."""
+    rows, n = b_i.shape
+    first = np.zeros(rows, np.int64)
+    top = np.zeros(rows, b_i.dtype)
+    second = np.zeros(rows, b_i.dtype)
+    ambiguous = np.zeros(rows, np.bool_)
+    for r in range(rows):
+        bb = b_i[r].view(np.int32)
+        hi, lo = bb[0], bb[0]
+        for j in range(n):
+            hi = max(hi, bb[j])
+            lo = min(lo, bb[j])
+        if lo < 0 or hi > INF_BITS:
+            return first, top, second, ambiguous, False
+        count, below = 0, np.int32(0)
+        for j in range(n):
+            count += bb[j] == hi
+            below = max(below, bb[j] if bb[j] < hi else np.int32(0))
+        j = 0
+        while bb[j] != hi:
+            j += 1
+        first[r], top[r] = j, b_i[r, j]
+        if count > 1:
+            second[r] = top[r]
+            ambiguous[r] = True
+        elif below > 0:
+            j = 0
+            while bb[j] != below:
+                j += 1
+            second[r] = b_i[r, j]
+    return first, top, second, ambiguous, True
+
+
+@_jit
+def gain_prep(var_i, var, top, second, arg, l2, l3, out):
+    """The gains' row constants (c1, c2, t - t2) and, in place of the gains, ``max(c1 - x, 0)``
+    with ``x = 2 l V_i``: its square root is torch's (``torch.sqrt`` of float32 is MKL's on
+    the CPU, not always the correctly rounded one), into ``out`` (R, n)."""
+    rows, n = var_i.shape
+    c1 = np.empty(rows, var_i.dtype)
+    c2 = np.empty(rows, var_i.dtype)
+    dt = np.empty(rows, var_i.dtype)
+    zero = np.float32(0.0)
+    for r in range(rows):
+        t = top[r] * l3
+        t2 = second[r] * l3
+        c = t * t + l2 * var[r]
+        vi, o = var_i[r], out[r]
+        for j in range(n):
+            d = c - l2 * vi[j]
+            o[j] = zero if d < zero else d
+        d2 = var[r] - vi[arg[r]]
+        c1[r], c2[r], dt[r] = c, t2 * t2 + l2 * (zero if d2 < zero else d2), t - t2
+    return c1, c2, dt
+
+
+@_jit
+def gain_keys(beta_i, var_i, root, c1, c2, dt, root1, root2, arg, l2, tiny, key):
+    """The gains (``root`` from :func:`gain_prep`, square-rooted, is overwritten with them)
+    and their sort keys into ``key`` (R, n): (bits of +inf - bits of the gain) << 32 | index,
+    ascending in the stable descending order. False where a gain is not finite and >= 0."""
+    rows, n = beta_i.shape
+    for r in range(rows):
+        bi, vi, g = beta_i[r], var_i[r], root[r]
+        r1 = root1[r]
+        for j in range(n):
+            den = g[j] + r1
+            g[j] = l2 * vi[j] / (tiny if den < tiny else den) + bi[j]
+        a = arg[r]
+        den = r1 + root2[r]
+        g[a] = bi[a] + dt[r] + (c1[r] - c2[r]) / (tiny if den < tiny else den)
+        gb = g.view(np.int32)
+        kr = key[r]
+        bad = 0
+        for j in range(n):
+            v = gb[j]
+            bad += (v >= INF_BITS) | ((v < 0) & (v != NEG_ZERO_BITS))
+            kr[j] = ((INF_BITS - np.int64(max(v, 0))) << INDEX_BITS) | j
+        if bad:
+            return False
+    return True
+
+
+@_jit
+def head_terms(key, k, gain, beta_i, var_i, b_i, head, hb, hv):
+    """From the keys (R, n) of the gains ``gain`` whose first ``k`` are the head in order (and,
+    when ``k < n``, the rest after them, the next token of the order at ``k``): the head's
+    indices, beta and V
+    into ``head``, ``hb``, ``hv`` (R, k) (for torch's row sums), and returns the largest b
+    outside the head (0 without a tail) and whether equal positive gains meet in the head or
+    across its cut (where torch.topk's order decides). One short loop per task: they
+    vectorise, a loop doing all at once does not."""
+    rows, n = key.shape
+    mask = (np.int64(1) << INDEX_BITS) - 1
+    for r in range(rows):
+        kr, hr = key[r], head[r]
+        for j in range(k):
+            hr[j] = kr[j] & mask
+    _gather2(head, beta_i, var_i, hb, hv)
+    tail_b = np.zeros(rows, np.int32)  # as bits: b >= 0 (top_two), so they order as b
+    tie = np.zeros(rows, np.bool_)
+    last = k + 1 if k < n else k
+    for r in range(rows):
+        kr, bits, gb = key[r], b_i[r].view(np.int32), gain[r].view(np.int32)
+        if k < n:  # the tail: the tokens whose key is at least the one at k
+            cut = kr[k]
+            m = np.int32(0)
+            for i in range(n):
+                own = ((INF_BITS - np.int64(max(gb[i], 0))) << INDEX_BITS) | i
+                m = max(m, bits[i] if own >= cut else np.int32(0))
+            tail_b[r] = m
+        ties = 0
+        for j in range(1, last):
+            hi = kr[j] >> INDEX_BITS
+            ties += (hi == kr[j - 1] >> INDEX_BITS) & (hi < INF_BITS)
+        tie[r] = ties > 0
+    return tail_b.view(np.float32), tie
+
+
+@_jit
+def _gather2(head, beta_i, var_i, hb, hv):
+    for r in range(head.shape[0]):
+        hr, bi, vi, br, vr = head[r], beta_i[r], var_i[r], hb[r], hv[r]
+        for j in range(head.shape[1]):
+            br[j] = bi[hr[j]]
+            vr[j] = vi[hr[j]]
+
+
+@_jit
+def head_values(head, beta_i, var_i, b_i, hb, hv):
+    """The beta and V of the heads ``head`` (R, k) into ``hb``, ``hv`` and the largest b of each
+    row outside its head (0 where there is none)."""
+    rows, n = b_i.shape
+    tail_b = np.zeros(rows, b_i.dtype)
+    out = np.ones(n, np.bool_)
+    for r in range(rows):
+        out[:] = True
+        for j in range(head.shape[1]):
+            i = head[r, j]
+            hb[r, j] = beta_i[r, i]
+            hv[r, j] = var_i[r, i]
+            out[i] = False
+        m = tail_b[r]
+        for i in range(n):
+            if out[i] and b_i[r, i] > m:
+                m = b_i[r, i]
+        tail_b[r] = m
+    return tail_b
+
+
+@_jit
+def suffixes(head, hb, hv, b_i, tail_beta, tail_var, tail_b, sb, sv, sm):
+    """(R, k + 1) the certificate's beta, V and b of the order's suffix from each position
+    (``_plan_on``): the head's part (reversed cumulative sums in float64, rounded to float32,
+    and a running max) plus the tail's; position k: the tail alone; into ``sb``, ``sv``,
+    ``sm``."""
+    rows, k = hb.shape
+    zero = np.float32(0.0)
+    for r in range(rows):
+        tb, tv, tm = tail_beta[r], tail_var[r], tail_b[r]
+        sb[r, k] = zero + tb
+        sv[r, k] = zero + tv
+        sm[r, k] = max(zero, tm)
+        acc_b = 0.0
+        acc_v = 0.0
+        run = zero
+        bi = b_i[r]
+        for j in range(k - 1, -1, -1):
+            acc_b += hb[r, j]
+            acc_v += hv[r, j]
+            v = bi[head[r, j]]
+            if v > run:
+                run = v
+            sb[r, j] = np.float32(acc_b) + tb
+            sv[r, j] = np.float32(acc_v) + tv
+            sm[r, j] = max(run, tm)
+
+
+@_jit
+def eps_args(rows, lo, hi, sv, sm, l3, l2, out):
+    """``t * t + 2 l max(V, 0)`` with ``t = b l / 3`` (what bernstein_eps takes the square root
+    of) at positions lo..hi - 1 of the suffixes of ``rows``, into ``out`` (len(rows), hi - lo)."""
+    zero = np.float32(0.0)
+    for i in range(len(rows)):
+        r = rows[i]
+        for j in range(lo, hi):
+            t = sm[r, j] * l3
+            v = sv[r, j]
+            out[i, j - lo] = t * t + l2 * (zero if v < zero else v)
+
+
+@_jit
+def first_ok(rows, lo, hi, sb, sm, root, denom, l3, eps, also_root, also_l3, also_eps,
+             k_star, found, eps_at):
+    """The first position in lo..hi - 1 whose eps_hat ``(beta + t + root) / D`` is below
+    ``eps`` (and the output certificate's, ``also_root`` given) for each of ``rows``: sets
+    ``k_star``, ``found`` and ``eps_at`` (eps_hat there) where there is one."""
+    also = also_root.shape[1] > 0
+    for i in range(len(rows)):
+        r = rows[i]
+        d = denom[r]
+        for j in range(lo, hi):
+            e = (sb[r, j] + sm[r, j] * l3 + root[i, j - lo]) / d
+            ok = e < eps
+            if ok and also:
+                ok = (sb[r, j] + sm[r, j] * also_l3 + also_root[i, j - lo]) / d < also_eps
+            if ok:
+                k_star[r], found[r], eps_at[r] = j, True, e
+                break
+
+
+@_jit
+def exact_mask(head, hb, hv, b_i, k_star):
+    """(R, n) the first k* tokens of each row's order with a contribution."""
+    rows, n = b_i.shape
+    exact = np.zeros((rows, n), np.bool_)
+    for r in range(rows):
+        for j in range(k_star[r]):
+            i = head[r, j]
+            if hb[r, j] > 0 or hv[r, j] > 0 or b_i[r, i] > 0:
+                exact[r, i] = True
+    return exact
