@@ -331,3 +331,55 @@ def exact_mask(head, hb, hv, b_i, k_star):
             if hb[r, j] > 0 or hv[r, j] > 0 or b_i[r, i] > 0:
                 exact[r, i] = True
     return exact
+
+
+@_jit
+def binary_terms(w, u, bfac, r, omr, idx, count, beta_i, var_i, b_i):
+    """``terms`` for binary shrinkage into ``beta_i``, ``var_i``, ``b_i`` (R, n): ``V = w u``,
+    ``b = w max(r, 1 - r) / r``, ``beta = 0``, then at the first ``count`` tokens of ``idx``
+    (lambda = r): ``V r^2``, ``b r``, ``beta = w (1 - r)``. The factor rows ``bfac``, ``r``,
+    ``omr`` stand for ``R // len(bfac)`` consecutive rows each."""
+    rows, n = w.shape
+    per = rows // bfac.shape[0]
+    zero = np.float32(0.0)
+    for q in range(rows):
+        wr, ur, fr = w[q], u[q], bfac[q // per]
+        br, vr, mr = beta_i[q], var_i[q], b_i[q]
+        for j in range(n):
+            vr[j] = wr[j] * ur[j]
+            mr[j] = wr[j] * fr[j]
+            br[j] = zero
+        rr, orow = r[q // per], omr[q // per]
+        for p in range(count[q]):
+            i = idx[q, p]
+            s = rr[i]
+            vr[i] = vr[i] * (s * s)
+            mr[i] = mr[i] * s
+            br[i] = zero + wr[i] * orow[i]
+
+
+@_jit
+def outside(beta_i, var_i, b_i, exact, g, beta_in, var_in):
+    """The terms a KV head's exact set ``exact`` (n_kv, m, n) covers, for the rows (R, n) of
+    its query heads ((kv, head, row) order, ``g`` heads): beta and V there (0 elsewhere) into
+    ``beta_in``, ``var_in`` (the sums are torch's), and the largest b outside it (R,).
+    False where b holds a NaN or a negative value (then torch's max)."""
+    rows, n = beta_i.shape
+    m = exact.shape[1]
+    b_out = np.zeros(rows, b_i.dtype)
+    for q in range(rows):
+        ex = exact[q // (g * m), q % m]
+        bi, vi, mi = beta_i[q], var_i[q], b_i[q]
+        bo, vo = beta_in[q], var_in[q]
+        top = np.float32(0.0)
+        for j in range(n):
+            e = np.float32(ex[j])
+            bo[j] = bi[j] * e
+            vo[j] = vi[j] * e
+            v = mi[j]
+            if not v >= 0:  # NaN or negative: torch's max
+                return b_out, False
+            if not ex[j] and v > top:
+                top = v
+        b_out[q] = top
+    return b_out, True

@@ -24,7 +24,6 @@ change the result (the fetch plan: :func:`_topk_rows`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -344,6 +343,9 @@ def terms(w: torch.Tensor, f: Factors, lam: torch.Tensor | BinaryShrink):
     """Per-token contributions (beta_i, V_i, b_i), zero outside L. ``lam`` dense, or the sparse
     binary form (then only the shrunk tokens are patched)."""
     if isinstance(lam, BinaryShrink):
+        got = _binary_terms_compiled(w, f, lam)
+        if got is not None:
+            return got
         var_i = w * lam.u  # lambda = 1: w^2 (1 - r) / r
         b_i = w * f.bfac
         shape = var_i.shape
@@ -359,6 +361,45 @@ def terms(w: torch.Tensor, f: Factors, lam: torch.Tensor | BinaryShrink):
         return beta_i, var_i, b_i
     lw = lam * w
     return w * (1 - lam) * (f.odds > 0), lw * lw * f.odds, lw * f.bfac
+
+
+def _binary_terms_compiled(w, f: Factors, lam: BinaryShrink):
+    """:func:`terms` of binary shrinkage by :func:`_rows.binary_terms`; None where it does not
+    apply (no numba, not float32 on the CPU, broadcast weights)."""
+    shape = lam.u.shape
+    if not (_rows.AVAILABLE and w.device.type == "cpu" and w.shape == shape
+            and w.dtype == lam.u.dtype == torch.float32):
+        return None
+    rows = [_row_blocks(x, shape) for x in (f.bfac, f.r, f.one_minus_r)]
+    if any(x is None for x in rows) or len({len(x) for x in rows}) > 1:
+        return None
+    n = shape[-1]
+    out = [torch.empty(shape, dtype=w.dtype) for _ in range(3)]
+    _rows.binary_terms(w.contiguous().reshape(-1, n).numpy(), lam.u.reshape(-1, n).numpy(),
+                       *rows, lam.idx.reshape(-1, lam.idx.shape[-1]).numpy(),
+                       lam.count.reshape(-1).numpy(), *(x.view(-1, n).numpy() for x in out))
+    return tuple(out)
+
+
+def outside_terms(beta_i, var_i, b_i, exact: torch.Tensor, g: int):
+    """(beta, V, b) of the rows (n_kv, g * m, n) over the tokens outside each KV head's exact
+    set ``exact`` (n_kv, m, n): eps_hat's terms after the GQA union (beta not clamped)."""
+    n_kv, m, n = exact.shape
+    if (_rows.AVAILABLE and beta_i.device.type == "cpu" and beta_i.dtype == torch.float32
+            and var_i.dtype == b_i.dtype == torch.float32
+            and beta_i.shape == var_i.shape == b_i.shape == (n_kv, g * m, n)):
+        inside = [torch.empty(beta_i.shape, dtype=beta_i.dtype) for _ in range(2)]
+        b_out, ok = _rows.outside(*(x.contiguous().view(-1, n).numpy() for x in (beta_i, var_i, b_i)),
+                                  exact.contiguous().numpy(), g,
+                                  *(x.view(-1, n).numpy() for x in inside))
+        if ok:
+            return (beta_i.sum(-1) - inside[0].sum(-1), var_i.sum(-1) - inside[1].sum(-1),
+                    torch.from_numpy(b_out).view(n_kv, g * m))
+    ex = exact[:, None]
+    view = lambda x: x.view(n_kv, g, m, n)  # noqa: E731
+    return (beta_i.sum(-1) - (view(beta_i) * ex).sum(-1).reshape(n_kv, g * m),
+            var_i.sum(-1) - (view(var_i) * ex).sum(-1).reshape(n_kv, g * m),
+            view(b_i).masked_fill(ex, 0.0).amax(-1).reshape(n_kv, g * m))
 
 
 def eps_hat(w, r, lam, in_l, denom, delta: float) -> torch.Tensor:
@@ -505,7 +546,8 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
     tail_b, tie = _rows.head_terms(key, k, gain, bi, vi, mi, head, hb, hv)
     plan, found = _cut_compiled(head, hb, hv, tail_b, mi, beta.reshape(-1), var.reshape(-1),
                                 denom.contiguous().reshape(-1).numpy(), eps, delta, also)
-    plan = FetchPlan(*(x.reshape(*lead, *x.shape[1:]) for x in dataclasses.astuple(plan)))
+    plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
+                       for f in ("k_star", "exact", "eps_before", "eps_after")))
     nxt = torch.from_numpy(key[:, k] & 0xFFFFFFFF) if k < n else None
     return (torch.from_numpy(gain).reshape(shape), plan, found.reshape(lead),
             torch.from_numpy(head), nxt, torch.from_numpy(np.flatnonzero(tie)))

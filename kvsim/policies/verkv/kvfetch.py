@@ -278,11 +278,7 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
     eps_after = plan.eps_after  # before the union; lowered by it, computed below if asked
     out_after = None
     if cfg.report_after:  # eps_hat after the union: remove the union's contributions
-        ex = exact_kv[:, None]
-        view = lambda x: x.view(n_kv, g, m, n)  # noqa: E731
-        beta_a = beta_i.sum(-1) - (view(beta_i) * ex).sum(-1).reshape(n_kv, g * m)
-        var_a = var_i.sum(-1) - (view(var_i) * ex).sum(-1).reshape(n_kv, g * m)
-        b_a = view(b_i).masked_fill(ex, 0.0).amax(-1).reshape(n_kv, g * m)
+        beta_a, var_a, b_a = C.outside_terms(beta_i, var_i, b_i, exact_kv, g)
         eps_after = C.bernstein_eps(beta_a.clamp_min(0), var_a, b_a, denom,
                                     C.log_term(cfg.delta))
         if also is not None:
