@@ -28,6 +28,18 @@ INF_BITS = 0x7F800000
 NEG_ZERO_BITS = -0x80000000  # -0.0 as an int32
 SCRATCH_BYTES = 1 << 28
 _scratch = threading.local()
+_NUMPY = {}  # torch dtype -> numpy dtype, filled below where torch is
+
+
+def empty_tensor(shape, like):
+    """An uninitialised tensor of ``like``'s dtype and device, on the CPU from numpy: numpy
+    backs large arrays with huge pages, and a fresh torch tensor's first touch of its pages can
+    cost more than the loops that fill it (4 ms per 10 MB on a 2-vCPU VM)."""
+    import torch
+
+    if like.device.type != "cpu" or like.dtype not in _NUMPY:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    return torch.from_numpy(np.empty(tuple(shape), _NUMPY[like.dtype]))
 
 
 def scratch(name: str, shape, dtype) -> np.ndarray:
@@ -43,6 +55,14 @@ def scratch(name: str, shape, dtype) -> np.ndarray:
     return buf[:size].reshape(shape)
 
 
+try:
+    import torch as _torch
+
+    _NUMPY.update({_torch.float32: np.float32, _torch.float64: np.float64, _torch.bool: np.bool_})
+except ImportError:  # pragma: no cover
+    pass
+
+
 def _jit(fn):
     return numba.njit(cache=True, nogil=True, error_model="numpy")(fn) if AVAILABLE else fn
 
@@ -52,27 +72,44 @@ def shrink_first(u, w, omr, s):
     """The first ``s`` of binary shrinkage's visiting order per row: the ``s + 1`` largest
     ``u`` (descending), ``a = w * (1 - r)`` there, ``before = cumsum(a) - a`` and the count of
     leading ``u > 2 before`` among the first ``s``. ``w`` and ``omr`` have one row per
-    ``len(u) // len(w)`` (``// len(omr)``) consecutive rows of ``u``. Returns (idx (R, s), count (R,), tied (R,): equal positive values among the
-    ``s + 1``, where torch.topk's order decides; bad: a row with a NaN)."""
+    ``len(u) // len(w)`` (``// len(omr)``) consecutive rows of ``u``. Returns (idx (R, s),
+    count (R,), tied (R,): equal positive values among the ``s + 1``, where torch.topk's
+    order decides; bad: a NaN, a negative value or -0.0 (then the torch code)).
+
+    The ``s + 1`` largest are at least the ``s + 1``-th largest of the maxima of ``4 (s + 1)``
+    blocks (that many blocks hold a value at least as large), so only the tokens at or above
+    it are visited in order; on the bits, as ``u >= 0``."""
     rows, n = u.shape
     per_w = rows // w.shape[0]
     per = rows // omr.shape[0]
     idx = np.zeros((rows, s), np.int64)
     count = np.zeros(rows, np.int64)
     tied = np.zeros(rows, np.bool_)
-    bad = False
     two = np.float32(2.0)
     k = s + 1
-    vals = np.empty(k, u.dtype)
+    vals = np.empty(k, np.int32)
     at = np.empty(k, np.int64)
+    blocks = min(n, 4 * k)
+    width = -(-n // blocks)
+    tops = np.empty(blocks, np.int32)
     for r in range(rows):
-        ur = u[r]
+        bits = u[r].view(np.int32)
+        lo, hi = bits[0], bits[0]
+        for j in range(n):
+            lo = min(lo, bits[j])
+            hi = max(hi, bits[j])
+        if lo < 0 or hi > INF_BITS:
+            return idx, count, tied, True
+        for b in range(blocks):
+            m = np.int32(0)
+            for j in range(b * width, min(n, (b + 1) * width)):
+                m = max(m, bits[j])
+            tops[b] = m
+        cut = np.sort(tops)[blocks - k] if blocks >= k else np.int32(0)
         size = 0
         for j in range(n):
-            v = ur[j]
-            if v != v:
-                bad = True
-            if size == k and not v > vals[k - 1]:
+            v = bits[j]
+            if v < cut or (size == k and not v > vals[k - 1]):
                 continue
             p = size if size < k else k - 1
             while p > 0 and vals[p - 1] < v:
@@ -83,8 +120,7 @@ def shrink_first(u, w, omr, s):
             at[p] = j
             if size < k:
                 size += 1
-        wrow = w[r // per_w]
-        orow = omr[r // per]
+        ur, wrow, orow = u[r], w[r // per_w], omr[r // per]
         acc = 0.0  # float64, as torch's cumsum of float32
         c = 0
         going = True
@@ -92,7 +128,7 @@ def shrink_first(u, w, omr, s):
             a = wrow[at[j]] * orow[at[j]]
             acc += a
             before = np.float32(acc) - a
-            if going and vals[j] > two * before:
+            if going and ur[at[j]] > two * before:
                 c += 1
             else:
                 going = False
@@ -101,7 +137,7 @@ def shrink_first(u, w, omr, s):
             if vals[j + 1] == vals[j] and vals[j + 1] > 0:
                 tied[r] = True
         count[r] = c
-    return idx, count, tied, bad
+    return idx, count, tied, False
 
 
 @_jit
@@ -264,27 +300,29 @@ def suffixes(head, hb, hv, b_i, tail_beta, tail_var, tail_b, sb, sv, sm):
     """(R, k + 1) the certificate's beta, V and b of the order's suffix from each position
     (``_plan_on``): the head's part (reversed cumulative sums in float64, rounded to float32,
     and a running max) plus the tail's; position k: the tail alone; into ``sb``, ``sv``,
-    ``sm``."""
+    ``sm``. b >= 0 (:func:`top_two`): its maxima are taken on the bits."""
     rows, k = hb.shape
     zero = np.float32(0.0)
     for r in range(rows):
-        tb, tv, tm = tail_beta[r], tail_var[r], tail_b[r]
-        sb[r, k] = zero + tb
-        sv[r, k] = zero + tv
-        sm[r, k] = max(zero, tm)
+        tb, tv = tail_beta[r], tail_var[r]
+        hbr, hvr, sbr, svr = hb[r], hv[r], sb[r], sv[r]
+        sbr[k] = zero + tb
+        svr[k] = zero + tv
         acc_b = 0.0
         acc_v = 0.0
-        run = zero
-        bi = b_i[r]
         for j in range(k - 1, -1, -1):
-            acc_b += hb[r, j]
-            acc_v += hv[r, j]
-            v = bi[head[r, j]]
-            if v > run:
-                run = v
-            sb[r, j] = np.float32(acc_b) + tb
-            sv[r, j] = np.float32(acc_v) + tv
-            sm[r, j] = max(run, tm)
+            acc_b += hbr[j]
+            acc_v += hvr[j]
+            sbr[j] = np.float32(acc_b) + tb
+            svr[j] = np.float32(acc_v) + tv
+        bits, hr, smr = b_i[r].view(np.int32), head[r], sm[r].view(np.int32)
+        run = np.int32(0)
+        for j in range(k - 1, -1, -1):
+            run = max(run, bits[hr[j]])
+            smr[j] = run
+        tm = tail_b[r:r + 1].view(np.int32)[0]
+        for j in range(k + 1):
+            smr[j] = max(smr[j], tm) if j < k else max(np.int32(0), tm)
 
 
 @_jit
@@ -363,23 +401,26 @@ def outside(beta_i, var_i, b_i, exact, g, beta_in, var_in):
     """The terms a KV head's exact set ``exact`` (n_kv, m, n) covers, for the rows (R, n) of
     its query heads ((kv, head, row) order, ``g`` heads): beta and V there (0 elsewhere) into
     ``beta_in``, ``var_in`` (the sums are torch's), and the largest b outside it (R,).
-    False where b holds a NaN or a negative value (then torch's max)."""
+    False where b holds a NaN, a negative value or -0.0 (then torch's max): b's maxima are
+    taken on the bits."""
     rows, n = beta_i.shape
     m = exact.shape[1]
-    b_out = np.zeros(rows, b_i.dtype)
+    b_out = np.zeros(rows, np.int32)
     for q in range(rows):
         ex = exact[q // (g * m), q % m]
-        bi, vi, mi = beta_i[q], var_i[q], b_i[q]
+        bi, vi, bits = beta_i[q], var_i[q], b_i[q].view(np.int32)
         bo, vo = beta_in[q], var_in[q]
-        top = np.float32(0.0)
         for j in range(n):
             e = np.float32(ex[j])
             bo[j] = bi[j] * e
             vo[j] = vi[j] * e
-            v = mi[j]
-            if not v >= 0:  # NaN or negative: torch's max
-                return b_out, False
-            if not ex[j] and v > top:
-                top = v
+        top, lo, hi = np.int32(0), bits[0], bits[0]
+        for j in range(n):
+            v = bits[j]
+            lo = min(lo, v)
+            hi = max(hi, v)
+            top = max(top, np.int32(0) if ex[j] else v)
+        if lo < 0 or hi > INF_BITS:
+            return b_out.view(np.float32), False
         b_out[q] = top
-    return b_out, True
+    return b_out.view(np.float32), True

@@ -223,7 +223,8 @@ class BinaryShrink:
 def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -> BinaryShrink:
     """Appendix A.2: visit L in decreasing ``u_i = w_i (1 - r_i) / r_i`` and set
     ``lambda_i = r_i`` (adding ``a_i = w_i (1 - r_i)`` to beta) while ``u_i > 2 beta``."""
-    u = w * f.odds
+    u = torch.mul(w, f.odds, out=_rows.empty_tensor(torch.broadcast_shapes(w.shape, f.odds.shape),
+                                                   w))
     shape, n = u.shape, u.shape[-1]
 
     def prefix(uu, ww, omr, k):
@@ -374,7 +375,7 @@ def _binary_terms_compiled(w, f: Factors, lam: BinaryShrink):
     if any(x is None for x in rows) or len({len(x) for x in rows}) > 1:
         return None
     n = shape[-1]
-    out = [torch.empty(shape, dtype=w.dtype) for _ in range(3)]
+    out = [_rows.empty_tensor(shape, w) for _ in range(3)]
     _rows.binary_terms(w.contiguous().reshape(-1, n).numpy(), lam.u.reshape(-1, n).numpy(),
                        *rows, lam.idx.reshape(-1, lam.idx.shape[-1]).numpy(),
                        lam.count.reshape(-1).numpy(), *(x.view(-1, n).numpy() for x in out))
@@ -388,7 +389,8 @@ def outside_terms(beta_i, var_i, b_i, exact: torch.Tensor, g: int):
     if (_rows.AVAILABLE and beta_i.device.type == "cpu" and beta_i.dtype == torch.float32
             and var_i.dtype == b_i.dtype == torch.float32
             and beta_i.shape == var_i.shape == b_i.shape == (n_kv, g * m, n)):
-        inside = [torch.empty(beta_i.shape, dtype=beta_i.dtype) for _ in range(2)]
+        inside = [torch.from_numpy(_rows.scratch(name, beta_i.shape, np.float32))
+                  for name in ("beta_in", "var_in")]
         b_out, ok = _rows.outside(*(x.contiguous().view(-1, n).numpy() for x in (beta_i, var_i, b_i)),
                                   exact.contiguous().numpy(), g,
                                   *(x.view(-1, n).numpy() for x in inside))

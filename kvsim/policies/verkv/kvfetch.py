@@ -312,7 +312,9 @@ def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
     """The certificate's D, lambda, per-token terms and fetch plan from planned logits ``s``
     (half-widths ``e`` or None) and the exact logits ``extra`` of the later tokens."""
     # upper weights for the certificate's terms (the point weights but for a bounded sketch)
-    w = torch.exp((s if e is None else s + e) - shift[..., None])  # (n_kv, g*m, n)
+    # (n_kv, g*m, n); in place on the point logits, which the caller no longer needs (a fresh
+    # tensor of this size costs more in page faults than the arithmetic)
+    w = (s.sub_(shift[..., None]) if e is None else s + e - shift[..., None]).exp_()
     # weights under a tiny floor move D by < n * floor (the largest weight is 1): flush them to 0
     # so that squares stay out of subnormal arithmetic, which is ~100x slower on CPUs
     floor = torch.tensor(WEIGHT_FLOOR.get(str(w.dtype).removeprefix("torch."), 0.0), dtype=w.dtype)
