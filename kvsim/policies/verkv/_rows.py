@@ -424,3 +424,33 @@ def outside(beta_i, var_i, b_i, exact, g, beta_in, var_in):
             return b_out.view(np.float32), False
         b_out[q] = top
     return b_out.view(np.float32), True
+
+
+@_jit
+def tie_moves(rows, head, after, gain, beta_i, var_i, b_i, k_star):
+    """``certificate._topk_rows`` for the flat ``rows`` (whose head ``head`` (R, k) and next
+    token ``after`` hold equal positive gains): whether the plan could depend on the order of
+    tied tokens (then ``torch.topk``'s order decides)."""
+    k = head.shape[1]
+    moves = np.zeros(len(rows), np.bool_)
+    for i in range(len(rows)):
+        r = rows[i]
+        hr, g = head[r], gain[r]
+        ks = k_star[r]
+        m = bd = near = False
+        for j in range(k):  # positions j and j + 1 (the token after the head at k)
+            a = hr[j]
+            b = hr[j + 1] if j + 1 < k else after[r]
+            if g[a] != g[b]:
+                continue
+            # the cut or k* inside a run of ties, tied tokens with different beta or V, or
+            # tied tokens with different b anywhere while k* - 1 ends a run
+            m = j == k - 1 or j == ks - 1 or beta_i[r, a] != beta_i[r, b] \
+                or var_i[r, a] != var_i[r, b]
+            bd = bd or b_i[r, a] != b_i[r, b]
+            near = near or j == ks - 2
+            m = m or (bd and near)
+            if m:
+                break
+        moves[i] = m
+    return moves

@@ -451,12 +451,9 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
     rows = lambda x, at: x.reshape(-1, *x.shape[len(shape) - 1:])[at]  # noqa: E731
     compiled = _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps, delta, k, also, l)
     if compiled is not None:
-        gain, plan, found, idx, after, ties = compiled
+        gain, plan, found, tied = compiled
         if k == n:
             return plan
-        # only rows with equal positive gains in the head or across its cut can move
-        g, *terms = (rows(x, ties) for x in (gain, beta_i, var_i, b_i, plan.k_star))
-        tied = ties[_topk_rows(g, terms, idx[ties], after[ties])]
     else:
         gain = _gains(beta_i, var_i, b_i, beta, var, l)
         if k == n:
@@ -511,9 +508,9 @@ def _gains(beta_i, var_i, b_i, beta, var, l: float) -> torch.Tensor:
 
 def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: float, k: int,
                    also, l: float):
-    """The gains, the fetch plan on the head of ``k`` tokens, which rows found k* in it, the
-    head, the token after it and the rows with equal positive gains in the head or across its
-    cut, by the compiled row loops (:mod:`._rows`: the torch code's float32 operations row by
+    """The gains, the fetch plan on the head of ``k`` tokens, which rows found k* in it and the
+    rows whose plan could depend on torch.topk's order of equal gains (:func:`_topk_rows`), by
+    the compiled row loops (:mod:`._rows`: the torch code's float32 operations row by
     row, with torch's row sums); None where they do not apply (no numba, not float32 on the
     CPU, a gain that is not finite and >= 0)."""
     if not (_rows.AVAILABLE and beta_i.device.type == "cpu" and beta_i.dtype == torch.float32
@@ -550,9 +547,14 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
                                 denom.contiguous().reshape(-1).numpy(), eps, delta, also)
     plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
                        for f in ("k_star", "exact", "eps_before", "eps_after")))
-    nxt = torch.from_numpy(key[:, k] & 0xFFFFFFFF) if k < n else None
-    return (torch.from_numpy(gain).reshape(shape), plan, found.reshape(lead),
-            torch.from_numpy(head), nxt, torch.from_numpy(np.flatnonzero(tie)))
+    tied = None
+    if k < n:  # rows whose plan could depend on torch.topk's order of equal gains
+        ties = np.flatnonzero(tie)
+        nxt = key[:, k] & 0xFFFFFFFF
+        moves = _rows.tie_moves(ties, head, nxt, gain, bi, vi, mi,
+                                plan.k_star.reshape(-1).numpy())
+        tied = torch.from_numpy(ties[moves])
+    return torch.from_numpy(gain).reshape(shape), plan, found.reshape(lead), tied
 
 
 def _cut_compiled(head, hb, hv, tail_b, mi, beta, var, d, eps: float, delta: float, also):
