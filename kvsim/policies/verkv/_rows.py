@@ -454,3 +454,19 @@ def tie_moves(rows, head, after, gain, beta_i, var_i, b_i, k_star):
                 break
         moves[i] = m
     return moves
+
+
+@_jit
+def pass_score(s, shift):
+    """(n_kv, n) ``(s - shift[..., None]).amax(1)`` for planned logits ``s`` (n_kv, rows, n):
+    each KV head's largest log-weight relative to its row's largest, NaN where any is."""
+    n_kv, rows, n = s.shape
+    out = np.full((n_kv, n), -np.inf, s.dtype)
+    for h in range(n_kv):
+        o = out[h]
+        for q in range(rows):
+            sr, c = s[h, q], shift[h, q]
+            for j in range(n):
+                v = sr[j] - c
+                o[j] = v if (v > o[j] or v != v) else o[j]
+    return out

@@ -382,10 +382,12 @@ def _binary_terms_compiled(w, f: Factors, lam: BinaryShrink):
     return tuple(out)
 
 
-def outside_terms(beta_i, var_i, b_i, exact: torch.Tensor, g: int):
+def outside_terms(beta_i, var_i, b_i, exact: torch.Tensor, g: int, totals=None):
     """(beta, V, b) of the rows (n_kv, g * m, n) over the tokens outside each KV head's exact
-    set ``exact`` (n_kv, m, n): eps_hat's terms after the GQA union (beta not clamped)."""
+    set ``exact`` (n_kv, m, n): eps_hat's terms after the GQA union (beta not clamped).
+    ``totals``: ``beta_i.sum(-1), var_i.sum(-1)`` if known."""
     n_kv, m, n = exact.shape
+    beta, var = totals or (beta_i.sum(-1), var_i.sum(-1))
     if (_rows.AVAILABLE and beta_i.device.type == "cpu" and beta_i.dtype == torch.float32
             and var_i.dtype == b_i.dtype == torch.float32
             and beta_i.shape == var_i.shape == b_i.shape == (n_kv, g * m, n)):
@@ -395,12 +397,12 @@ def outside_terms(beta_i, var_i, b_i, exact: torch.Tensor, g: int):
                                   exact.contiguous().numpy(), g,
                                   *(x.view(-1, n).numpy() for x in inside))
         if ok:
-            return (beta_i.sum(-1) - inside[0].sum(-1), var_i.sum(-1) - inside[1].sum(-1),
+            return (beta - inside[0].sum(-1), var - inside[1].sum(-1),
                     torch.from_numpy(b_out).view(n_kv, g * m))
     ex = exact[:, None]
     view = lambda x: x.view(n_kv, g, m, n)  # noqa: E731
-    return (beta_i.sum(-1) - (view(beta_i) * ex).sum(-1).reshape(n_kv, g * m),
-            var_i.sum(-1) - (view(var_i) * ex).sum(-1).reshape(n_kv, g * m),
+    return (beta - (view(beta_i) * ex).sum(-1).reshape(n_kv, g * m),
+            var - (view(var_i) * ex).sum(-1).reshape(n_kv, g * m),
             view(b_i).masked_fill(ex, 0.0).amax(-1).reshape(n_kv, g * m))
 
 
@@ -436,17 +438,17 @@ def output_eps(eps_prime):
 
 def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
                      head: int | None = FETCH_HEAD,
-                     also: tuple[float, float] | None = None) -> FetchPlan:
+                     also: tuple[float, float] | None = None, totals=None) -> FetchPlan:
     """KVFetch steps 3-5 from per-token terms: order L by ``g_i = eps_hat(L) - eps_hat(L \\ {i})``
     descending, take the smallest k with ``eps_hat(L_g[k:]) < eps``. Suffix sums (beta, V) and a
     suffix max (b) give every k at once. Tokens with all-zero terms (outside L, invisible, or
     underflowed) are never made exact. ``also`` = (threshold, log term): a second condition the
     cut must meet (the output certificate, :func:`output_terms`); the order then uses its log
-    term, the larger one."""
+    term, the larger one. ``totals``: ``beta_i.sum(-1), var_i.sum(-1)`` if known."""
     l = log_term(delta) if also is None else max(log_term(delta), also[1])
     shape, n = beta_i.shape, beta_i.shape[-1]
     denom = torch.broadcast_to(denom, shape[:-1])
-    beta, var = beta_i.sum(-1), var_i.sum(-1)
+    beta, var = totals or (beta_i.sum(-1), var_i.sum(-1))
     k = n if head is None else min(head, n)
     rows = lambda x, at: x.reshape(-1, *x.shape[len(shape) - 1:])[at]  # noqa: E731
     compiled = _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps, delta, k, also, l)

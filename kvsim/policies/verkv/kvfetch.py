@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from kvsim._torch import F, torch
 from kvsim.attention.sampling import PoissonSample
+from kvsim.policies.verkv import _rows
 from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv.sketch import KeySketch, logit_halfwidth, shortlist, sketch_logits
 
@@ -186,6 +187,9 @@ def pass_shortlist_planned(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLay
 def _pass_score(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """(n_kv, n) the shortlist score of planned logits ``s`` with row maxima ``shift``: the
     log-weight relative to the row's largest, max over the rows."""
+    if _rows.AVAILABLE and s.device.type == "cpu" and s.dtype == shift.dtype == torch.float32:
+        return torch.from_numpy(_rows.pass_score(s.contiguous().numpy(),
+                                                 shift.contiguous().numpy()))
     return (s - shift[..., None]).amax(1)
 
 
@@ -263,7 +267,8 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
         extra = extra_logits.reshape(n_kv, g * m, -1)
         shift = torch.maximum(shift, extra.amax(-1))
     also = None if cfg.eps_output is None else C.output_terms(cfg.eps_output, cfg.delta, d)
-    denom, shrink, (beta_i, var_i, b_i), plan = _certify(s, e, shift, extra, f, cfg, also)
+    denom, shrink, (beta_i, var_i, b_i), totals, plan = _certify(s, e, shift, extra, f, cfg,
+                                                                  also)
     if e is not None:
         # bounded sketch, second look: read the keys of what the bounds would fetch (its K
         # only), score them exactly, and plan again; K+V are fetched for the second plan alone
@@ -272,13 +277,14 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
         if exact_logits is None:
             exact_logits = _exact_logits(q, layer, visible)
         s, e, shift = _make_exact(s, e, shift, exact_logits, rows)
-        denom, shrink, (beta_i, var_i, b_i), plan = _certify(s, e, shift, extra, f, cfg, also)
+        denom, shrink, (beta_i, var_i, b_i), totals, plan = _certify(s, e, shift, extra, f, cfg,
+                                                                  also)
         short = short | keys
     exact_kv = C.gqa_union(plan.exact.view(n_q, m, n), n_kv)
     eps_after = plan.eps_after  # before the union; lowered by it, computed below if asked
     out_after = None
     if cfg.report_after:  # eps_hat after the union: remove the union's contributions
-        beta_a, var_a, b_a = C.outside_terms(beta_i, var_i, b_i, exact_kv, g)
+        beta_a, var_a, b_a = C.outside_terms(beta_i, var_i, b_i, exact_kv, g, totals)
         eps_after = C.bernstein_eps(beta_a.clamp_min(0), var_a, b_a, denom,
                                     C.log_term(cfg.delta))
         if also is not None:
@@ -309,7 +315,8 @@ def _make_exact(s, e, shift, exact, mask):
 
 
 def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
-    """The certificate's D, lambda, per-token terms and fetch plan from planned logits ``s``
+    """The certificate's D, lambda, per-token terms, their sums and the fetch plan from planned
+    logits ``s``
     (half-widths ``e`` or None) and the exact logits ``extra`` of the later tokens."""
     # upper weights for the certificate's terms (the point weights but for a bounded sketch)
     # (n_kv, g*m, n); in place on the point logits, which the caller no longer needs (a fresh
@@ -327,8 +334,10 @@ def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
     else:
         shrink = C.bounded_shrinkage(w, f.r, f.odds > 0)
     terms = C.terms(w, f, shrink)
-    plan = C.fetch_plan_terms(*terms, denom, cfg.eps, cfg.delta, head=cfg.fetch_head, also=also)
-    return denom, shrink, terms, plan
+    totals = terms[0].sum(-1), terms[1].sum(-1)  # beta and V over L
+    plan = C.fetch_plan_terms(*terms, denom, cfg.eps, cfg.delta, head=cfg.fetch_head, also=also,
+                              totals=totals)
+    return denom, shrink, terms, totals, plan
 
 
 def reweighted_log_factor(layer: VerKVLayer, dec: Decision, n_q: int,
