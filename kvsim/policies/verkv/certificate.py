@@ -20,6 +20,12 @@ head is exactly the start of the full order, except that a head of fewer than n 
 ``torch.topk``'s order among equal positive values (which of two tied tokens is shrunk or fetched
 is that order's choice): rows with such ties take ``torch.topk`` itself where that order could
 change the result (the fetch plan: :func:`_topk_rows`).
+
+Compiled loops: on float32 CPU tensors with numba installed, the fetch plan, the binary
+shrinkage's first head and the binary terms run as per-row loops (:mod:`._rows`) that repeat
+this module's torch operations in the same order, with torch's square roots and row sums, so
+the results are the same to the bit (``tests/test_verkv_rows.py`` checks them against this
+code with the loops off); anything else (other dtypes, a NaN, a GPU) takes the torch code.
 """
 
 from __future__ import annotations
@@ -393,8 +399,8 @@ def outside_terms(beta_i, var_i, b_i, exact: torch.Tensor, g: int, totals=None):
             and beta_i.shape == var_i.shape == b_i.shape == (n_kv, g * m, n)):
         inside = [torch.from_numpy(_rows.scratch(name, beta_i.shape, np.float32))
                   for name in ("beta_in", "var_in")]
-        b_out, ok = _rows.outside(*(x.contiguous().view(-1, n).numpy() for x in (beta_i, var_i, b_i)),
-                                  exact.contiguous().numpy(), g,
+        rows = (x.contiguous().view(-1, n).numpy() for x in (beta_i, var_i, b_i))
+        b_out, ok = _rows.outside(*rows, exact.contiguous().numpy(), g,
                                   *(x.view(-1, n).numpy() for x in inside))
         if ok:
             return (beta - inside[0].sum(-1), var - inside[1].sum(-1),

@@ -25,9 +25,10 @@ GQA: each query head orders and cuts its own L; its KV head fetches the union of
 selections, and every head of the group then treats the whole union as exact (more exact tokens
 only lower a head's certificate, and the union is as sample-independent as its parts).
 Tokens after the context (question and decoded tokens) are always exact and never in L.
-All of it is vectorised over query heads and rows; the only sorts are heads of ``FETCH_HEAD`` /
-``SHRINK_HEAD`` tokens in a stable descending order with a full-sort fallback (see
-certificate.py). ``VerKV.attend`` scores a pass's planned logits once for its shortlist and its
+All of it is vectorised over query heads and rows, or on the CPU with numba a compiled loop per
+row that gives the same bits (certificate.py, _rows.py); the only sorts are heads of
+``FETCH_HEAD`` / ``SHRINK_HEAD`` tokens in a stable descending order with a full-sort fallback
+(see certificate.py). ``VerKV.attend`` scores a pass's planned logits once for its shortlist and its
 decisions (:func:`pass_shortlist_planned`) and takes both log factors from the sampled tokens
 alone (:func:`reweighted_log_factors`).
 """
