@@ -19,7 +19,8 @@ Times are CPU seconds of the process (``time.process_time``; one torch thread by
 of all repeats: wall-clock time on a loaded machine swings by 2x between runs. The base commit's
 ``kvsim`` package is unpacked with ``git archive`` into a temporary folder and
 each side runs in its own subprocess (rounds alternate old / new; best of all repeats). Each
-side also writes what it decided; the parent compares them array by array (``identical``).
+side also writes what it decided; the parent compares them array by array (``identical``):
+bit for bit, whether or not this tree runs VerKV's compiled loops (numba, ``_rows.py``).
 ``--eval`` also times ``kvsim eval`` with VerKV in every layer of the real model (one 2K needle
 prompt; needs the model, see the README) on both sides, and compares their JSON reports.
 """

@@ -20,6 +20,12 @@ head is exactly the start of the full order, except that a head of fewer than n 
 ``torch.topk``'s order among equal positive values (which of two tied tokens is shrunk or fetched
 is that order's choice): rows with such ties take ``torch.topk`` itself where that order could
 change the result (the fetch plan: :func:`_topk_rows`).
+
+Compiled loops: on float32 CPU tensors with numba installed, the fetch plan, the binary
+shrinkage's first head and the binary terms run as per-row loops (:mod:`._rows`) that repeat
+this module's torch operations in the same order, with torch's square roots and row sums, so
+the results are the same to the bit (``tests/test_verkv_rows.py`` checks them against this
+code with the loops off); anything else (other dtypes, a NaN, a GPU) takes the torch code.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvsim._torch import torch
+from kvsim.policies.verkv import _rows
 
 FETCH_HEAD = 4096  # the paper's kernel sorts the top 4096 and falls back to a full sort
 SHRINK_HEAD = 512
@@ -185,9 +192,13 @@ def token_factors(r: torch.Tensor, in_l: torch.Tensor) -> Factors:
 def _take_rows(x: torch.Tensor, shape, rows: torch.Tensor) -> torch.Tensor:
     """Rows ``rows`` of ``x`` broadcast to ``shape`` and flattened to (-1, n), without
     materialising the broadcast."""
-    lead = shape[:-1]
-    idx = torch.unravel_index(rows, lead)
-    return x.expand(shape)[idx]
+    x = x.reshape((1,) * (len(shape) - x.dim()) + tuple(x.shape))
+    idx, rest = [], rows
+    for size in reversed(shape[:-1]):  # torch.unravel_index, faster
+        idx.insert(0, rest % size)
+        rest = rest // size
+    # index x itself: indexing the broadcast view is slow
+    return x[tuple(i if size > 1 else torch.zeros_like(i) for i, size in zip(idx, x.shape))]
 
 
 def mse(w: torch.Tensor, r: torch.Tensor, lam: torch.Tensor, in_l: torch.Tensor) -> torch.Tensor:
@@ -218,7 +229,8 @@ class BinaryShrink:
 def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -> BinaryShrink:
     """Appendix A.2: visit L in decreasing ``u_i = w_i (1 - r_i) / r_i`` and set
     ``lambda_i = r_i`` (adding ``a_i = w_i (1 - r_i)`` to beta) while ``u_i > 2 beta``."""
-    u = w * f.odds
+    u = torch.mul(w, f.odds, out=_rows.empty_tensor(torch.broadcast_shapes(w.shape, f.odds.shape),
+                                                   w))
     shape, n = u.shape, u.shape[-1]
 
     def prefix(uu, ww, omr, k):
@@ -233,7 +245,11 @@ def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -
     # a head, then the full order for rows whose whole head is shrunk
     last = n if head is None else min(head, n)
     sizes = sorted({last, n})
-    if SHRINK_FIRST < last < n:  # most rows stop early: try SHRINK_FIRST tokens first
+    first = _shrink_first_compiled(u, w, f.one_minus_r) if SHRINK_FIRST < last < n else None
+    if first is not None:
+        idx, count = first
+        sizes = [SHRINK_FIRST] + sizes
+    elif SHRINK_FIRST < last < n:  # most rows stop early: try SHRINK_FIRST tokens first
         vals, idx = torch.topk(u, SHRINK_FIRST + 1, dim=-1)
         a = w.expand(shape).gather(-1, idx) * f.one_minus_r.expand(shape).gather(-1, idx)
         before = torch.cumsum(a, dim=-1) - a
@@ -261,6 +277,37 @@ def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -
         idx = wide.reshape(*shape[:-1], k_next)
         count = count.reshape(-1).index_put((redo,), more_count).reshape(count.shape)
     return BinaryShrink(idx, count, u)
+
+
+def _row_blocks(x: torch.Tensor, shape) -> np.ndarray | None:
+    """``x`` broadcast to ``shape`` as (-1, n) rows each standing for the same number of
+    consecutive rows of ``shape`` (a numpy view), or None where it does not broadcast so."""
+    lead = (1,) * (len(shape) - x.dim()) + tuple(x.shape[:-1])
+    j = len(lead)
+    while j and lead[j - 1] == 1:
+        j -= 1
+    if x.shape[-1] != shape[-1] or lead[:j] != tuple(shape[:j]) or x.dtype != torch.float32:
+        return None
+    return x.contiguous().reshape(-1, shape[-1]).numpy()
+
+
+def _shrink_first_compiled(u, w, omr):
+    """:func:`binary_shrink`'s first ``SHRINK_FIRST`` tokens by :func:`_rows.shrink_first`
+    (idx, count; rows with tied values get count ``SHRINK_FIRST``, as the torch code gives
+    them), or None where it does not apply (no numba, not float32 on the CPU, a NaN)."""
+    if not (_rows.AVAILABLE and u.device.type == "cpu" and u.dtype == torch.float32):
+        return None
+    shape = u.shape
+    ww, oo = _row_blocks(w, shape), _row_blocks(omr, shape)
+    if ww is None or oo is None:
+        return None
+    idx, count, tied, bad = _rows.shrink_first(u.reshape(-1, shape[-1]).numpy(), ww, oo,
+                                               SHRINK_FIRST)
+    if bad:
+        return None
+    count[tied] = SHRINK_FIRST
+    lead = shape[:-1]
+    return torch.from_numpy(idx).reshape(*lead, SHRINK_FIRST), torch.from_numpy(count).reshape(lead)
 
 
 def binary_shrinkage(w: torch.Tensor, r: torch.Tensor, in_l: torch.Tensor,
@@ -303,6 +350,9 @@ def terms(w: torch.Tensor, f: Factors, lam: torch.Tensor | BinaryShrink):
     """Per-token contributions (beta_i, V_i, b_i), zero outside L. ``lam`` dense, or the sparse
     binary form (then only the shrunk tokens are patched)."""
     if isinstance(lam, BinaryShrink):
+        got = _binary_terms_compiled(w, f, lam)
+        if got is not None:
+            return got
         var_i = w * lam.u  # lambda = 1: w^2 (1 - r) / r
         b_i = w * f.bfac
         shape = var_i.shape
@@ -320,6 +370,48 @@ def terms(w: torch.Tensor, f: Factors, lam: torch.Tensor | BinaryShrink):
     return w * (1 - lam) * (f.odds > 0), lw * lw * f.odds, lw * f.bfac
 
 
+def _binary_terms_compiled(w, f: Factors, lam: BinaryShrink):
+    """:func:`terms` of binary shrinkage by :func:`_rows.binary_terms`; None where it does not
+    apply (no numba, not float32 on the CPU, broadcast weights)."""
+    shape = lam.u.shape
+    if not (_rows.AVAILABLE and w.device.type == "cpu" and w.shape == shape
+            and w.dtype == lam.u.dtype == torch.float32):
+        return None
+    rows = [_row_blocks(x, shape) for x in (f.bfac, f.r, f.one_minus_r)]
+    if any(x is None for x in rows) or len({len(x) for x in rows}) > 1:
+        return None
+    n = shape[-1]
+    out = [_rows.empty_tensor(shape, w) for _ in range(3)]
+    _rows.binary_terms(w.contiguous().reshape(-1, n).numpy(), lam.u.reshape(-1, n).numpy(),
+                       *rows, lam.idx.reshape(-1, lam.idx.shape[-1]).numpy(),
+                       lam.count.reshape(-1).numpy(), *(x.view(-1, n).numpy() for x in out))
+    return tuple(out)
+
+
+def outside_terms(beta_i, var_i, b_i, exact: torch.Tensor, g: int, totals=None):
+    """(beta, V, b) of the rows (n_kv, g * m, n) over the tokens outside each KV head's exact
+    set ``exact`` (n_kv, m, n): eps_hat's terms after the GQA union (beta not clamped).
+    ``totals``: ``beta_i.sum(-1), var_i.sum(-1)`` if known."""
+    n_kv, m, n = exact.shape
+    beta, var = totals or (beta_i.sum(-1), var_i.sum(-1))
+    if (_rows.AVAILABLE and beta_i.device.type == "cpu" and beta_i.dtype == torch.float32
+            and var_i.dtype == b_i.dtype == torch.float32
+            and beta_i.shape == var_i.shape == b_i.shape == (n_kv, g * m, n)):
+        inside = [torch.from_numpy(_rows.scratch(name, beta_i.shape, np.float32))
+                  for name in ("beta_in", "var_in")]
+        rows = (x.contiguous().view(-1, n).numpy() for x in (beta_i, var_i, b_i))
+        b_out, ok = _rows.outside(*rows, exact.contiguous().numpy(), g,
+                                  *(x.view(-1, n).numpy() for x in inside))
+        if ok:
+            return (beta - inside[0].sum(-1), var - inside[1].sum(-1),
+                    torch.from_numpy(b_out).view(n_kv, g * m))
+    ex = exact[:, None]
+    view = lambda x: x.view(n_kv, g, m, n)  # noqa: E731
+    return (beta - (view(beta_i) * ex).sum(-1).reshape(n_kv, g * m),
+            var - (view(var_i) * ex).sum(-1).reshape(n_kv, g * m),
+            view(b_i).masked_fill(ex, 0.0).amax(-1).reshape(n_kv, g * m))
+
+
 def eps_hat(w, r, lam, in_l, denom, delta: float) -> torch.Tensor:
     """Lemma 1's eps_hat(L) over the tokens in ``in_l`` (0 for an empty set)."""
     beta_i, var_i, b_i = terms(w, token_factors(r, in_l), lam)
@@ -332,7 +424,6 @@ class FetchPlan:
     exact: torch.Tensor  # (..., n) bool: L_g[:k*]
     eps_before: torch.Tensor  # (...) eps_hat(L)
     eps_after: torch.Tensor  # (...) eps_hat(L_g[k*:])
-    order: torch.Tensor  # (..., K) the head of L_g (K = n for a full sort)
 
 
 def output_terms(eps_out: float, delta: float, head_dim: int) -> tuple[float, float]:
@@ -353,17 +444,53 @@ def output_eps(eps_prime):
 
 def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
                      head: int | None = FETCH_HEAD,
-                     also: tuple[float, float] | None = None) -> FetchPlan:
+                     also: tuple[float, float] | None = None, totals=None) -> FetchPlan:
     """KVFetch steps 3-5 from per-token terms: order L by ``g_i = eps_hat(L) - eps_hat(L \\ {i})``
     descending, take the smallest k with ``eps_hat(L_g[k:]) < eps``. Suffix sums (beta, V) and a
     suffix max (b) give every k at once. Tokens with all-zero terms (outside L, invisible, or
     underflowed) are never made exact. ``also`` = (threshold, log term): a second condition the
     cut must meet (the output certificate, :func:`output_terms`); the order then uses its log
-    term, the larger one."""
+    term, the larger one. ``totals``: ``beta_i.sum(-1), var_i.sum(-1)`` if known."""
     l = log_term(delta) if also is None else max(log_term(delta), also[1])
     shape, n = beta_i.shape, beta_i.shape[-1]
     denom = torch.broadcast_to(denom, shape[:-1])
-    beta, var = beta_i.sum(-1), var_i.sum(-1)
+    beta, var = totals or (beta_i.sum(-1), var_i.sum(-1))
+    k = n if head is None else min(head, n)
+    rows = lambda x, at: x.reshape(-1, *x.shape[len(shape) - 1:])[at]  # noqa: E731
+    compiled = _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps, delta, k, also, l)
+    if compiled is not None:
+        gain, plan, found, tied = compiled
+        if k == n:
+            return plan
+    else:
+        gain = _gains(beta_i, var_i, b_i, beta, var, l)
+        if k == n:
+            return _plan_on(top_desc(gain, n, values=False)[1], None, beta_i, var_i, b_i, beta,
+                            var, denom, eps, delta, also)[0]
+        idx, rest, after = _fetch_head(gain, k)
+        plan, found = _plan_on(idx, rest, beta_i, var_i, b_i, beta, var, denom, eps, delta, also)
+        tied = _topk_rows(gain, (beta_i, var_i, b_i, plan.k_star), idx, after)
+    tensors = (gain, beta_i, var_i, b_i, beta, var, denom)
+    if tied.numel():
+        g, *more = (rows(x, tied) for x in tensors)
+        if compiled is not None:
+            sub, sub_found = _plan_topk_compiled(g, *more, k, eps, delta, also)
+        else:
+            sub, sub_found = _plan_on(torch.topk(g, k, dim=-1).indices, None, *more, eps,
+                                      delta, also)
+        found = found.reshape(-1).index_put((tied,), sub_found)
+        _put_rows(plan, tied, sub)
+    if not bool(found.all()):  # rows whose cut lies beyond the head: a full sort
+        redo = (~found).reshape(-1).nonzero()[:, 0]
+        g, *more = (rows(x, redo) for x in tensors)
+        full, _ = _plan_on(top_desc(g, n, values=False)[1], None, *more, eps, delta, also)
+        _put_rows(plan, redo, full)
+    return plan
+
+
+def _gains(beta_i, var_i, b_i, beta, var, l: float) -> torch.Tensor:
+    """(..., n) the gains ``D g_i = D (eps_hat(L) - eps_hat(L \\ {i}))`` with log term ``l``."""
+    n = beta_i.shape[-1]
     top = torch.topk(b_i, min(2, n), dim=-1)
     bmax = top.values[..., 0]
     second = top.values[..., 1] if n > 1 else torch.zeros_like(bmax)
@@ -384,39 +511,114 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
     c2 = (t2 * t2)[..., None] + 2.0 * l * (var[..., None] - var_i.gather(-1, arg)).clamp_min(0.0)
     gain_arg = beta_i.gather(-1, arg) + (t - t2)[..., None] + (c1[..., None] - c2) / (
         root1 + torch.sqrt(c2)).clamp_min(torch.finfo(x.dtype).tiny)
-    gain.scatter_(-1, arg, gain_arg)
+    return gain.scatter_(-1, arg, gain_arg)
 
-    k = n if head is None else min(head, n)
-    rows = lambda x, at: x.reshape(-1, *x.shape[len(shape) - 1:])[at]  # noqa: E731
-    tensors = (gain, beta_i, var_i, b_i, beta, var, denom)
-    if k == n:
-        return _plan_on(top_desc(gain, n, values=False)[1], None, *tensors[1:], eps, delta,
-                        also)[0]
-    idx, rest, after = _fetch_head(gain, k)
-    plan, found = _plan_on(idx, rest, *tensors[1:], eps, delta, also)
-    tied = _topk_rows(gain, (beta_i, var_i, b_i, plan.k_star), idx, after)
-    if tied.numel():
-        g, *more = (rows(x, tied) for x in tensors)
-        sub, sub_found = _plan_on(torch.topk(g, k, dim=-1).indices, None, *more, eps, delta,
-                                  also)
-        found = found.reshape(-1).index_put((tied,), sub_found)
-        _put_rows(plan, tied, sub)
-    if not bool(found.all()):  # rows whose cut lies beyond the head: a full sort
-        redo = (~found).reshape(-1).nonzero()[:, 0]
-        g, *more = (rows(x, redo) for x in tensors)
-        full, _ = _plan_on(top_desc(g, n, values=False)[1], None, *more, eps, delta, also)
-        _put_rows(plan, redo, full)
-        plan.order = None  # rows differ in length; the exact mask is the result
-    return plan
+
+def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: float, k: int,
+                   also, l: float):
+    """The gains, the fetch plan on the head of ``k`` tokens, which rows found k* in it and the
+    rows whose plan could depend on torch.topk's order of equal gains (:func:`_topk_rows`), by
+    the compiled row loops (:mod:`._rows`: the torch code's float32 operations row by
+    row, with torch's row sums); None where they do not apply (no numba, not float32 on the
+    CPU, a gain that is not finite and >= 0)."""
+    if not (_rows.AVAILABLE and beta_i.device.type == "cpu" and beta_i.dtype == torch.float32
+            and var_i.shape == b_i.shape == beta_i.shape
+            and var_i.dtype == b_i.dtype == denom.dtype == torch.float32):
+        return None
+    shape, n = beta_i.shape, beta_i.shape[-1]
+    lead = shape[:-1]
+    bi, vi, mi = (x.contiguous().reshape(-1, n).numpy() for x in (beta_i, var_i, b_i))
+    f32, sqrt = np.float32, lambda a: torch.from_numpy(a).sqrt_().numpy()  # noqa: E731
+    arg, top, second, ambiguous, ok = _rows.top_two(mi)
+    if not ok:
+        return None
+    if ambiguous.any():  # b's largest value held twice: the token torch.topk takes
+        at = np.flatnonzero(ambiguous)
+        arg[at] = torch.topk(torch.from_numpy(mi[at]), 2, dim=-1).indices[:, 0].numpy()
+    l2, l3 = f32(2.0 * l), f32(l / 3.0)
+    gain = _rows.scratch("gain", bi.shape, np.float32)  # the plan's gains, until the next
+    c1, c2, dt = _rows.gain_prep(vi, var.contiguous().reshape(-1).numpy(), top, second, arg, l2,
+                                 l3, gain)
+    key = _rows.scratch("key", bi.shape, np.int64)
+    if not _rows.gain_keys(bi, vi, sqrt(gain), c1, c2, dt, sqrt(c1.copy()), sqrt(c2.copy()),
+                           arg, l2, f32(torch.finfo(torch.float32).tiny), key):
+        return None
+    if k < n:
+        key.partition(k, axis=-1)  # the k smallest keys first, the next one at k
+        key[:, :k].sort(axis=-1)
+    else:
+        key.sort(axis=-1)
+    head, hb, hv = (_rows.scratch(name, (len(bi), k), t)
+                    for name, t in (("head", np.int64), ("hb", np.float32), ("hv", np.float32)))
+    tail_b, tie = _rows.head_terms(key, k, gain, bi, vi, mi, head, hb, hv)
+    plan, found = _cut_compiled(head, hb, hv, tail_b, mi, beta.reshape(-1), var.reshape(-1),
+                                denom.contiguous().reshape(-1).numpy(), eps, delta, also)
+    plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
+                       for f in ("k_star", "exact", "eps_before", "eps_after")))
+    tied = None
+    if k < n:  # rows whose plan could depend on torch.topk's order of equal gains
+        ties = np.flatnonzero(tie)
+        nxt = key[:, k] & 0xFFFFFFFF
+        moves = _rows.tie_moves(ties, head, nxt, gain, bi, vi, mi,
+                                plan.k_star.reshape(-1).numpy())
+        tied = torch.from_numpy(ties[moves])
+    return torch.from_numpy(gain).reshape(shape), plan, found.reshape(lead), tied
+
+
+def _cut_compiled(head, hb, hv, tail_b, mi, beta, var, d, eps: float, delta: float, also):
+    """(flat FetchPlan, found) on the ordered heads ``head`` (R, k) of rows with b ``mi``
+    (R, n): ``_plan_on``'s plan by the compiled loops; ``hb``, ``hv`` the head's beta and V,
+    ``tail_b`` the largest b outside it, ``beta`` and ``var`` the rows' totals (tensors)."""
+    k, n = head.shape[1], mi.shape[1]
+    f32, sqrt = np.float32, lambda a: torch.from_numpy(a).sqrt_().numpy()  # noqa: E731
+    if k < n:
+        tail_beta = (beta - torch.from_numpy(hb).sum(-1)).clamp_min(0).numpy()
+        tail_var = (var - torch.from_numpy(hv).sum(-1)).clamp_min(0).numpy()
+    else:
+        tail_beta = tail_var = np.zeros(len(hb), np.float32)
+    sb, sv, sm = (_rows.scratch(name, (len(hb), k + 1), np.float32) for name in ("sb", "sv", "sm"))
+    _rows.suffixes(head, hb, hv, mi, tail_beta, tail_var, tail_b, sb, sv, sm)
+    # k*: the first position whose eps_hat is below eps, over growing spans of positions
+    # for the rows still looking (the square roots are torch's)
+    lt = log_term(delta)
+    rows = len(hb)
+    k_star, found = np.zeros(rows, np.int64), np.zeros(rows, np.bool_)
+    eps_after = np.empty(rows, np.float32)
+    todo, lo, span = np.arange(rows), 0, 64
+    while len(todo) and lo <= k:
+        hi = min(lo + span, k + 1)
+        roots = []
+        for lg in (lt,) if also is None else (lt, also[1]):
+            root = np.empty((len(todo), hi - lo), np.float32)
+            _rows.eps_args(todo, lo, hi, sv, sm, f32(lg / 3.0), f32(2.0 * lg), root)
+            roots.append(sqrt(root))
+        if lo == 0:  # eps_hat(L)
+            with np.errstate(divide="ignore", invalid="ignore"):  # D = 0 or NaN, as torch
+                eps_before = (sb[:, 0] + sm[:, 0] * f32(lt / 3.0) + roots[0][:, 0]) / d
+        a_root, a_l3, a_eps = ((np.empty((0, 0), np.float32), f32(0.0), f32(0.0))
+                               if also is None else (roots[1], f32(also[1] / 3.0), f32(also[0])))
+        _rows.first_ok(todo, lo, hi, sb, sm, roots[0], d, f32(lt / 3.0), f32(eps), a_root,
+                       a_l3, a_eps, k_star, found, eps_after)
+        todo, lo, span = todo[~found[todo]], hi, span * 4
+    eps_after[~found] = eps_before[~found]  # k* = 0
+    exact = _rows.exact_mask(head, hb, hv, mi, k_star)
+    return FetchPlan(*map(torch.from_numpy, (k_star, exact, eps_before, eps_after))), \
+        torch.from_numpy(found)
+
+
+def _plan_topk_compiled(g, bi, vi, mi, beta, var, d, k: int, eps: float, delta: float, also):
+    """``_plan_on`` on ``torch.topk``'s head of the gains ``g`` (R, n) by the compiled loops
+    (rows from :func:`_plan_compiled`)."""
+    head = torch.topk(g, k, dim=-1).indices.numpy()
+    hb, hv = (np.empty(head.shape, np.float32) for _ in range(2))
+    tail_b = _rows.head_values(head, bi.numpy(), vi.numpy(), mi.numpy(), hb, hv)
+    return _cut_compiled(head, hb, hv, tail_b, mi.numpy(), beta, var, d.numpy(), eps, delta, also)
 
 
 def _put_rows(plan: FetchPlan, at: torch.Tensor, sub: FetchPlan) -> None:
     """Writes ``sub``'s rows into the flat rows ``at`` of ``plan``."""
-    for name in ("k_star", "eps_before", "eps_after", "exact", "order"):
+    for name in ("k_star", "eps_before", "eps_after", "exact"):
         whole, part = getattr(plan, name), getattr(sub, name)
-        if whole is None or (name == "order" and whole.shape[-1] != part.shape[-1]):
-            setattr(plan, name, None)
-            continue
         lead = plan.k_star.dim()
         flat = whole.reshape(-1, *whole.shape[lead:]).clone()
         flat[at] = part
@@ -454,8 +656,7 @@ def _plan_on(head, rest, bi, vi, bb, tot_beta, tot_var, d, eps: float, delta: fl
         | (hm.reshape(-1, k)[rows, pos] > 0)
     exact = torch.zeros(bb.shape, dtype=torch.bool, device=bb.device)
     exact.view(-1, n)[rows[live], head.reshape(-1, k)[rows[live], pos[live]]] = True
-    return FetchPlan(k_star, exact, eps_at(torch.zeros_like(k_star)), eps_at(k_star),
-                     head), found
+    return FetchPlan(k_star, exact, eps_at(torch.zeros_like(k_star)), eps_at(k_star)), found
 
 
 SCAN_CELLS = 1 << 17  # above this many (row, k) cells, bisect for k* instead of scanning all k

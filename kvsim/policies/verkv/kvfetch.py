@@ -25,9 +25,10 @@ GQA: each query head orders and cuts its own L; its KV head fetches the union of
 selections, and every head of the group then treats the whole union as exact (more exact tokens
 only lower a head's certificate, and the union is as sample-independent as its parts).
 Tokens after the context (question and decoded tokens) are always exact and never in L.
-All of it is vectorised over query heads and rows; the only sorts are heads of ``FETCH_HEAD`` /
-``SHRINK_HEAD`` tokens in a stable descending order with a full-sort fallback (see
-certificate.py). ``VerKV.attend`` scores a pass's planned logits once for its shortlist and its
+All of it is vectorised over query heads and rows, or on the CPU with numba a compiled loop per
+row that gives the same bits (certificate.py, _rows.py); the only sorts are heads of
+``FETCH_HEAD`` / ``SHRINK_HEAD`` tokens in a stable descending order with a full-sort fallback
+(see certificate.py). ``VerKV.attend`` scores a pass's planned logits once for its shortlist and its
 decisions (:func:`pass_shortlist_planned`) and takes both log factors from the sampled tokens
 alone (:func:`reweighted_log_factors`).
 """
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 
 from kvsim._torch import F, torch
 from kvsim.attention.sampling import PoissonSample
+from kvsim.policies.verkv import _rows
 from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv.sketch import KeySketch, logit_halfwidth, shortlist, sketch_logits
 
@@ -186,6 +188,9 @@ def pass_shortlist_planned(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLay
 def _pass_score(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """(n_kv, n) the shortlist score of planned logits ``s`` with row maxima ``shift``: the
     log-weight relative to the row's largest, max over the rows."""
+    if _rows.AVAILABLE and s.device.type == "cpu" and s.dtype == shift.dtype == torch.float32:
+        return torch.from_numpy(_rows.pass_score(s.contiguous().numpy(),
+                                                 shift.contiguous().numpy()))
     return (s - shift[..., None]).amax(1)
 
 
@@ -263,7 +268,8 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
         extra = extra_logits.reshape(n_kv, g * m, -1)
         shift = torch.maximum(shift, extra.amax(-1))
     also = None if cfg.eps_output is None else C.output_terms(cfg.eps_output, cfg.delta, d)
-    denom, shrink, (beta_i, var_i, b_i), plan = _certify(s, e, shift, extra, f, cfg, also)
+    denom, shrink, (beta_i, var_i, b_i), totals, plan = _certify(s, e, shift, extra, f, cfg,
+                                                                  also)
     if e is not None:
         # bounded sketch, second look: read the keys of what the bounds would fetch (its K
         # only), score them exactly, and plan again; K+V are fetched for the second plan alone
@@ -272,17 +278,14 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
         if exact_logits is None:
             exact_logits = _exact_logits(q, layer, visible)
         s, e, shift = _make_exact(s, e, shift, exact_logits, rows)
-        denom, shrink, (beta_i, var_i, b_i), plan = _certify(s, e, shift, extra, f, cfg, also)
+        denom, shrink, (beta_i, var_i, b_i), totals, plan = _certify(s, e, shift, extra, f, cfg,
+                                                                  also)
         short = short | keys
     exact_kv = C.gqa_union(plan.exact.view(n_q, m, n), n_kv)
     eps_after = plan.eps_after  # before the union; lowered by it, computed below if asked
     out_after = None
     if cfg.report_after:  # eps_hat after the union: remove the union's contributions
-        ex = exact_kv[:, None]
-        view = lambda x: x.view(n_kv, g, m, n)  # noqa: E731
-        beta_a = beta_i.sum(-1) - (view(beta_i) * ex).sum(-1).reshape(n_kv, g * m)
-        var_a = var_i.sum(-1) - (view(var_i) * ex).sum(-1).reshape(n_kv, g * m)
-        b_a = view(b_i).masked_fill(ex, 0.0).amax(-1).reshape(n_kv, g * m)
+        beta_a, var_a, b_a = C.outside_terms(beta_i, var_i, b_i, exact_kv, g, totals)
         eps_after = C.bernstein_eps(beta_a.clamp_min(0), var_a, b_a, denom,
                                     C.log_term(cfg.delta))
         if also is not None:
@@ -313,10 +316,13 @@ def _make_exact(s, e, shift, exact, mask):
 
 
 def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
-    """The certificate's D, lambda, per-token terms and fetch plan from planned logits ``s``
+    """The certificate's D, lambda, per-token terms, their sums and the fetch plan from planned
+    logits ``s``
     (half-widths ``e`` or None) and the exact logits ``extra`` of the later tokens."""
     # upper weights for the certificate's terms (the point weights but for a bounded sketch)
-    w = torch.exp((s if e is None else s + e) - shift[..., None])  # (n_kv, g*m, n)
+    # (n_kv, g*m, n); in place on the point logits, which the caller no longer needs (a fresh
+    # tensor of this size costs more in page faults than the arithmetic)
+    w = (s.sub_(shift[..., None]) if e is None else s + e - shift[..., None]).exp_()
     # weights under a tiny floor move D by < n * floor (the largest weight is 1): flush them to 0
     # so that squares stay out of subnormal arithmetic, which is ~100x slower on CPUs
     floor = torch.tensor(WEIGHT_FLOOR.get(str(w.dtype).removeprefix("torch."), 0.0), dtype=w.dtype)
@@ -329,8 +335,10 @@ def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
     else:
         shrink = C.bounded_shrinkage(w, f.r, f.odds > 0)
     terms = C.terms(w, f, shrink)
-    plan = C.fetch_plan_terms(*terms, denom, cfg.eps, cfg.delta, head=cfg.fetch_head, also=also)
-    return denom, shrink, terms, plan
+    totals = terms[0].sum(-1), terms[1].sum(-1)  # beta and V over L
+    plan = C.fetch_plan_terms(*terms, denom, cfg.eps, cfg.delta, head=cfg.fetch_head, also=also,
+                              totals=totals)
+    return denom, shrink, terms, totals, plan
 
 
 def reweighted_log_factor(layer: VerKVLayer, dec: Decision, n_q: int,
