@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from heapq import heappop, heappush
 from itertools import chain
 
 import numpy as np
@@ -39,18 +40,22 @@ SLOT_MASK = (1 << SLOT_BITS) - 1  # key & SLOT_MASK is the slot
 
 class Clock:
     """The clock of a run alone: its one process only waits for time to pass, so it needs no
-    event queue. ``run`` adds each delay the process yields to ``now``, the sum simpy's
-    ``Timeout`` makes (``now + delay``), so the times are simpy's to the last bit."""
+    event queue. ``run`` adds each delay (seconds) the process yields to ``now``, the sum
+    simpy's ``Timeout`` makes (``now + delay``), so the times are simpy's to the last bit."""
 
     def __init__(self):
         self.now = 0.0
 
-    def timeout(self, delay: float) -> float:
-        return delay
-
     def run(self, process) -> None:
         for delay in process:
             self.now += delay
+
+
+def on_simpy(env, process):
+    """A run's process (:meth:`Run.scheduler`) on a simpy clock: each delay it yields (seconds)
+    is a ``Timeout``; an event (a routed run's wake-up) is waited for as it is."""
+    for what in process:
+        yield env.timeout(what) if isinstance(what, float) else what
 
 
 class Run:
@@ -183,15 +188,16 @@ class Run:
         return self.cap_hbm - self.used_hbm
 
     # ----------------------------------------------------------------- the running batch
-    def join(self, ids) -> None:
-        """Sequences ``ids`` (their ``ctx`` and ``left`` true) join the running batch."""
-        c, ctx, left, heap, push = self.clock, self.ctx, self.left, self.finish_at, heapq.heappush
+    def join(self, ids, emitted: int = 0) -> None:
+        """Sequences ``ids`` join the running batch: their ``ctx`` and ``left`` are true but for
+        the ``emitted`` tokens each has emitted since (whole numbers: exact in any order)."""
+        c, ctx, left, heap = self.clock - emitted, self.ctx, self.left, self.finish_at
         run_ctx = self.run_ctx
         for i in ids:
             ctx[i] -= c
             left[i] += c
             run_ctx += ctx[i]
-            push(heap, left[i] << SLOT_BITS | i)
+            heappush(heap, left[i] << SLOT_BITS | i)
         self.run_ctx = run_ctx
         self.running.extend(ids)
 
@@ -347,15 +353,13 @@ class Run:
     def _joined(self, done: list[int], at: float, tokens: int) -> None:
         """Prompts ``done`` have finished prefilling and emitted ``tokens`` tokens by now, the
         first (if it is their first) at ``at``: they join the running batch."""
-        first, ctx, left, prompt = self.first_token, self.ctx, self.left, self.prompt
+        first, ctx, prompt = self.first_token, self.ctx, self.prompt
         for i in done:
-            if math.isnan(first[i]):
+            if first[i] != first[i]:  # (math.isnan, without the call)
                 first[i] = at
                 ctx[i] = prompt[i]
-            ctx[i] += tokens
-            left[i] -= tokens
         del self.prefilling[:len(done)]  # chunks go in order: the first prompts finish
-        self.join(done)
+        self.join(done, tokens)
 
     def decode_steps(self, k: int) -> float:
         """At most ``k`` decode steps of a fixed batch, up to the next arrival: carried out, and
@@ -420,16 +424,16 @@ class Run:
         """A swap: the GPU stream waits for the copy of ``nbytes`` over the link."""
         t = float(self.sim.costs.link_time(nbytes, path, copies=2 * self.sim.model.layers))
         self.sim.chunks.add(self.env.now, t, 0, 0, 0.0, t, "swap")
-        yield self.env.timeout(t)
+        yield t
 
     # -------------------------------------------------------------------------- completion
     def complete(self) -> None:
         """Release finished requests (also those whose only token came from prefill): the
         scheduler calls it when the top of the heap has finished."""
         heap, end = self.finish_at, (self.clock + 1) << SLOT_BITS
-        ids = [heapq.heappop(heap) & SLOT_MASK]
+        ids = [heappop(heap) & SLOT_MASK]
         while heap and heap[0] < end:
-            ids.append(heapq.heappop(heap) & SLOT_MASK)
+            ids.append(heappop(heap) & SLOT_MASK)
         gone = len(ids)
         if gone > 1:
             ids.sort(key=self.running.index)  # batch order
@@ -475,6 +479,8 @@ class Run:
         return self.done >= self.n
 
     def scheduler(self):
+        """The run's one process: it yields the seconds to wait (a run alone on a :class:`Clock`;
+        routed, through :func:`on_simpy`) and, routed, the event of its next request."""
         n, routed = self.n, self.routed
         while (self.done < n) if not routed else not self.finished():
             if self.swapped:
@@ -487,18 +493,18 @@ class Run:
                     while self.admission.fit(self, 1) < 1:
                         yield from self.preemption.preempt(self)
                         self.pull()  # a swap-out took time
-                yield self.env.timeout(self.prefill_steps())
+                yield self.prefill_steps()
             elif self.running:  # up to the next completion or memory limit
                 k = min(self.soonest(), MAX_CHUNK)
                 if self.growing:
                     k = self.admission.fit(self, k)
                 if k >= 1:
-                    yield self.env.timeout(self.decode_steps(k))
+                    yield self.decode_steps(k)
                 else:  # the next step does not fit
                     yield from self.preemption.preempt(self)
             elif self.pulls and self.next < self.n:  # idle until the next arrival
                 i, at = self.next, self.arrivals[self.next]
-                yield self.env.timeout(max(at - self.env.now, 0.0))
+                yield max(at - self.env.now, 0.0)
                 self.arrive(i, at)
                 self.next = i + 1
                 continue
