@@ -125,9 +125,10 @@ def test_a_fixed_host_term_is_written_once_per_sequence():
         1024 * KV, "d2h", copies=2 * M.layers * steps.costs.copies(1.0, 1)))
 
 
-def test_the_one_step_plan_is_the_general_plans_first_step():
-    """``Chunked.plan``'s first step in short (a policy of shares only: ``_one_step``) is the
-    first step its general loop plans, and ``_whole``'s step where every prompt fits."""
+def test_the_one_step_path_is_the_general_plans_one_step():
+    """``Chunked.one_step`` (a policy of shares only: planned and carried out in short) takes
+    the one step the general plan takes (its loop's, or ``_whole``'s where every prompt fits),
+    chunks and all, and leaves a plan of several steps to ``Chunked.plan``, changing nothing."""
     budget = 8192
     sim = sim_for(QUARTER, Scheduling(max_batched_tokens=budget), batch=64)
     rng = np.random.default_rng(0)
@@ -136,22 +137,34 @@ def test_the_one_step_plan_is_the_general_plans_first_step():
     run.admit()  # all 48 arrive at once and start prefilling
     slots = list(run.prefilling)
     decodes = slots[:8]
-    for i in decodes:  # 8 sequences decoding, none finishing within the next steps
+    for i in decodes:  # 8 sequences decoding, the first finishing after 250 steps
         run.first_token[i], run.ctx[i], run.left[i] = 0.0, float(run.prompt[i] + 1), 250
     run.join(decodes)
-    checked = {"loop": 0, "whole": 0}
-    for trial in range(200):
+    chunked = rules.Chunked()
+    checked = {"single": 0, "whole": 0, "finishing": 0, "several": 0}
+    for trial in range(400):
         run.prefilling = list(rng.choice(slots[8:], rng.integers(1, 8), replace=False))
         for i in run.prefilling:
             run.prefilled[i] = int(rng.integers(0, run.target[i]))
-        D = len(run.running) if trial % 2 else 0
-        run.running = run.running if D else []
-        fast = rules._one_step(run, D, budget - D)
-        if len(fast.done) == len(run.prefilling):
-            assert fast == rules._whole(run, D)
-            checked["whole"] += 1
-        else:  # the general loop (no decode finishes with its first step)
-            assert fast == rules.Chunked().plan(run, False)[0]
-            checked["loop"] += 1
-        run.running = decodes
-    assert min(checked.values()) > 20
+        run.running = decodes if trial % 2 else []
+        D = len(run.running)
+        run.clock = 249 if trial % 3 else 0  # a decode finishes with the next step, or not
+        single = trial % 5 == 0
+        plans = chunked.plan(run, single)
+        before = list(run.prefilled)
+        got = chunked.one_step(run, single)
+        if got is None:
+            assert len(plans) > 1 and run.prefilled == before
+            checked["several"] += 1
+            continue
+        p = plans[0]
+        assert len(plans) == 1
+        assert got == (p.decodes, p.decode_tokens, p.chunk_tokens, p.chunk_flops,
+                       len(p.assign), p.done, p.done_lengths)
+        assert p[7:] == (0.0, 0.0, None, None, None)  # no prefill work, no charges
+        for i, size in p.assign:
+            before[i] += size
+        assert run.prefilled == before
+        checked["single" if single else "whole" if len(p.done) == len(run.prefilling) else
+                "finishing"] += 1  # (plan's step where all fit is _whole's)
+    assert min(checked.values()) > 20, checked

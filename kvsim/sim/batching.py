@@ -284,23 +284,27 @@ class Run:
         emits a token and decodes from the next step. The run ends with the prefills, at a
         decode's completion, at the step after the next arrival, or after one step when memory
         grows per token (grow admission)."""
-        plans = self.scheduler_rule.plan(self, self.growing)
-        if len(plans) > 1:
-            return self._run_of_steps(plans)
-        # the common case, in scalars
-        D, tokens, ctok, cflops, assign, done, lengths, _, _, read, fetch, written = plans[0]
-        sim, t0 = self.sim, self.env.now
-        step, gpu, link, alone = sim.steps.step(D, tokens, ctok, cflops, len(assign), lengths,
-                                                read, fetch, written)
+        rule, read, fetch, written = self.scheduler_rule, None, None, None
+        got = rule.one_step(self, self.growing)  # the common case: planned and carried out
+        if got is None:
+            plans = rule.plan(self, self.growing)
+            if len(plans) > 1:
+                return self._run_of_steps(plans)
+            D, tokens, ctok, cflops, assign, done, lengths, _, _, read, fetch, written = plans[0]
+            prefilled = self.prefilled
+            for i, size in assign:
+                prefilled[i] += size
+            got = D, tokens, ctok, cflops, len(assign), done, lengths
+        D, tokens, ctok, cflops, count, done, lengths = got
+        sim, t0 = self.sim, self.env.now  # one step, in scalars
+        step, gpu, link, alone = sim.steps.step(D, tokens, ctok, cflops, count, lengths, read,
+                                                fetch, written)
         sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill", None,
                        ctok, alone)
         if D:
             if self.growing:
                 self.admission.grow(self, 1)
             self.clock += 1
-        prefilled = self.prefilled
-        for i, size in assign:
-            prefilled[i] += size
         if done:  # emitted at the end of the step
             self._joined(done, t0 + step, 1)
         return step
