@@ -104,6 +104,10 @@ class Run:
         self.in_system, self.area, self.t = 0, 0.0, 0.0
         self.peak_hbm = self.peak_host = 0
         self.wake = self.env.event() if routed else None
+        self.one_step = getattr(self.scheduler_rule, "one_step", None)  # where the rule has one
+        # the turns of a closed loop alone with reserve admission, in short (_closed_turns)
+        self.closed_turns = not routed and not self.open and not self.growing and \
+            not sim.kv.fixed and self.one_step is not None
         if work.concurrency is not None and not routed:
             for i in range(min(work.concurrency, self.n)):
                 self.arrive(i)
@@ -236,7 +240,8 @@ class Run:
 
     def admit(self) -> None:
         """Waiting requests start prefilling, in the admission order, while seats and memory
-        allow (the longest prefix of the queue that fits)."""
+        allow (the longest prefix of the queue that fits; :meth:`_closed_turns` admits as this
+        does, in short)."""
         if self.pulls:
             self.pull()
         if not self.waiting or self.pressure:
@@ -284,10 +289,10 @@ class Run:
         emits a token and decodes from the next step. The run ends with the prefills, at a
         decode's completion, at the step after the next arrival, or after one step when memory
         grows per token (grow admission)."""
-        rule, read, fetch, written = self.scheduler_rule, None, None, None
-        got = rule.one_step(self, self.growing)  # the common case: planned and carried out
+        read = fetch = written = None
+        got = self.one_step(self, self.growing) if self.one_step else None  # (carried out)
         if got is None:
-            plans = rule.plan(self, self.growing)
+            plans = self.scheduler_rule.plan(self, self.growing)
             if len(plans) > 1:
                 return self._run_of_steps(plans)
             D, tokens, ctok, cflops, assign, done, lengths, _, _, read, fetch, written = plans[0]
@@ -433,7 +438,8 @@ class Run:
     # -------------------------------------------------------------------------- completion
     def complete(self) -> None:
         """Release finished requests (also those whose only token came from prefill): the
-        scheduler calls it when the top of the heap has finished."""
+        scheduler calls it when the top of the heap has finished (:meth:`_closed_turns`
+        completes as this does, in short)."""
         heap, end = self.finish_at, (self.clock + 1) << SLOT_BITS
         ids = [heappop(heap) & SLOT_MASK]
         while heap and heap[0] < end:
@@ -482,6 +488,80 @@ class Run:
             return self.router_done and self.done == self.assigned
         return self.done >= self.n
 
+    def _closed_turns(self):
+        """The scheduler's turns while prompts prefill in a closed loop alone with reserve
+        admission, a policy of shares only and a rule with a one-step path (:meth:`scheduler`),
+        in short: each admits what fits (:meth:`admit`), takes its step (:meth:`prefill_steps`)
+        and completes what finished with it, each replaced at once (:meth:`complete`), as those
+        do, with the run's fields and counters in locals. Returns at the top of a turn with
+        nothing to prefill, or at the end of the workload. ``tests/test_sim_rules.py`` holds it
+        to the turns one by one, field by field."""
+        sim, waiting, prefilling, heap, env = self.sim, self.waiting, self.prefilling, \
+            self.finish_at, self.env
+        step_of, log, hbm_per_token, host_per_token = sim.steps.step, sim.chunks.add, \
+            sim.kv.hbm_per_token, sim.kv.host_per_token
+        prompt, output, held_hbm, held_host, admitted, order, prefilled, arrival, first = (
+            self.prompt, self.output, self.held_hbm, self.held_host, self.admitted, self.order,
+            self.prefilled, self.arrival, self.first_token)
+        cap_hbm, cap_host, max_batch, n = self.cap_hbm, self.cap_host, sim.max_batch, self.n
+        used_hbm, used_host, peak_hbm, peak_host, done, admissions, area, t, in_system = (
+            self.used_hbm, self.used_host, self.peak_hbm, self.peak_host, self.done,
+            self.admissions, self.area, self.t, self.in_system)
+        while done < n:
+            seats, now = max_batch - len(self.running) - len(prefilling), env.now  # admit
+            while waiting and seats > 0:  # (reserve: never preempted, so never admitted yet)
+                i = waiting[0]
+                h = math.ceil(hbm_per_token * (prompt[i] + output[i]))
+                o = 0 if held_host[i] else math.ceil(host_per_token * (prompt[i] + output[i]))
+                if h > cap_hbm - used_hbm or o > cap_host - used_host:
+                    break
+                waiting.popleft()
+                held_hbm[i], held_host[i] = held_hbm[i] + h, held_host[i] + o
+                used_hbm, used_host, seats = used_hbm + h, used_host + o, seats - 1
+                admitted[i], order[i] = now, admissions + 1
+                admissions, prefilled[i] = admissions + 1, 0
+                prefilling.append(i)
+            peak_hbm, peak_host = max(peak_hbm, used_hbm), max(peak_host, used_host)
+            if not prefilling:
+                break
+            got = self.one_step(self, False)
+            if got is None:  # a plan of several steps
+                yield self.prefill_steps()
+            else:  # (as :meth:`prefill_steps`)
+                D, tokens, ctok, cflops, count, fin, lengths = got
+                step, gpu, link, alone = step_of(D, tokens, ctok, cflops, count, lengths)
+                log(now, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill", None,
+                    ctok, alone)
+                self.clock += 1 if D else 0
+                if fin:
+                    self._joined(fin, now + step, 1)
+                yield step
+            end = (self.clock + 1) << SLOT_BITS  # complete
+            if not heap or heap[0] >= end:
+                continue
+            ids = [heappop(heap) & SLOT_MASK]
+            while heap and heap[0] < end:
+                ids.append(heappop(heap) & SLOT_MASK)
+            if len(ids) > 1:
+                ids.sort(key=self.running.index)
+            self.leave(ids)
+            now, records = env.now, self.records
+            for i in ids:
+                records.append((arrival[i], admitted[i], first[i], now, output[i]))
+                used_hbm, used_host = used_hbm - held_hbm[i], used_host - held_host[i]
+                held_hbm[i] = held_host[i] = 0
+            if len(records) >= 1024:
+                self.hand_over()
+            self.free.extend(ids)
+            done, more = done + len(ids), min(n - self.next, len(ids))
+            area, t, in_system = area + in_system * (now - t), now, in_system + more - len(ids)
+            for i in range(self.next, self.next + more):
+                self.arrive(i, mark=False)
+            self.next += more
+        self.used_hbm, self.used_host, self.peak_hbm, self.peak_host, self.done, \
+            self.admissions, self.area, self.t, self.in_system = (
+                used_hbm, used_host, peak_hbm, peak_host, done, admissions, area, t, in_system)
+
     def scheduler(self):
         """The run's one process: it yields the seconds to wait (a run alone on a :class:`Clock`;
         routed, through :func:`on_simpy`) and, routed, the event of its next request."""
@@ -497,6 +577,9 @@ class Run:
                     while self.admission.fit(self, 1) < 1:
                         yield from self.preemption.preempt(self)
                         self.pull()  # a swap-out took time
+                if self.closed_turns:
+                    yield from self._closed_turns()
+                    continue
                 yield self.prefill_steps()
             elif self.running:  # up to the next completion or memory limit
                 k = min(self.soonest(), MAX_CHUNK)

@@ -231,9 +231,6 @@ class PrefillFirst:
     def plan(self, run, single: bool) -> list[StepPlan]:
         return [_whole(run, 0)]
 
-    def one_step(self, run, single: bool) -> None:
-        return None  # (its one step is :meth:`plan`'s)
-
 
 # ------------------------------------------------------------------------------- admission
 @rule("admission", "reserve")
