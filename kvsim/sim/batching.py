@@ -500,9 +500,9 @@ class Run:
             self.finish_at, self.env
         step_of, log, hbm_per_token, host_per_token = sim.steps.step, sim.chunks.add, \
             sim.kv.hbm_per_token, sim.kv.host_per_token
-        prompt, output, held_hbm, held_host, admitted, order, prefilled, arrival, first = (
+        prompt, output, held_hbm, held_host, admitted, order, prefilled, arrival, first, ctx = (
             self.prompt, self.output, self.held_hbm, self.held_host, self.admitted, self.order,
-            self.prefilled, self.arrival, self.first_token)
+            self.prefilled, self.arrival, self.first_token, self.ctx)
         cap_hbm, cap_host, max_batch, n = self.cap_hbm, self.cap_host, sim.max_batch, self.n
         used_hbm, used_host, peak_hbm, peak_host, done, admissions, area, t, in_system = (
             self.used_hbm, self.used_host, self.peak_hbm, self.peak_host, self.done,
@@ -542,18 +542,20 @@ class Run:
             ids = [heappop(heap) & SLOT_MASK]
             while heap and heap[0] < end:
                 ids.append(heappop(heap) & SLOT_MASK)
+            running, run_ctx = self.running, self.run_ctx
             if len(ids) > 1:
-                ids.sort(key=self.running.index)
-            self.leave(ids)
+                ids.sort(key=running.index)
             now, records = env.now, self.records
-            for i in ids:
+            for i in ids:  # out of the batch (as :meth:`leave`; a finished slot's ctx and left
+                running.remove(i)  # are set again when it is reused)
+                run_ctx -= ctx[i]
                 records.append((arrival[i], admitted[i], first[i], now, output[i]))
                 used_hbm, used_host = used_hbm - held_hbm[i], used_host - held_host[i]
                 held_hbm[i] = held_host[i] = 0
             if len(records) >= 1024:
                 self.hand_over()
             self.free.extend(ids)
-            done, more = done + len(ids), min(n - self.next, len(ids))
+            self.run_ctx, done, more = run_ctx, done + len(ids), min(n - self.next, len(ids))
             area, t, in_system = area + in_system * (now - t), now, in_system + more - len(ids)
             for i in range(self.next, self.next + more):
                 self.arrive(i, mark=False)
