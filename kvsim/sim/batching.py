@@ -192,12 +192,19 @@ class Run:
         return self.cap_hbm - self.used_hbm
 
     # ----------------------------------------------------------------- the running batch
-    def join(self, ids, emitted: int = 0) -> None:
+    def join(self, ids, emitted: int = 0, at: float | None = None) -> None:
         """Sequences ``ids`` join the running batch: their ``ctx`` and ``left`` are true but for
-        the ``emitted`` tokens each has emitted since (whole numbers: exact in any order)."""
+        the ``emitted`` tokens each has emitted since (whole numbers: exact in any order).
+        ``at``: they are prompts that finished prefilling (the first ones: chunks go in order),
+        a first token, if it is their first, emitted at ``at``."""
         c, ctx, left, heap = self.clock - emitted, self.ctx, self.left, self.finish_at
-        run_ctx = self.run_ctx
+        run_ctx, first, prompt = self.run_ctx, self.first_token, self.prompt
+        if at is not None:
+            del self.prefilling[:len(ids)]
         for i in ids:
+            if at is not None and first[i] != first[i]:  # (math.isnan, without the call)
+                first[i] = at
+                ctx[i] = prompt[i]
             ctx[i] -= c
             left[i] += c
             run_ctx += ctx[i]
@@ -311,7 +318,7 @@ class Run:
                 self.admission.grow(self, 1)
             self.clock += 1
         if done:  # emitted at the end of the step
-            self._joined(done, t0 + step, 1)
+            self.join(done, 1, t0 + step)
         return step
 
     def _run_of_steps(self, plans) -> float:
@@ -356,19 +363,8 @@ class Run:
             for i, size in p.assign:
                 prefilled[i] += size
             if p.done:  # emitted at the end of step j, then decoded k - 1 - j more
-                self._joined(p.done, t0 + ends[j], k - j)
+                self.join(p.done, k - j, t0 + ends[j])
         return float(ends[k - 1])
-
-    def _joined(self, done: list[int], at: float, tokens: int) -> None:
-        """Prompts ``done`` have finished prefilling and emitted ``tokens`` tokens by now, the
-        first (if it is their first) at ``at``: they join the running batch."""
-        first, ctx, prompt = self.first_token, self.ctx, self.prompt
-        for i in done:
-            if first[i] != first[i]:  # (math.isnan, without the call)
-                first[i] = at
-                ctx[i] = prompt[i]
-        del self.prefilling[:len(done)]  # chunks go in order: the first prompts finish
-        self.join(done, tokens)
 
     def decode_steps(self, k: int) -> float:
         """At most ``k`` decode steps of a fixed batch, up to the next arrival: carried out, and
@@ -534,7 +530,7 @@ class Run:
                     ctok, alone)
                 self.clock += 1 if D else 0
                 if fin:
-                    self._joined(fin, now + step, 1)
+                    self.join(fin, 1, now + step)
                 yield step
             end = (self.clock + 1) << SLOT_BITS  # complete
             if not heap or heap[0] >= end:
