@@ -517,7 +517,8 @@ class Run:
                 admitted[i], order[i] = now, admissions + 1
                 admissions, prefilled[i] = admissions + 1, 0
                 prefilling.append(i)
-            peak_hbm, peak_host = max(peak_hbm, used_hbm), max(peak_host, used_host)
+                peak_hbm = used_hbm if used_hbm > peak_hbm else peak_hbm  # (max, without calls)
+                peak_host = used_host if used_host > peak_host else peak_host
             if not prefilling:
                 break
             got = self.one_step(self, False)
@@ -551,8 +552,9 @@ class Run:
             if len(records) >= 1024:
                 self.hand_over()
             self.free.extend(ids)
-            self.run_ctx, done, more = run_ctx, done + len(ids), min(n - self.next, len(ids))
-            area, t, in_system = area + in_system * (now - t), now, in_system + more - len(ids)
+            gone, rest = len(ids), n - self.next
+            self.run_ctx, done, more = run_ctx, done + gone, rest if rest < gone else gone
+            area, t, in_system = area + in_system * (now - t), now, in_system + more - gone
             for i in range(self.next, self.next + more):
                 self.arrive(i, mark=False)
             self.next += more
