@@ -296,19 +296,26 @@ class Run:
         emits a token and decodes from the next step. The run ends with the prefills, at a
         decode's completion, at the step after the next arrival, or after one step when memory
         grows per token (grow admission)."""
-        read = fetch = written = None
         got = self.one_step(self, self.growing) if self.one_step else None  # (carried out)
-        if got is None:
-            plans = self.scheduler_rule.plan(self, self.growing)
-            if len(plans) > 1:
-                return self._run_of_steps(plans)
-            D, tokens, ctok, cflops, assign, done, lengths, _, _, read, fetch, written = plans[0]
-            prefilled = self.prefilled
-            for i, size in assign:
-                prefilled[i] += size
-            got = D, tokens, ctok, cflops, len(assign), done, lengths
-        D, tokens, ctok, cflops, count, done, lengths = got
-        sim, t0 = self.sim, self.env.now  # one step, in scalars
+        if got is not None:
+            return self._one(*got)
+        plans = self.scheduler_rule.plan(self, self.growing)
+        if len(plans) > 1:
+            return self._run_of_steps(plans)
+        D, tokens, ctok, cflops, assign, done, lengths, _, _, read, fetch, written = plans[0]
+        prefilled = self.prefilled
+        for i, size in assign:
+            prefilled[i] += size
+        return self._one(D, tokens, ctok, cflops, len(assign), done, lengths, read, fetch,
+                         written)
+
+    def _one(self, D: int, tokens: float, ctok: int, cflops: float, count: int, done: list,
+             lengths: list, read=None, fetch=None, written=None) -> float:
+        """The rest of a step whose chunks went to the prompts (``D`` decodes holding ``tokens``,
+        ``count`` chunks of ``ctok`` tokens and ``cflops`` of attention, prompts ``done``
+        finishing, of ``lengths``; ``read``, ``fetch``, ``written``: a :class:`StepPlan`'s
+        charges), in scalars: costed, logged and carried out; its seconds returned."""
+        sim, t0 = self.sim, self.env.now
         step, gpu, link, alone = sim.steps.step(D, tokens, ctok, cflops, count, lengths, read,
                                                 fetch, written)
         sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill", None,
@@ -494,8 +501,7 @@ class Run:
         to the turns one by one, field by field."""
         sim, waiting, prefilling, heap, env = self.sim, self.waiting, self.prefilling, \
             self.finish_at, self.env
-        step_of, log, hbm_per_token, host_per_token = sim.steps.step, sim.chunks.add, \
-            sim.kv.hbm_per_token, sim.kv.host_per_token
+        hbm_per_token, host_per_token = sim.kv.hbm_per_token, sim.kv.host_per_token
         prompt, output, held_hbm, held_host, admitted, order, prefilled, arrival, first, ctx = (
             self.prompt, self.output, self.held_hbm, self.held_host, self.admitted, self.order,
             self.prefilled, self.arrival, self.first_token, self.ctx)
@@ -522,17 +528,7 @@ class Run:
             if not prefilling:
                 break
             got = self.one_step(self, False)
-            if got is None:  # a plan of several steps
-                yield self.prefill_steps()
-            else:  # (as :meth:`prefill_steps`)
-                D, tokens, ctok, cflops, count, fin, lengths = got
-                step, gpu, link, alone = step_of(D, tokens, ctok, cflops, count, lengths)
-                log(now, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill", None,
-                    ctok, alone)
-                self.clock += 1 if D else 0
-                if fin:
-                    self.join(fin, 1, now + step)
-                yield step
+            yield self._one(*got) if got is not None else self.prefill_steps()  # (several)
             end = (self.clock + 1) << SLOT_BITS  # complete
             if not heap or heap[0] >= end:
                 continue
