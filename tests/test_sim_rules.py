@@ -13,6 +13,7 @@ from kvsim.hw.costs import costs_for
 from kvsim.sim import rules
 from kvsim.sim.batching import Run
 from kvsim.sim.engine import Memory, Simulator
+from kvsim.sim.records import ChunkLog
 from kvsim.sim.rules import RULES, Scheduling
 from kvsim.sim.workload import Workload, poisson
 
@@ -125,9 +126,10 @@ def test_a_fixed_host_term_is_written_once_per_sequence():
         1024 * KV, "d2h", copies=2 * M.layers * steps.costs.copies(1.0, 1)))
 
 
-def test_the_one_step_plan_is_the_general_plans_first_step():
-    """``Chunked.plan``'s first step in short (a policy of shares only: ``_one_step``) is the
-    first step its general loop plans, and ``_whole``'s step where every prompt fits."""
+def test_the_one_step_path_is_the_general_plans_one_step():
+    """``Chunked.one_step`` (a policy of shares only: planned and carried out in short) takes
+    the one step the general plan takes (its loop's, or ``_whole``'s where every prompt fits),
+    chunks and all, and leaves a plan of several steps to ``Chunked.plan``, changing nothing."""
     budget = 8192
     sim = sim_for(QUARTER, Scheduling(max_batched_tokens=budget), batch=64)
     rng = np.random.default_rng(0)
@@ -136,22 +138,76 @@ def test_the_one_step_plan_is_the_general_plans_first_step():
     run.admit()  # all 48 arrive at once and start prefilling
     slots = list(run.prefilling)
     decodes = slots[:8]
-    for i in decodes:  # 8 sequences decoding, none finishing within the next steps
+    for i in decodes:  # 8 sequences decoding, the first finishing after 250 steps
         run.first_token[i], run.ctx[i], run.left[i] = 0.0, float(run.prompt[i] + 1), 250
     run.join(decodes)
-    checked = {"loop": 0, "whole": 0}
-    for trial in range(200):
+    chunked = rules.Chunked()
+    checked = {"single": 0, "whole": 0, "finishing": 0, "several": 0}
+    for trial in range(400):
         run.prefilling = list(rng.choice(slots[8:], rng.integers(1, 8), replace=False))
         for i in run.prefilling:
             run.prefilled[i] = int(rng.integers(0, run.target[i]))
-        D = len(run.running) if trial % 2 else 0
-        run.running = run.running if D else []
-        fast = rules._one_step(run, D, budget - D)
-        if len(fast.done) == len(run.prefilling):
-            assert fast == rules._whole(run, D)
-            checked["whole"] += 1
-        else:  # the general loop (no decode finishes with its first step)
-            assert fast == rules.Chunked().plan(run, False)[0]
-            checked["loop"] += 1
-        run.running = decodes
-    assert min(checked.values()) > 20
+        run.running = decodes if trial % 2 else []
+        run.clock = 249 if trial % 3 else 0  # a decode finishes with the next step, or not
+        single = trial % 5 == 0
+        plans = chunked.plan(run, single)
+        before = list(run.prefilled)
+        got = chunked.one_step(run, single)
+        if got is None:
+            assert len(plans) > 1 and run.prefilled == before
+            checked["several"] += 1
+            continue
+        p = plans[0]
+        assert len(plans) == 1
+        assert got == (p.decodes, p.decode_tokens, p.chunk_tokens, p.chunk_flops,
+                       len(p.assign), p.done, p.done_lengths)
+        assert p[7:] == (0.0, 0.0, None, None, None)  # no prefill work, no charges
+        for i, size in p.assign:
+            before[i] += size
+        assert run.prefilled == before
+        checked["single" if single else "whole" if len(p.done) == len(run.prefilling) else
+                "finishing"] += 1  # (plan's step where all fit is _whole's)
+    assert min(checked.values()) > 20, checked
+
+
+OFFLOAD = DecodeCost(0.05, 0.05, 0.95, 1.0, True, copies_per_layer=1, staging_layers=2)
+
+
+def _turns(sim, work, short: bool) -> dict:
+    """Everything a closed-loop run leaves, its turns taken in short (``Run._closed_turns``) or
+    one by one."""
+    run = Run(sim, work)
+    assert run.closed_turns  # (the short path applies)
+    run.closed_turns = short
+    run.env.run(run.scheduler())
+    q = run.requests
+    return {"metrics": [(m.buf[:m.k].tolist(), m.n, m.total) for m in (q.ttft, q.tpot, q.e2e,
+                                                                       q.wait)],
+            "counts": (q.count, q.output_tokens, q.first_arrival, q.last_finish),
+            "chunks": [tuple(None if x is None else np.asarray(x).tolist() for x in c)
+                       for c in sim.chunks],
+            "sums": {k: v for k, v in vars(sim.chunks).items() if k != "kept"},
+            "run": (run.peak_hbm, run.peak_host, run.area, run.t, run.in_system, run.clock,
+                    run.admissions, run.done, run.used_hbm, run.used_host, run.env.now)}
+
+
+@pytest.mark.parametrize("policy", [QUARTER, OFFLOAD], ids=["resident", "offload"])
+def test_a_closed_loops_turns_in_short_are_its_turns_one_by_one(policy):
+    """A closed loop alone with reserve admission takes its turns in short (``_closed_turns``:
+    admission, the one-step path and completion with the run's fields in locals); field by
+    field it is the scheduler's turns one by one: varied prompts, outputs, concurrency, batch
+    sizes, token budgets and admission orders, and HBM that holds only a few requests."""
+    rng = np.random.default_rng(7)
+    costs, _ = costs_for("h100-sxm", None, "roofline")
+    for _ in range(16):
+        n, conc = int(rng.integers(10, 90)), int(rng.integers(1, 40))
+        work = Workload(np.zeros(n), rng.integers(1, 6000, n), rng.integers(1, 200, n), conc, "")
+        sched = Scheduling(max_batched_tokens=int(rng.choice([256, 2048, 8192])),
+                           admission_order=str(rng.choice(list(RULES["order"]))))
+        kv_room = float(rng.choice([2**28, 2**30, 2**36]))  # HBM for a few requests, or many
+        memory = Memory(M.weight_bytes + 2**30 + kv_room, 512 * 2**30, M.weight_bytes, 2**30)
+        batch = int(rng.integers(1, 64))
+        got = [_turns(Simulator(M, costs, policy, memory, batch, sched,
+                                chunks=ChunkLog(keep=10**6)), work, short)
+               for short in (True, False)]
+        assert got[0] == got[1]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from heapq import heappop, heappush
 from itertools import chain
 
 import numpy as np
@@ -39,18 +40,22 @@ SLOT_MASK = (1 << SLOT_BITS) - 1  # key & SLOT_MASK is the slot
 
 class Clock:
     """The clock of a run alone: its one process only waits for time to pass, so it needs no
-    event queue. ``run`` adds each delay the process yields to ``now``, the sum simpy's
-    ``Timeout`` makes (``now + delay``), so the times are simpy's to the last bit."""
+    event queue. ``run`` adds each delay (seconds) the process yields to ``now``, the sum
+    simpy's ``Timeout`` makes (``now + delay``), so the times are simpy's to the last bit."""
 
     def __init__(self):
         self.now = 0.0
 
-    def timeout(self, delay: float) -> float:
-        return delay
-
     def run(self, process) -> None:
         for delay in process:
             self.now += delay
+
+
+def on_simpy(env, process):
+    """A run's process (:meth:`Run.scheduler`) on a simpy clock: each delay it yields (seconds)
+    is a ``Timeout``; an event (a routed run's wake-up) is waited for as it is."""
+    for what in process:
+        yield env.timeout(what) if isinstance(what, float) else what
 
 
 class Run:
@@ -99,6 +104,10 @@ class Run:
         self.in_system, self.area, self.t = 0, 0.0, 0.0
         self.peak_hbm = self.peak_host = 0
         self.wake = self.env.event() if routed else None
+        self.one_step = getattr(self.scheduler_rule, "one_step", None)  # where the rule has one
+        # the turns of a closed loop alone with reserve admission, in short (_closed_turns)
+        self.closed_turns = not routed and not self.open and not self.growing and \
+            not sim.kv.fixed and self.one_step is not None
         if work.concurrency is not None and not routed:
             for i in range(min(work.concurrency, self.n)):
                 self.arrive(i)
@@ -183,15 +192,23 @@ class Run:
         return self.cap_hbm - self.used_hbm
 
     # ----------------------------------------------------------------- the running batch
-    def join(self, ids) -> None:
-        """Sequences ``ids`` (their ``ctx`` and ``left`` true) join the running batch."""
-        c, ctx, left, heap, push = self.clock, self.ctx, self.left, self.finish_at, heapq.heappush
-        run_ctx = self.run_ctx
+    def join(self, ids, emitted: int = 0, at: float | None = None) -> None:
+        """Sequences ``ids`` join the running batch: their ``ctx`` and ``left`` are true but for
+        the ``emitted`` tokens each has emitted since (whole numbers: exact in any order).
+        ``at``: they are prompts that finished prefilling (the first ones: chunks go in order),
+        a first token, if it is their first, emitted at ``at``."""
+        c, ctx, left, heap = self.clock - emitted, self.ctx, self.left, self.finish_at
+        run_ctx, first, prompt = self.run_ctx, self.first_token, self.prompt
+        if at is not None:
+            del self.prefilling[:len(ids)]
         for i in ids:
+            if at is not None and first[i] != first[i]:  # (math.isnan, without the call)
+                first[i] = at
+                ctx[i] = prompt[i]
             ctx[i] -= c
             left[i] += c
             run_ctx += ctx[i]
-            push(heap, left[i] << SLOT_BITS | i)
+            heappush(heap, left[i] << SLOT_BITS | i)
         self.run_ctx = run_ctx
         self.running.extend(ids)
 
@@ -230,7 +247,8 @@ class Run:
 
     def admit(self) -> None:
         """Waiting requests start prefilling, in the admission order, while seats and memory
-        allow (the longest prefix of the queue that fits)."""
+        allow (the longest prefix of the queue that fits; :meth:`_closed_turns` admits as this
+        does, in short)."""
         if self.pulls:
             self.pull()
         if not self.waiting or self.pressure:
@@ -278,25 +296,36 @@ class Run:
         emits a token and decodes from the next step. The run ends with the prefills, at a
         decode's completion, at the step after the next arrival, or after one step when memory
         grows per token (grow admission)."""
+        got = self.one_step(self, self.growing) if self.one_step else None  # (carried out)
+        if got is not None:
+            return self._one(*got)
         plans = self.scheduler_rule.plan(self, self.growing)
         if len(plans) > 1:
             return self._run_of_steps(plans)
-        # the common case, in scalars
         D, tokens, ctok, cflops, assign, done, lengths, _, _, read, fetch, written = plans[0]
+        prefilled = self.prefilled
+        for i, size in assign:
+            prefilled[i] += size
+        return self._one(D, tokens, ctok, cflops, len(assign), done, lengths, read, fetch,
+                         written)
+
+    def _one(self, D: int, tokens: float, ctok: int, cflops: float, count: int, done: list,
+             lengths: list, read=None, fetch=None, written=None) -> float:
+        """The rest of a step whose chunks went to the prompts (``D`` decodes holding ``tokens``,
+        ``count`` chunks of ``ctok`` tokens and ``cflops`` of attention, prompts ``done``
+        finishing, of ``lengths``; ``read``, ``fetch``, ``written``: a :class:`StepPlan`'s
+        charges), in scalars: costed, logged and carried out; its seconds returned."""
         sim, t0 = self.sim, self.env.now
-        step, gpu, link, alone = sim.steps.step(D, tokens, ctok, cflops, len(assign), lengths,
-                                                read, fetch, written)
+        step, gpu, link, alone = sim.steps.step(D, tokens, ctok, cflops, count, lengths, read,
+                                                fetch, written)
         sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill", None,
                        ctok, alone)
         if D:
             if self.growing:
                 self.admission.grow(self, 1)
             self.clock += 1
-        prefilled = self.prefilled
-        for i, size in assign:
-            prefilled[i] += size
         if done:  # emitted at the end of the step
-            self._joined(done, t0 + step, 1)
+            self.join(done, 1, t0 + step)
         return step
 
     def _run_of_steps(self, plans) -> float:
@@ -341,21 +370,8 @@ class Run:
             for i, size in p.assign:
                 prefilled[i] += size
             if p.done:  # emitted at the end of step j, then decoded k - 1 - j more
-                self._joined(p.done, t0 + ends[j], k - j)
+                self.join(p.done, k - j, t0 + ends[j])
         return float(ends[k - 1])
-
-    def _joined(self, done: list[int], at: float, tokens: int) -> None:
-        """Prompts ``done`` have finished prefilling and emitted ``tokens`` tokens by now, the
-        first (if it is their first) at ``at``: they join the running batch."""
-        first, ctx, left, prompt = self.first_token, self.ctx, self.left, self.prompt
-        for i in done:
-            if math.isnan(first[i]):
-                first[i] = at
-                ctx[i] = prompt[i]
-            ctx[i] += tokens
-            left[i] -= tokens
-        del self.prefilling[:len(done)]  # chunks go in order: the first prompts finish
-        self.join(done)
 
     def decode_steps(self, k: int) -> float:
         """At most ``k`` decode steps of a fixed batch, up to the next arrival: carried out, and
@@ -420,16 +436,17 @@ class Run:
         """A swap: the GPU stream waits for the copy of ``nbytes`` over the link."""
         t = float(self.sim.costs.link_time(nbytes, path, copies=2 * self.sim.model.layers))
         self.sim.chunks.add(self.env.now, t, 0, 0, 0.0, t, "swap")
-        yield self.env.timeout(t)
+        yield t
 
     # -------------------------------------------------------------------------- completion
     def complete(self) -> None:
         """Release finished requests (also those whose only token came from prefill): the
-        scheduler calls it when the top of the heap has finished."""
+        scheduler calls it when the top of the heap has finished (:meth:`_closed_turns`
+        completes as this does, in short)."""
         heap, end = self.finish_at, (self.clock + 1) << SLOT_BITS
-        ids = [heapq.heappop(heap) & SLOT_MASK]
+        ids = [heappop(heap) & SLOT_MASK]
         while heap and heap[0] < end:
-            ids.append(heapq.heappop(heap) & SLOT_MASK)
+            ids.append(heappop(heap) & SLOT_MASK)
         gone = len(ids)
         if gone > 1:
             ids.sort(key=self.running.index)  # batch order
@@ -474,7 +491,76 @@ class Run:
             return self.router_done and self.done == self.assigned
         return self.done >= self.n
 
+    def _closed_turns(self):
+        """The scheduler's turns while prompts prefill in a closed loop alone with reserve
+        admission, a policy of shares only and a rule with a one-step path (:meth:`scheduler`),
+        in short: each admits what fits (:meth:`admit`), takes its step (:meth:`prefill_steps`)
+        and completes what finished with it, each replaced at once (:meth:`complete`), as those
+        do, with the run's fields and counters in locals. Returns at the top of a turn with
+        nothing to prefill, or at the end of the workload. ``tests/test_sim_rules.py`` holds it
+        to the turns one by one, field by field."""
+        sim, waiting, prefilling, heap, env = self.sim, self.waiting, self.prefilling, \
+            self.finish_at, self.env
+        hbm_per_token, host_per_token = sim.kv.hbm_per_token, sim.kv.host_per_token
+        prompt, output, held_hbm, held_host, admitted, order, prefilled, arrival, first, ctx = (
+            self.prompt, self.output, self.held_hbm, self.held_host, self.admitted, self.order,
+            self.prefilled, self.arrival, self.first_token, self.ctx)
+        cap_hbm, cap_host, max_batch, n = self.cap_hbm, self.cap_host, sim.max_batch, self.n
+        used_hbm, used_host, peak_hbm, peak_host, done, admissions, area, t, in_system = (
+            self.used_hbm, self.used_host, self.peak_hbm, self.peak_host, self.done,
+            self.admissions, self.area, self.t, self.in_system)
+        while done < n:
+            seats, now = max_batch - len(self.running) - len(prefilling), env.now  # admit
+            while waiting and seats > 0:  # (reserve: never preempted, so never admitted yet)
+                i = waiting[0]
+                h = math.ceil(hbm_per_token * (prompt[i] + output[i]))
+                o = 0 if held_host[i] else math.ceil(host_per_token * (prompt[i] + output[i]))
+                if h > cap_hbm - used_hbm or o > cap_host - used_host:
+                    break
+                waiting.popleft()
+                held_hbm[i], held_host[i] = held_hbm[i] + h, held_host[i] + o
+                used_hbm, used_host, seats = used_hbm + h, used_host + o, seats - 1
+                admitted[i], order[i] = now, admissions + 1
+                admissions, prefilled[i] = admissions + 1, 0
+                prefilling.append(i)
+                peak_hbm = used_hbm if used_hbm > peak_hbm else peak_hbm  # (max, without calls)
+                peak_host = used_host if used_host > peak_host else peak_host
+            if not prefilling:
+                break
+            got = self.one_step(self, False)
+            yield self._one(*got) if got is not None else self.prefill_steps()  # (several)
+            end = (self.clock + 1) << SLOT_BITS  # complete
+            if not heap or heap[0] >= end:
+                continue
+            ids = [heappop(heap) & SLOT_MASK]
+            while heap and heap[0] < end:
+                ids.append(heappop(heap) & SLOT_MASK)
+            running, run_ctx = self.running, self.run_ctx
+            if len(ids) > 1:
+                ids.sort(key=running.index)
+            now, records = env.now, self.records
+            for i in ids:  # out of the batch (as :meth:`leave`; a finished slot's ctx and left
+                running.remove(i)  # are set again when it is reused)
+                run_ctx -= ctx[i]
+                records.append((arrival[i], admitted[i], first[i], now, output[i]))
+                used_hbm, used_host = used_hbm - held_hbm[i], used_host - held_host[i]
+                held_hbm[i] = held_host[i] = 0
+            if len(records) >= 1024:
+                self.hand_over()
+            self.free.extend(ids)
+            gone, rest = len(ids), n - self.next
+            self.run_ctx, done, more = run_ctx, done + gone, rest if rest < gone else gone
+            area, t, in_system = area + in_system * (now - t), now, in_system + more - gone
+            for i in range(self.next, self.next + more):
+                self.arrive(i, mark=False)
+            self.next += more
+        self.used_hbm, self.used_host, self.peak_hbm, self.peak_host, self.done, \
+            self.admissions, self.area, self.t, self.in_system = (
+                used_hbm, used_host, peak_hbm, peak_host, done, admissions, area, t, in_system)
+
     def scheduler(self):
+        """The run's one process: it yields the seconds to wait (a run alone on a :class:`Clock`;
+        routed, through :func:`on_simpy`) and, routed, the event of its next request."""
         n, routed = self.n, self.routed
         while (self.done < n) if not routed else not self.finished():
             if self.swapped:
@@ -487,18 +573,21 @@ class Run:
                     while self.admission.fit(self, 1) < 1:
                         yield from self.preemption.preempt(self)
                         self.pull()  # a swap-out took time
-                yield self.env.timeout(self.prefill_steps())
+                if self.closed_turns:
+                    yield from self._closed_turns()
+                    continue
+                yield self.prefill_steps()
             elif self.running:  # up to the next completion or memory limit
                 k = min(self.soonest(), MAX_CHUNK)
                 if self.growing:
                     k = self.admission.fit(self, k)
                 if k >= 1:
-                    yield self.env.timeout(self.decode_steps(k))
+                    yield self.decode_steps(k)
                 else:  # the next step does not fit
                     yield from self.preemption.preempt(self)
             elif self.pulls and self.next < self.n:  # idle until the next arrival
                 i, at = self.next, self.arrivals[self.next]
-                yield self.env.timeout(max(at - self.env.now, 0.0))
+                yield max(at - self.env.now, 0.0)
                 self.arrive(i, at)
                 self.next = i + 1
                 continue

@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from kvsim.sim.batching import Run
+from kvsim.sim.batching import Run, on_simpy
 from kvsim.sim.metrics import Requests
 from kvsim.sim.records import ROUTERS, ChunkLog, SimResult  # noqa: F401
 from kvsim.sim.single import result
@@ -70,7 +70,8 @@ def least_loaded(sims: list, work: Workload, requests: Requests) -> list[SimResu
                 run.wake.succeed()
 
     env.process(router())
-    env.run(until=simpy.AllOf(env, [env.process(run.scheduler()) for run in runs]))
+    env.run(until=simpy.AllOf(env, [env.process(on_simpy(env, run.scheduler()))
+                                    for run in runs]))
     return [result(sim, run, fit) for run, sim, fit in zip(runs, sims, fits) if run.assigned]
 
 

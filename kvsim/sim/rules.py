@@ -124,10 +124,6 @@ class Chunked:
         """The next steps, in scalars, up to the next completion, at most ``MAX_CHUNK``, one
         if ``single``."""
         budget, D, costs = run.sched.max_batched_tokens, len(run.running), run.sim.steps
-        if not costs.fixed and not costs.works:  # (the loop's first step, in short)
-            step = _one_step(run, D, budget - D)
-            if single or len(step.done) == len(run.prefilling) or D and run.soonest() <= 1:
-                return [step]  # one step asked for, it all fits, or a decode finishes with it
         target, prefilled, slots = run.target, run.prefilled, run.prefilling
         todo = [target[i] - prefilled[i] for i in slots]
         if not single and sum(todo) <= budget - D:
@@ -189,31 +185,42 @@ class Chunked:
                 break
         return plans
 
-
-def _one_step(run, D: int, left: int) -> StepPlan:
-    """:meth:`Chunked.plan`'s first step alone, for a policy of shares only (no fixed terms, no
-    prefill work): ``left`` tokens of the budget after the ``D`` decodes go to the prompts in
-    order (:func:`_whole`'s step where they all fit)."""
-    per_pair, prefilled, target = run.sim.model.flops_per_pair, run.prefilled, run.target
-    assign, fin, lengths, ctok, cflops = [], [], [], 0, 0.0
-    for i in run.prefilling:
-        if left <= 0:
-            break
-        done = prefilled[i]
-        size = target[i] - done
-        if size > left:
-            size = int(left)
-        else:
-            fin.append(i)
-            lengths.append(float(target[i]))
-        assign.append((i, size))
-        s = float(size)
-        cflops += per_pair * (s * done + s * (s + 1) / 2)  # (float * int: the int as a float)
-        ctok += size
-        left -= size
-    # (tuple.__new__: a NamedTuple's own is a Python call; every field given)
-    return tuple.__new__(StepPlan, (D, run.batch_tokens(), ctok, cflops, assign, fin, lengths,
-                                    0.0, 0.0, None, None, None))
+    def one_step(self, run, single: bool) -> tuple | None:
+        """:meth:`plan` where it is one step and the policy's terms are shares only (no prefill
+        work), carried out as it is planned (the common turn, in short): the chunks go to the
+        prompts (``run.prefilled``) and the step's (decodes, their KV tokens, chunk tokens,
+        attention FLOPs, chunks, prompts that finish, their lengths) are returned. None, with
+        nothing changed, where the plan is several steps or the policy is not of shares only."""
+        costs = run.sim.steps
+        if costs.fixed or costs.works:
+            return None
+        D, slots = len(run.running), run.prefilling
+        per_pair, prefilled, target = run.sim.model.flops_per_pair, run.prefilled, run.target
+        left = run.sched.max_batched_tokens - D  # after the decodes, to the prompts in order
+        fin, lengths, ctok, cflops, count, part = [], [], 0, 0.0, 0, None
+        for i in slots:
+            if left <= 0:
+                break
+            done = prefilled[i]
+            size = target[i] - done
+            if size > left:  # (only the last chunk)
+                size = int(left)
+                part = i, size
+            else:
+                fin.append(i)
+                lengths.append(float(target[i]))
+            count += 1
+            s = float(size)
+            cflops += per_pair * (s * done + s * (s + 1) / 2)  # (float * int: the int as a float)
+            ctok += size
+            left -= size
+        if not (single or len(fin) == len(slots) or D and run.soonest() <= 1):
+            return None  # several steps: no decode finishes with this one and prompts remain
+        for i in fin:
+            prefilled[i] = target[i]
+        if part is not None:
+            prefilled[part[0]] += part[1]
+        return D, run.batch_tokens(), ctok, cflops, count, fin, lengths
 
 
 @rule("scheduler", "prefill-first")
