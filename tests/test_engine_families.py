@@ -238,10 +238,10 @@ def test_joint_fit_reproduces_two_families_made_by_known_engines():
                      {"step_overhead_ms": 2.0})
     shared, fams, free = F.fit_joint(pts, pred, E.ROOFLINE)
     assert set(fams) == {"a", "b"} and "step_overhead_ms" in free["a"]
-    for p in pts:
+    for p in pts:  # within 6%: the prior shrinks each family's offsets towards the shared engine
         got = pred.predict(p, fams[p.engine])
         for k, v in p.measured.items():
-            assert got[k] == pytest.approx(v, rel=4e-2), (p, k)
+            assert got[k] == pytest.approx(v, rel=6e-2), (p, k)
     p = pts[0]
     slow, fast = (pred.predict(p, fams[f])["tpot_ms"] for f in ("a", "b"))
     assert slow - fast == pytest.approx(2.0, rel=0.15)

@@ -56,9 +56,13 @@ def family_free(own: list[Point], pred: Predictor) -> list[str]:
 
 # a family parameter is an offset from the shared value: a log factor for an efficiency, a
 # difference for an overhead (clipped to its bounds); the prior pulls each offset to 0 with the
-# weight of a 10% error per SCALE of offset, so the shared engine stays the typical one
+# weight of a 10% error per SCALE of offset, so the shared engine stays the typical one. Each
+# SCALE is of the spread engines show: per-sequence host work per step runs from a few us (C++
+# runtimes) to ~0.5 ms (vLLM 0.2-0.3's Python sampler: the batch slopes of vllm-pr-2542 and
+# vllm-pr-3240 give 0.45-0.6 ms); at 50 us the prior made those rows' slope a compute
+# efficiency instead (docs/results/published.md)
 SCALE = {"hbm_efficiency": 0.5, "flop_efficiency": 0.5, "step_overhead_ms": 1.0,
-         "layer_overhead_us": 50.0, "token_overhead_us": 50.0, "allreduce_us": 20.0}
+         "layer_overhead_us": 50.0, "token_overhead_us": 500.0, "allreduce_us": 20.0}
 PRIOR = 0.1
 
 
