@@ -19,6 +19,27 @@ def tiny_attention(n=64, n_kv=2, n_q=4, d=16, seed=0) -> T.Attention:
                        {"theta": 1e4, "type": "default"}, "random test tensors")
 
 
+def verkv_layer(options: dict, **shape):
+    """One synthetic layer (``kvsim.model.synthetic``, float32 tensors) compressed by VerKV with
+    ``options``: (policy, state, attention, k, v, question queries, decode queries, question
+    positions, decode positions)."""
+    import torch
+
+    from kvsim.model.synthetic import synthetic_attention_trace
+    from kvsim.policies import make
+    tr = synthetic_attention_trace(n_layers=1, kvzip=False, **shape)
+    la, a = tr.attention.layers[0], tr.attention
+    k, v, qq, qd = (torch.as_tensor(x).to(torch.float32)
+                    for x in (la.k, la.v, la.q_question, la.q_decode))
+    n = a.context_len
+    pol = make("verkv", {"sink": 4, "local": 4, "scorer": "snapkv", **options})
+    pol.bind(a.rope, a.head_dim)
+    qpos, dpos = torch.as_tensor(a.question_pos), torch.as_tensor(a.decode_pos)
+    state = pol.compress(k[:, :n], v[:, :n], {}, qq, qpos, torch.Generator().manual_seed(0),
+                         layer=0, obs_k=k[:, n:]).state
+    return pol, state, a, k, v, qq, qd, qpos, dpos
+
+
 def tiny_hardware() -> T.Hardware:
     sizes = np.array([4096, 65536, 1 << 20, 16 << 20, 256 << 20], dtype=np.int64)
     link = {"bytes": sizes, "seconds": 5e-6 + sizes / 50e9}

@@ -8,11 +8,10 @@ import math
 
 import pytest
 import torch
+from conftest import verkv_layer
 
 from kvsim.attention.dense import expand_kv, gqa_einsum, logits
 from kvsim.attention.weighted import logsumexp, weighted_attention, weighted_from_logits
-from kvsim.model.synthetic import synthetic_attention_trace
-from kvsim.policies import make
 from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv import kvfetch as KF
 
@@ -192,17 +191,10 @@ def test_fetch_plan_nan_and_zero_denominator_match_the_reference():
 @pytest.mark.parametrize("options", [{}, {"shrinkage": "bounded"}, {"sketch": "perfect"},
                                      {"pass_plan": "shared"}])
 def test_attend_log_factors_and_softmax_equal_the_plain_forms(options):
-    tr = synthetic_attention_trace(n_layers=1, n_q=4, n_kv=2, d=16, context=300, question=6,
-                                   decode=1, seed=2, kvzip=False)
-    la, a = tr.attention.layers[0], tr.attention
-    f32 = lambda x: torch.as_tensor(x).to(torch.float32)  # noqa: E731
-    k, v, qq = f32(la.k), f32(la.v), f32(la.q_question)
+    pol, state, a, k, v, qq, _, qpos, _ = verkv_layer(
+        {"compression": 8, **options}, n_q=4, n_kv=2, d=16, context=300, question=6, decode=1,
+        seed=2)
     n = a.context_len
-    pol = make("verkv", {"compression": 8, "sink": 4, "local": 4, "scorer": "snapkv", **options})
-    pol.bind(a.rope, a.head_dim)
-    qpos = torch.as_tensor(a.question_pos)
-    state = pol.compress(k[:, :n], v[:, :n], {}, qq, qpos, torch.Generator().manual_seed(0),
-                         layer=0, obs_k=k[:, n:]).state
     dec = KF.decide(qq, qpos, state, pol.config(),
                     extra_logits=logits(qq, k[:, n:], qpos, torch.arange(n, k.shape[1])))
     union, own = KF.reweighted_log_factors(state, dec, qq.shape[0])

@@ -5,10 +5,9 @@ the decisions of whole layers. Skipped without numba (then only the torch code r
 
 import pytest
 import torch
+from conftest import verkv_layer
 
 from kvsim.attention.dense import logits
-from kvsim.model.synthetic import synthetic_attention_trace
-from kvsim.policies import make
 from kvsim.policies.verkv import _rows
 from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv import kvfetch as KF
@@ -110,18 +109,10 @@ def test_tie_moves_equals_topk_rows():
 @pytest.mark.parametrize("options", [{}, {"eps_output": 0.1}, {"variant": "paper"},
                                      {"pass_plan": "shared"}])
 def test_decisions_and_attention_equal_the_torch_code(options):
-    tr = synthetic_attention_trace(n_layers=1, n_q=6, n_kv=2, d=32, context=5000, question=9,
-                                   decode=2, seed=4, kvzip=False)
-    la, a = tr.attention.layers[0], tr.attention
-    f32 = lambda x: torch.as_tensor(x).to(torch.float32)  # noqa: E731
-    k, v, qq, qd = f32(la.k), f32(la.v), f32(la.q_question), f32(la.q_decode)
+    pol, state, a, k, v, qq, qd, qpos, dpos = verkv_layer(
+        {"compression": 16, **options}, n_q=6, n_kv=2, d=32, context=5000, question=9, decode=2,
+        seed=4)
     n = a.context_len
-    pol = make("verkv", {"compression": 16, "sink": 4, "local": 4, "scorer": "snapkv",
-                         **options})
-    pol.bind(a.rope, a.head_dim)
-    qpos, dpos = torch.as_tensor(a.question_pos), torch.as_tensor(a.decode_pos)
-    state = pol.compress(k[:, :n], v[:, :n], {}, qq, qpos, torch.Generator().manual_seed(0),
-                         layer=0, obs_k=k[:, n:]).state
     for q, p in ((qq, qpos), (qd[:, :1], dpos[:1])):
         extra = logits(q, k[:, n:], p, torch.arange(n, k.shape[1]))
         got = KF.decide(q, p, state, pol.config(), extra_logits=extra)

@@ -68,6 +68,17 @@ def _jit(fn):
 
 
 @_jit
+def _bits_max(bits):
+    """The largest of a float32 row's int32 bits, or -1 where a value is negative, -0.0 or NaN
+    (only on the rest is the float order the order of the bits)."""
+    lo, hi = bits[0], bits[0]
+    for j in range(bits.shape[0]):
+        lo = min(lo, bits[j])
+        hi = max(hi, bits[j])
+    return hi if lo >= 0 and hi <= INF_BITS else np.int32(-1)
+
+
+@_jit
 def shrink_first(u, w, omr, s):
     """The first ``s`` of binary shrinkage's visiting order per row: the ``s + 1`` largest
     ``u`` (descending), ``a = w * (1 - r)`` there, ``before = cumsum(a) - a`` and the count of
@@ -94,11 +105,7 @@ def shrink_first(u, w, omr, s):
     tops = np.empty(blocks, np.int32)
     for r in range(rows):
         bits = u[r].view(np.int32)
-        lo, hi = bits[0], bits[0]
-        for j in range(n):
-            lo = min(lo, bits[j])
-            hi = max(hi, bits[j])
-        if lo < 0 or hi > INF_BITS:
+        if _bits_max(bits) < 0:
             return idx, count, tied, True
         for b in range(blocks):
             m = np.int32(0)
@@ -153,11 +160,8 @@ def top_two(b_i):
     ambiguous = np.zeros(rows, np.bool_)
     for r in range(rows):
         bb = b_i[r].view(np.int32)
-        hi, lo = bb[0], bb[0]
-        for j in range(n):
-            hi = max(hi, bb[j])
-            lo = min(lo, bb[j])
-        if lo < 0 or hi > INF_BITS:
+        hi = _bits_max(bb)
+        if hi < 0:
             return first, top, second, ambiguous, False
         count, below = 0, np.int32(0)
         for j in range(n):
