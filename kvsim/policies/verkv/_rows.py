@@ -63,6 +63,19 @@ except ImportError:  # pragma: no cover
     pass
 
 
+def applies(*tensors) -> bool:
+    """Whether the loops stand for the torch code on ``tensors``: numba is here and every one is
+    a float32 tensor on the CPU."""
+    return AVAILABLE and all(t.device.type == "cpu" and t.dtype == _torch.float32
+                             for t in tensors)
+
+
+def torch_sqrt_(a: np.ndarray) -> np.ndarray:
+    """``a``'s square roots in place, by torch (MKL's, which differ from an exact square root in
+    the last bit for some float32 values: the torch code's)."""
+    return _torch.from_numpy(a).sqrt_().numpy()
+
+
 def _jit(fn):
     return numba.njit(cache=True, nogil=True, error_model="numpy")(fn) if AVAILABLE else fn
 

@@ -295,7 +295,7 @@ def _shrink_first_compiled(u, w, omr):
     """:func:`binary_shrink`'s first ``SHRINK_FIRST`` tokens by :func:`_rows.shrink_first`
     (idx, count; rows with tied values get count ``SHRINK_FIRST``, as the torch code gives
     them), or None where it does not apply (no numba, not float32 on the CPU, a NaN)."""
-    if not (_rows.AVAILABLE and u.device.type == "cpu" and u.dtype == torch.float32):
+    if not _rows.applies(u):
         return None
     shape = u.shape
     ww, oo = _row_blocks(w, shape), _row_blocks(omr, shape)
@@ -374,8 +374,7 @@ def _binary_terms_compiled(w, f: Factors, lam: BinaryShrink):
     """:func:`terms` of binary shrinkage by :func:`_rows.binary_terms`; None where it does not
     apply (no numba, not float32 on the CPU, broadcast weights)."""
     shape = lam.u.shape
-    if not (_rows.AVAILABLE and w.device.type == "cpu" and w.shape == shape
-            and w.dtype == lam.u.dtype == torch.float32):
+    if not (_rows.applies(w, lam.u) and w.shape == shape):
         return None
     rows = [_row_blocks(x, shape) for x in (f.bfac, f.r, f.one_minus_r)]
     if any(x is None for x in rows) or len({len(x) for x in rows}) > 1:
@@ -394,8 +393,7 @@ def outside_terms(beta_i, var_i, b_i, exact: torch.Tensor, g: int, totals=None):
     ``totals``: ``beta_i.sum(-1), var_i.sum(-1)`` if known."""
     n_kv, m, n = exact.shape
     beta, var = totals or (beta_i.sum(-1), var_i.sum(-1))
-    if (_rows.AVAILABLE and beta_i.device.type == "cpu" and beta_i.dtype == torch.float32
-            and var_i.dtype == b_i.dtype == torch.float32
+    if (_rows.applies(beta_i, var_i, b_i)
             and beta_i.shape == var_i.shape == b_i.shape == (n_kv, g * m, n)):
         inside = [torch.from_numpy(_rows.scratch(name, beta_i.shape, np.float32))
                   for name in ("beta_in", "var_in")]
@@ -521,14 +519,13 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
     the compiled row loops (:mod:`._rows`: the torch code's float32 operations row by
     row, with torch's row sums); None where they do not apply (no numba, not float32 on the
     CPU, a gain that is not finite and >= 0)."""
-    if not (_rows.AVAILABLE and beta_i.device.type == "cpu" and beta_i.dtype == torch.float32
-            and var_i.shape == b_i.shape == beta_i.shape
-            and var_i.dtype == b_i.dtype == denom.dtype == torch.float32):
+    if not (_rows.applies(beta_i, var_i, b_i, denom)
+            and var_i.shape == b_i.shape == beta_i.shape):
         return None
     shape, n = beta_i.shape, beta_i.shape[-1]
     lead = shape[:-1]
     bi, vi, mi = (x.contiguous().reshape(-1, n).numpy() for x in (beta_i, var_i, b_i))
-    f32, sqrt = np.float32, lambda a: torch.from_numpy(a).sqrt_().numpy()  # noqa: E731
+    f32, sqrt = np.float32, _rows.torch_sqrt_
     arg, top, second, ambiguous, ok = _rows.top_two(mi)
     if not ok:
         return None
@@ -570,7 +567,7 @@ def _cut_compiled(head, hb, hv, tail_b, mi, beta, var, d, eps: float, delta: flo
     (R, n): ``_plan_on``'s plan by the compiled loops; ``hb``, ``hv`` the head's beta and V,
     ``tail_b`` the largest b outside it, ``beta`` and ``var`` the rows' totals (tensors)."""
     k, n = head.shape[1], mi.shape[1]
-    f32, sqrt = np.float32, lambda a: torch.from_numpy(a).sqrt_().numpy()  # noqa: E731
+    f32, sqrt = np.float32, _rows.torch_sqrt_
     if k < n:
         tail_beta = (beta - torch.from_numpy(hb).sum(-1)).clamp_min(0).numpy()
         tail_var = (var - torch.from_numpy(hv).sum(-1)).clamp_min(0).numpy()

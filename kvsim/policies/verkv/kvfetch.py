@@ -188,7 +188,7 @@ def pass_shortlist_planned(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLay
 def _pass_score(s: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """(n_kv, n) the shortlist score of planned logits ``s`` with row maxima ``shift``: the
     log-weight relative to the row's largest, max over the rows."""
-    if _rows.AVAILABLE and s.device.type == "cpu" and s.dtype == shift.dtype == torch.float32:
+    if _rows.applies(s, shift):
         return torch.from_numpy(_rows.pass_score(s.contiguous().numpy(),
                                                  shift.contiguous().numpy()))
     return (s - shift[..., None]).amax(1)
