@@ -16,7 +16,7 @@ import pytest
 from kvsim.errors import KvsimError
 from kvsim.fit import Point, Predictor, read_points
 from kvsim.fit import families as F
-from kvsim.fit.solve import make_engine
+from kvsim.fit.solve import HBM_CEILING, make_engine
 from kvsim.hw import catalog
 from kvsim.hw import engine as E
 from kvsim.hw.costs import FLOP_EFFICIENCY, HBM_EFFICIENCY, costs_for
@@ -248,6 +248,25 @@ def test_joint_fit_reproduces_two_families_made_by_known_engines():
     _, fam_a, levels = F.fit_levels(pts, pred, E.ROOFLINE, "a")
     assert levels["family"] == free["a"]
     assert fam_a.get("step_overhead_ms") == fams["a"].get("step_overhead_ms")
+
+
+def test_no_fitted_engine_reads_hbm_beyond_the_ceiling(monkeypatch):
+    """Points of an engine streaming at 100% of spec: without the ceiling the fit goes past it,
+    with it no engine does; the shipped families respect it too."""
+    from kvsim.fit import solve
+
+    pred = Predictor(None)
+    pts = _synthetic(pred, {"hbm_efficiency": 1.0}, {"step_overhead_ms": 2.0})
+
+    def fitted():
+        shared, fams, _ = F.fit_joint(pts, pred, E.ROOFLINE)
+        return [e.get("hbm_efficiency") for e in (shared, *fams.values())]
+
+    assert all(h <= HBM_CEILING + 1e-12 for h in fitted())
+    monkeypatch.setitem(solve.PARAMS, "hbm_efficiency", (0.05, 1.0))
+    assert max(fitted()) > HBM_CEILING
+    for name in ("trtllm", "vllm", "sglang"):
+        assert E.load(name).get("hbm_efficiency") <= HBM_CEILING + 1e-12
 
 
 @pytest.mark.slow  # a fit per held-out source, ~15 s
