@@ -36,10 +36,11 @@ from kvsim.hw.costs import FLOP_EFFICIENCY, GATHER_EFFICIENCY, HBM_EFFICIENCY
 from kvsim.hw.engine import BOUNDS, DecideModel, Engine, Value
 
 # No engine streams weights faster than a bandwidth test reads HBM: H100 SXM copies peak at 87%
-# of spec (Voltage Park's 8x H100 bandwidthTest, github.com/ZiyanIshani/vpbenchmarking,
-# results/stream_nvbench), NVIDIA's aiconfigurator assumes 80% (systems/h800_sxm.yaml,
-# mem_bw_empirical_scaling_factor), the design note 85%. The ceiling leaves a margin above them;
-# at 1.0 the fit paired TensorRT-LLM's 100% of spec with a 102 us per-layer overhead
+# of spec at 13 MB, ~70% at 68 MB (Voltage Park's 8x H100 bandwidthTest,
+# github.com/ZiyanIshani/vpbenchmarking, results/stream_nvbench), NVIDIA's aiconfigurator
+# assumes 80% (systems/h800_sxm.yaml, mem_bw_empirical_scaling_factor), the design note 85%.
+# The ceiling leaves a margin above them; at 1.0 the fit paired TensorRT-LLM's 100% of spec with
+# a 102 us per-layer overhead
 HBM_CEILING = 0.92
 # name -> (lower, upper bound)
 PARAMS = {
