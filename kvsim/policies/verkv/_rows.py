@@ -246,130 +246,128 @@ def gain_keys(beta_i, var_i, root, c1, c2, dt, root1, root2, arg, l2, tiny, key)
 
 
 @_jit
-def head_terms(key, k, gain, beta_i, var_i, b_i, head, hb, hv):
-    """From the keys (R, n) of the gains ``gain`` whose first ``k`` are the head in order (and,
-    when ``k < n``, the rest after them, the next token of the order at ``k``): the head's
-    indices, beta and V
-    into ``head``, ``hb``, ``hv`` (R, k) (for torch's row sums), and returns the largest b
-    outside the head (0 without a tail) and whether equal positive gains meet in the head or
-    across its cut (where torch.topk's order decides). One short loop per task: they
-    vectorise, a loop doing all at once does not."""
+def head_terms(key, k, beta_i, var_i, b_i, head, hb, hv, cb, cv, cm):
+    """What ``_plan_on`` takes from the head of the fetch order, from the keys (R, n) of the
+    gains (:func:`gain_keys`) whose first ``k`` are the head in order (and, when ``k < n``, the
+    other tokens after them, the next token of the order at ``k``): the head's indices, beta
+    and V into ``head``, ``hb``, ``hv`` (R, k) (for torch's row sums) and its part of the
+    suffixes from each position (:func:`_head_suffixes`) into ``cb``, ``cv``, ``cm``. Returns
+    the largest b outside the head (0 without a tail; b >= 0 (:func:`top_two`), so maxima are
+    taken on the bits) and whether equal positive gains meet in the head or across its cut
+    (where torch.topk's order decides)."""
     rows, n = key.shape
     mask = (np.int64(1) << INDEX_BITS) - 1
-    for r in range(rows):
-        kr, hr = key[r], head[r]
-        for j in range(k):
-            hr[j] = kr[j] & mask
-    _gather2(head, beta_i, var_i, hb, hv)
-    tail_b = np.zeros(rows, np.int32)  # as bits: b >= 0 (top_two), so they order as b
+    tail_b = np.zeros(rows, np.int32)
     tie = np.zeros(rows, np.bool_)
     last = k + 1 if k < n else k
     for r in range(rows):
-        kr, bits, gb = key[r], b_i[r].view(np.int32), gain[r].view(np.int32)
-        if k < n:  # the tail: the tokens whose key is at least the one at k
-            cut = kr[k]
-            m = np.int32(0)
-            for i in range(n):
-                own = ((INF_BITS - np.int64(max(gb[i], 0))) << INDEX_BITS) | i
-                m = max(m, bits[i] if own >= cut else np.int32(0))
-            tail_b[r] = m
+        kr, hr, hbr, hvr = key[r], head[r], hb[r], hv[r]
+        bi, vi, bits = beta_i[r], var_i[r], b_i[r].view(np.int32)
+        for j in range(k):
+            hr[j] = kr[j] & mask
+        for j in range(k):
+            hbr[j] = bi[hr[j]]
+            hvr[j] = vi[hr[j]]
+        m = np.int32(0)
+        for j in range(k, n):  # the tail
+            m = max(m, bits[kr[j] & mask])
+        tail_b[r] = m
         ties = 0
         for j in range(1, last):
             hi = kr[j] >> INDEX_BITS
             ties += (hi == kr[j - 1] >> INDEX_BITS) & (hi < INF_BITS)
         tie[r] = ties > 0
+        _head_suffixes(hr, hbr, hvr, bits, cb[r], cv[r], cm[r].view(np.int32))
     return tail_b.view(np.float32), tie
 
 
 @_jit
-def _gather2(head, beta_i, var_i, hb, hv):
-    for r in range(head.shape[0]):
-        hr, bi, vi, br, vr = head[r], beta_i[r], var_i[r], hb[r], hv[r]
-        for j in range(head.shape[1]):
-            br[j] = bi[hr[j]]
-            vr[j] = vi[hr[j]]
+def _head_suffixes(hr, hbr, hvr, bits, cbr, cvr, cmr):
+    """A head's part of the suffixes from each position: ``hb.flip(-1).cumsum(-1)`` (float64
+    sums of float32, as torch's, rounded to float32), the same of ``hv``, and the running max
+    of the b bits ``bits`` of its tokens (from the last)."""
+    acc_b = 0.0
+    acc_v = 0.0
+    run = np.int32(0)
+    for j in range(len(hr) - 1, -1, -1):
+        acc_b += hbr[j]
+        acc_v += hvr[j]
+        cbr[j] = np.float32(acc_b)
+        cvr[j] = np.float32(acc_v)
+        run = max(run, bits[hr[j]])
+        cmr[j] = run
 
 
 @_jit
-def head_values(head, beta_i, var_i, b_i, hb, hv):
-    """The beta and V of the heads ``head`` (R, k) into ``hb``, ``hv`` and the largest b of each
-    row outside its head (0 where there is none)."""
+def head_values(head, beta_i, var_i, b_i, hb, hv, cb, cv, cm):
+    """:func:`head_terms`'s outputs for given heads ``head`` (R, k) (torch.topk's): their beta
+    and V into ``hb``, ``hv``, their part of the suffixes into ``cb``, ``cv``, ``cm``, and the
+    largest b of each row outside its head (0 where there is none)."""
     rows, n = b_i.shape
-    tail_b = np.zeros(rows, b_i.dtype)
+    tail_b = np.zeros(rows, np.int32)
     out = np.ones(n, np.bool_)
     for r in range(rows):
         out[:] = True
+        hr, bits = head[r], b_i[r].view(np.int32)
         for j in range(head.shape[1]):
-            i = head[r, j]
+            i = hr[j]
             hb[r, j] = beta_i[r, i]
             hv[r, j] = var_i[r, i]
             out[i] = False
-        m = tail_b[r]
+        m = np.int32(0)
         for i in range(n):
-            if out[i] and b_i[r, i] > m:
-                m = b_i[r, i]
+            m = max(m, bits[i] if out[i] else np.int32(0))
         tail_b[r] = m
-    return tail_b
+        _head_suffixes(hr, hb[r], hv[r], bits, cb[r], cv[r], cm[r].view(np.int32))
+    return tail_b.view(np.float32)
 
 
 @_jit
-def suffixes(head, hb, hv, b_i, tail_beta, tail_var, tail_b, sb, sv, sm):
-    """(R, k + 1) the certificate's beta, V and b of the order's suffix from each position
-    (``_plan_on``): the head's part (reversed cumulative sums in float64, rounded to float32,
-    and a running max) plus the tail's; position k: the tail alone; into ``sb``, ``sv``,
-    ``sm``. b >= 0 (:func:`top_two`): its maxima are taken on the bits."""
-    rows, k = hb.shape
+def _suffix(r, j, k, cb, cv, cm, tail_beta, tail_var, tail_b):
+    """The certificate's beta, V and b of the order's suffix from position ``j`` of row ``r``
+    (``_plan_on``): the head's part plus the tail's; position k: the tail alone. b >= 0 and
+    not NaN nor -0.0 (:func:`top_two`), so max is the max of the bits."""
+    tm = tail_b[r]
+    if j < k:
+        m = cm[r, j]
+        return cb[r, j] + tail_beta[r], cv[r, j] + tail_var[r], m if m > tm else tm
     zero = np.float32(0.0)
-    for r in range(rows):
-        tb, tv = tail_beta[r], tail_var[r]
-        hbr, hvr, sbr, svr = hb[r], hv[r], sb[r], sv[r]
-        sbr[k] = zero + tb
-        svr[k] = zero + tv
-        acc_b = 0.0
-        acc_v = 0.0
-        for j in range(k - 1, -1, -1):
-            acc_b += hbr[j]
-            acc_v += hvr[j]
-            sbr[j] = np.float32(acc_b) + tb
-            svr[j] = np.float32(acc_v) + tv
-        bits, hr, smr = b_i[r].view(np.int32), head[r], sm[r].view(np.int32)
-        run = np.int32(0)
-        for j in range(k - 1, -1, -1):
-            run = max(run, bits[hr[j]])
-            smr[j] = run
-        tm = tail_b[r:r + 1].view(np.int32)[0]
-        for j in range(k + 1):
-            smr[j] = max(smr[j], tm) if j < k else max(np.int32(0), tm)
+    return zero + tail_beta[r], zero + tail_var[r], tm
 
 
 @_jit
-def eps_args(rows, lo, hi, sv, sm, l3, l2, out):
+def eps_args(rows, lo, hi, k, cb, cv, cm, tail_beta, tail_var, tail_b, l3, l2, out):
     """``t * t + 2 l max(V, 0)`` with ``t = b l / 3`` (what bernstein_eps takes the square root
-    of) at positions lo..hi - 1 of the suffixes of ``rows``, into ``out`` (len(rows), hi - lo)."""
+    of) at positions lo..hi - 1 of the suffixes (:func:`_suffix`) of ``rows``, into ``out``
+    (len(rows), hi - lo)."""
     zero = np.float32(0.0)
     for i in range(len(rows)):
         r = rows[i]
         for j in range(lo, hi):
-            t = sm[r, j] * l3
-            v = sv[r, j]
+            _, v, m = _suffix(r, j, k, cb, cv, cm, tail_beta, tail_var, tail_b)
+            t = m * l3
             out[i, j - lo] = t * t + l2 * (zero if v < zero else v)
 
 
 @_jit
-def first_ok(rows, lo, hi, sb, sm, root, denom, l3, eps, also_root, also_l3, also_eps,
-             k_star, found, eps_at):
+def first_ok(rows, lo, hi, k, cb, cv, cm, tail_beta, tail_var, tail_b, root, denom, l3, eps,
+             also_root, also_l3, also_eps, k_star, found, eps_at, eps_before):
     """The first position in lo..hi - 1 whose eps_hat ``(beta + t + root) / D`` is below
     ``eps`` (and the output certificate's, ``also_root`` given) for each of ``rows``: sets
-    ``k_star``, ``found`` and ``eps_at`` (eps_hat there) where there is one."""
+    ``k_star``, ``found`` and ``eps_at`` (eps_hat there) where there is one, and eps_hat at
+    position 0 (eps_hat(L)) into ``eps_before``."""
     also = also_root.shape[1] > 0
     for i in range(len(rows)):
         r = rows[i]
         d = denom[r]
         for j in range(lo, hi):
-            e = (sb[r, j] + sm[r, j] * l3 + root[i, j - lo]) / d
+            sb, _, sm = _suffix(r, j, k, cb, cv, cm, tail_beta, tail_var, tail_b)
+            e = (sb + sm * l3 + root[i, j - lo]) / d
+            if j == 0:
+                eps_before[r] = e
             ok = e < eps
             if ok and also:
-                ok = (sb[r, j] + sm[r, j] * also_l3 + also_root[i, j - lo]) / d < also_eps
+                ok = (sb + sm * also_l3 + also_root[i, j - lo]) / d < also_eps
             if ok:
                 k_star[r], found[r], eps_at[r] = j, True, e
                 break

@@ -545,11 +545,14 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
         key[:, :k].sort(axis=-1)
     else:
         key.sort(axis=-1)
-    head, hb, hv = (_rows.scratch(name, (len(bi), k), t)
-                    for name, t in (("head", np.int64), ("hb", np.float32), ("hv", np.float32)))
-    tail_b, tie = _rows.head_terms(key, k, gain, bi, vi, mi, head, hb, hv)
-    plan, found = _cut_compiled(head, hb, hv, tail_b, mi, beta.reshape(-1), var.reshape(-1),
-                                denom.contiguous().reshape(-1).numpy(), eps, delta, also)
+    rows = len(bi)
+    head = _rows.scratch("head", (rows, k), np.int32)
+    hb, hv, cb, cv, cm = (_rows.scratch(name, (rows, k), np.float32)
+                          for name in ("hb", "hv", "cb", "cv", "cm"))
+    tail_b, tie = _rows.head_terms(key, k, bi, vi, mi, head, hb, hv, cb, cv, cm)
+    plan, found = _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi, beta.reshape(-1),
+                                var.reshape(-1), denom.contiguous().reshape(-1).numpy(), eps,
+                                delta, also)
     plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
                        for f in ("k_star", "exact", "eps_before", "eps_after")))
     tied = None
@@ -562,10 +565,12 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
     return torch.from_numpy(gain).reshape(shape), plan, found.reshape(lead), tied
 
 
-def _cut_compiled(head, hb, hv, tail_b, mi, beta, var, d, eps: float, delta: float, also):
+def _cut_compiled(head, hb, hv, parts, tail_b, mi, beta, var, d, eps: float, delta: float,
+                  also):
     """(flat FetchPlan, found) on the ordered heads ``head`` (R, k) of rows with b ``mi``
     (R, n): ``_plan_on``'s plan by the compiled loops; ``hb``, ``hv`` the head's beta and V,
-    ``tail_b`` the largest b outside it, ``beta`` and ``var`` the rows' totals (tensors)."""
+    ``parts`` the head's part of the suffixes (:func:`_rows.head_terms`), ``tail_b`` the
+    largest b outside it, ``beta`` and ``var`` the rows' totals (tensors)."""
     k, n = head.shape[1], mi.shape[1]
     f32, sqrt = np.float32, _rows.torch_sqrt_
     if k < n:
@@ -573,29 +578,25 @@ def _cut_compiled(head, hb, hv, tail_b, mi, beta, var, d, eps: float, delta: flo
         tail_var = (var - torch.from_numpy(hv).sum(-1)).clamp_min(0).numpy()
     else:
         tail_beta = tail_var = np.zeros(len(hb), np.float32)
-    sb, sv, sm = (_rows.scratch(name, (len(hb), k + 1), np.float32) for name in ("sb", "sv", "sm"))
-    _rows.suffixes(head, hb, hv, mi, tail_beta, tail_var, tail_b, sb, sv, sm)
+    suffix = (k, *parts, tail_beta, tail_var, tail_b)
     # k*: the first position whose eps_hat is below eps, over growing spans of positions
     # for the rows still looking (the square roots are torch's)
     lt = log_term(delta)
     rows = len(hb)
     k_star, found = np.zeros(rows, np.int64), np.zeros(rows, np.bool_)
-    eps_after = np.empty(rows, np.float32)
+    eps_before, eps_after = np.empty(rows, np.float32), np.empty(rows, np.float32)
     todo, lo, span = np.arange(rows), 0, 64
     while len(todo) and lo <= k:
         hi = min(lo + span, k + 1)
         roots = []
         for lg in (lt,) if also is None else (lt, also[1]):
             root = np.empty((len(todo), hi - lo), np.float32)
-            _rows.eps_args(todo, lo, hi, sv, sm, f32(lg / 3.0), f32(2.0 * lg), root)
+            _rows.eps_args(todo, lo, hi, *suffix, f32(lg / 3.0), f32(2.0 * lg), root)
             roots.append(sqrt(root))
-        if lo == 0:  # eps_hat(L)
-            with np.errstate(divide="ignore", invalid="ignore"):  # D = 0 or NaN, as torch
-                eps_before = (sb[:, 0] + sm[:, 0] * f32(lt / 3.0) + roots[0][:, 0]) / d
         a_root, a_l3, a_eps = ((np.empty((0, 0), np.float32), f32(0.0), f32(0.0))
                                if also is None else (roots[1], f32(also[1] / 3.0), f32(also[0])))
-        _rows.first_ok(todo, lo, hi, sb, sm, roots[0], d, f32(lt / 3.0), f32(eps), a_root,
-                       a_l3, a_eps, k_star, found, eps_after)
+        _rows.first_ok(todo, lo, hi, *suffix, roots[0], d, f32(lt / 3.0), f32(eps), a_root, a_l3,
+                       a_eps, k_star, found, eps_after, eps_before)
         todo, lo, span = todo[~found[todo]], hi, span * 4
     eps_after[~found] = eps_before[~found]  # k* = 0
     exact = _rows.exact_mask(head, hb, hv, mi, k_star)
@@ -607,9 +608,10 @@ def _plan_topk_compiled(g, bi, vi, mi, beta, var, d, k: int, eps: float, delta: 
     """``_plan_on`` on ``torch.topk``'s head of the gains ``g`` (R, n) by the compiled loops
     (rows from :func:`_plan_compiled`)."""
     head = torch.topk(g, k, dim=-1).indices.numpy()
-    hb, hv = (np.empty(head.shape, np.float32) for _ in range(2))
-    tail_b = _rows.head_values(head, bi.numpy(), vi.numpy(), mi.numpy(), hb, hv)
-    return _cut_compiled(head, hb, hv, tail_b, mi.numpy(), beta, var, d.numpy(), eps, delta, also)
+    hb, hv, cb, cv, cm = (np.empty(head.shape, np.float32) for _ in range(5))
+    tail_b = _rows.head_values(head, bi.numpy(), vi.numpy(), mi.numpy(), hb, hv, cb, cv, cm)
+    return _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi.numpy(), beta, var, d.numpy(),
+                         eps, delta, also)
 
 
 def _put_rows(plan: FetchPlan, at: torch.Tensor, sub: FetchPlan) -> None:
