@@ -106,6 +106,47 @@ def test_tie_moves_equals_topk_rows():
     assert torch.equal(at[torch.from_numpy(moves)], want)
 
 
+def _paired_terms(seed: int, n: int = 600, rows: int = 24):
+    """Terms whose rows each hold a pair of equal gains at a chosen rank (from the first to
+    past a head of n / 2): a token's beta and V copied to the next one in the order, its b
+    copied or halved, every fourth row its V one ulp up (the gains may still round equal)."""
+    w, f = _weights(seed, (1, rows, n), False)
+    bi, vi, mi = (x.clone() for x in C.terms(w, f, C.binary_shrink(w, f)))
+    g = C._gains(bi, vi, mi, bi.sum(-1), vi.sum(-1), C.log_term(DELTA))
+    order = torch.sort(g, dim=-1, descending=True, stable=True).indices[0]
+    for r in range(rows):
+        p = [0, 1, 2, 5, 20, 60, n // 3 - 1, n // 3, n // 2][r % 9]
+        a, b = order[r, p], order[r, p + 1]
+        bi[0, r, b], vi[0, r, b] = bi[0, r, a], vi[0, r, a]
+        mi[0, r, b] = mi[0, r, a] * (1 if r % 2 else 0.5)
+        if r % 4 == 3:
+            vi[0, r, b] = torch.nextafter(vi[0, r, a], torch.tensor(1.0))
+    return w, bi, vi, mi
+
+
+def test_tied_pairs_equal_the_torch_code(monkeypatch):
+    """Rows with a pair of equal gains: the plan is the stable order's where every order of the
+    pair gives the same one, torch.topk's otherwise, as the torch code's (both cases occur)."""
+    settled, any_order = [], C._any_order
+
+    def spy(*args):
+        out = any_order(*args)
+        settled.extend(out.tolist())
+        return out
+
+    monkeypatch.setattr(C, "_any_order", spy)
+    for seed in range(3):
+        w, bi, vi, mi = _paired_terms(seed)
+        denom = w.sum(-1) * 1.02
+        for eps in (1e-3, 0.02, 0.05, 0.3):
+            for head in (200, 300):
+                got = C.fetch_plan_terms(bi, vi, mi, denom, eps, DELTA, head=head)
+                want = torch_only(C.fetch_plan_terms, bi, vi, mi, denom, eps, DELTA, head=head)
+                for name in ("k_star", "exact", "eps_before", "eps_after"):
+                    assert same(getattr(got, name), getattr(want, name)), (seed, eps, head, name)
+    assert any(settled) and not all(settled)
+
+
 @pytest.mark.parametrize("options", [{}, {"eps_output": 0.1}, {"variant": "paper"},
                                      {"pass_plan": "shared"}])
 def test_decisions_and_attention_equal_the_torch_code(options):

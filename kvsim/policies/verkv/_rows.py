@@ -472,6 +472,56 @@ def tie_moves(rows, head, after, gain, beta_i, var_i, b_i, k_star):
 
 
 @_jit
+def tie_swaps(rows, head, after, gain, most):
+    """The other heads ``torch.topk`` could give the flat ``rows`` (head ``head`` (R, k), next
+    token ``after``) where its order among equal gains is all that differs from the stable
+    one and is a choice of few: every gain of the head and the next token positive, equal
+    ones in pairs (no three equal), at most ``most`` pairs. Each pair may come either way
+    round (a pair across the cut: either token in the head). Returns the rows' pair counts
+    (-1: not such a row), and per other head (2^pairs - 1 per row) its row's position in
+    ``rows`` and the head (A, k)."""
+    k = head.shape[1]
+    at = np.zeros((len(rows), most), np.int64)  # each pair's first position
+    pairs = np.zeros(len(rows), np.int64)
+    total = 0
+    for i in range(len(rows)):
+        r = rows[i]
+        hr, g = head[r], gain[r]
+        c = 0
+        for j in range(k + 1):
+            t = hr[j] if j < k else after[r]
+            if not g[t] > 0:
+                c = -1
+                break
+            if j and g[t] == g[hr[j - 1]]:
+                if c == most or (j > 1 and g[hr[j - 2]] == g[t]):
+                    c = -1
+                    break
+                at[i, c] = j - 1
+                c += 1
+        pairs[i] = c
+        total += (1 << c) - 1 if c > 0 else 0
+    owner = np.empty(total, np.int64)
+    heads = np.empty((total, k), head.dtype)
+    a = 0
+    for i in range(len(rows)):
+        r = rows[i]
+        for mask in range(1, (1 << pairs[i]) if pairs[i] > 0 else 1):
+            h = heads[a]
+            h[:] = head[r]
+            for p in range(pairs[i]):
+                if mask >> p & 1:
+                    j = at[i, p]
+                    if j + 1 < k:
+                        h[j], h[j + 1] = h[j + 1], h[j]
+                    else:  # across the cut: the next token in the head instead
+                        h[j] = after[r]
+            owner[a] = i
+            a += 1
+    return pairs, owner, heads
+
+
+@_jit
 def pass_score(s, shift):
     """(n_kv, n) ``(s - shift[..., None]).amax(1)`` for planned logits ``s`` (n_kv, rows, n):
     each KV head's largest log-weight relative to its row's largest, NaN where any is."""

@@ -550,19 +550,50 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
     hb, hv, cb, cv, cm = (_rows.scratch(name, (rows, k), np.float32)
                           for name in ("hb", "hv", "cb", "cv", "cm"))
     tail_b, tie = _rows.head_terms(key, k, bi, vi, mi, head, hb, hv, cb, cv, cm)
-    plan, found = _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi, beta.reshape(-1),
-                                var.reshape(-1), denom.contiguous().reshape(-1).numpy(), eps,
-                                delta, also)
-    plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
-                       for f in ("k_star", "exact", "eps_before", "eps_after")))
+    d = denom.contiguous().reshape(-1).numpy()
+    totals = beta.reshape(-1), var.reshape(-1)
+    plan, found = _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi, *totals, d, eps, delta,
+                                also)
     tied = None
     if k < n:  # rows whose plan could depend on torch.topk's order of equal gains
         ties = np.flatnonzero(tie)
         nxt = key[:, k] & 0xFFFFFFFF
-        moves = _rows.tie_moves(ties, head, nxt, gain, bi, vi, mi,
-                                plan.k_star.reshape(-1).numpy())
-        tied = torch.from_numpy(ties[moves])
+        ties = ties[_rows.tie_moves(ties, head, nxt, gain, bi, vi, mi, plan.k_star.numpy())]
+        if len(ties):
+            ties = ties[~_any_order(ties, head, nxt, gain, (bi, vi, mi), totals, d, plan, found,
+                                    eps, delta, also)]
+        tied = torch.from_numpy(ties)
+    plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
+                       for f in ("k_star", "exact", "eps_before", "eps_after")))
     return torch.from_numpy(gain).reshape(shape), plan, found.reshape(lead), tied
+
+
+TIE_PAIRS = 3  # rows with up to this many pairs of equal gains try every order of them
+
+
+def _any_order(rows, head, nxt, gain, terms, totals, d, plan: FetchPlan, found, eps: float,
+               delta: float, also) -> np.ndarray:
+    """Which of the flat ``rows`` (ordered heads ``head``, next tokens ``nxt``) have the same
+    plan and ``found`` on every head ``torch.topk`` could give (:func:`_rows.tie_swaps`): then
+    its order among equal gains does not matter and the stable order's plan is its plan."""
+    pairs, owner, heads = _rows.tie_swaps(rows, head, nxt, gain, TIE_PAIRS)
+    same = pairs > 0
+    if not len(owner):
+        return same
+    at = rows[owner]
+    hb, hv, cb, cv, cm = (np.empty(heads.shape, np.float32) for _ in range(5))
+    bi, vi, mi = (x[at] for x in terms)
+    tail_b = _rows.head_values(heads, bi, vi, mi, hb, hv, cb, cv, cm)
+    alt, alt_found = _cut_compiled(heads, hb, hv, (cb, cv, cm), tail_b, mi,
+                                   *(x[torch.from_numpy(at)] for x in totals), d[at], eps,
+                                   delta, also)
+    at_t = torch.from_numpy(at)
+    equal = (alt.k_star == plan.k_star[at_t]) & (alt_found == found[at_t]) \
+        & (alt.exact == plan.exact[at_t]).all(-1)
+    for f in ("eps_before", "eps_after"):
+        equal &= getattr(alt, f).view(torch.int32) == getattr(plan, f)[at_t].view(torch.int32)
+    same[owner[~equal.numpy()]] = False
+    return same
 
 
 def _cut_compiled(head, hb, hv, parts, tail_b, mi, beta, var, d, eps: float, delta: float,
@@ -607,7 +638,7 @@ def _cut_compiled(head, hb, hv, parts, tail_b, mi, beta, var, d, eps: float, del
 def _plan_topk_compiled(g, bi, vi, mi, beta, var, d, k: int, eps: float, delta: float, also):
     """``_plan_on`` on ``torch.topk``'s head of the gains ``g`` (R, n) by the compiled loops
     (rows from :func:`_plan_compiled`)."""
-    head = torch.topk(g, k, dim=-1).indices.numpy()
+    head = torch.topk(g, k, dim=-1).indices.to(torch.int32).numpy()
     hb, hv, cb, cv, cm = (np.empty(head.shape, np.float32) for _ in range(5))
     tail_b = _rows.head_values(head, bi.numpy(), vi.numpy(), mi.numpy(), hb, hv, cb, cv, cm)
     return _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi.numpy(), beta, var, d.numpy(),
