@@ -87,6 +87,31 @@ def test_fetch_plan_equals_the_torch_code(ties):
                                                                      "eps_before"))
 
 
+def test_fetch_plan_on_coarse_sort_keys_equals_the_torch_code():
+    """Gains in a narrow band beside a tiny and a huge one, so that the 32-bit sort keys hold
+    many equal shifted values (runs inside the head and across its cut), with exact ties and
+    zeros: the compiled loops order them as the torch code's stable sort."""
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        rows, n = 6, 1500
+        var_i = 1 + torch.rand(rows, n, generator=g) * 1e-3
+        dup = torch.randint(0, n, (rows, n // 10), generator=g)
+        var_i.scatter_(1, dup, var_i.gather(1, dup.roll(1, 1)))  # equal gains
+        var_i[:, 0], var_i[:, 1] = 1e-30, 1e3
+        var_i[torch.rand(rows, n, generator=g) < 0.05] = 0.0
+        beta_i = torch.where(torch.rand(rows, n, generator=g) < 0.01, var_i * 0.3, 0.0)
+        b_i = var_i.sqrt() * torch.rand(rows, n, generator=g)
+        for scale in (1e-2, 1.0):
+            denom = var_i.sum(-1) * scale
+            for eps in (1e-3, 0.05, 0.3):
+                for head in (n // 3, n // 2, n):
+                    got = C.fetch_plan_terms(beta_i, var_i, b_i, denom, eps, DELTA, head=head)
+                    want = torch_only(C.fetch_plan_terms, beta_i, var_i, b_i, denom, eps, DELTA,
+                                      head=head)
+                    for name in ("k_star", "exact", "eps_before", "eps_after"):
+                        assert same(getattr(got, name), getattr(want, name)), (seed, head, name)
+
+
 def test_tie_moves_equals_topk_rows():
     """The compiled ``_topk_rows`` on gains of few values (many ties, cuts inside runs)."""
     g = torch.Generator().manual_seed(3)
