@@ -91,32 +91,29 @@ def _bits_max(bits):
 
 
 @_jit
-def shrink_first(u, w, omr, s):
-    """The first ``s`` of binary shrinkage's visiting order per row: the ``s + 1`` largest
-    ``u`` (descending), ``a = w * (1 - r)`` there, ``before = cumsum(a) - a`` and the count of
-    leading ``u > 2 before`` among the first ``s``. ``w`` and ``omr`` have one row per
-    ``len(u) // len(w)`` (``// len(omr)``) consecutive rows of ``u``. Returns (idx (R, s),
-    count (R,), tied (R,): equal positive values among the ``s + 1``, where torch.topk's
-    order decides; bad: a NaN, a negative value or -0.0 (then the torch code)).
-
-    The ``s + 1`` largest are at least the ``s + 1``-th largest of the maxima of ``4 (s + 1)``
-    blocks (that many blocks hold a value at least as large), so only the tokens at or above
-    it are visited in order; on the bits, as ``u >= 0``."""
-    rows, n = u.shape
-    per_w = rows // w.shape[0]
-    per = rows // omr.shape[0]
+def shrink_first(w, odds, omr, s, u):
+    """``u = w * odds`` into ``u`` (R, n) and the first ``s`` of binary shrinkage's visiting
+    order per row (:func:`_first_s`), in one visit of each row. The factor rows ``odds``,
+    ``omr`` stand for ``R // len(odds)`` consecutive rows each. Returns (idx (R, s), count
+    (R,), tied (R,): equal positive values among the ``s + 1``, where torch.topk's order
+    decides; bad: a NaN, a negative value or -0.0 in u (then the torch code))."""
+    rows, n = w.shape
+    per = rows // odds.shape[0]
     idx = np.zeros((rows, s), np.int64)
     count = np.zeros(rows, np.int64)
     tied = np.zeros(rows, np.bool_)
-    two = np.float32(2.0)
     k = s + 1
     vals = np.empty(k, np.int32)
     at = np.empty(k, np.int64)
     blocks = min(n, 4 * k)
     width = -(-n // blocks)
     tops = np.empty(blocks, np.int32)
-    for r in range(rows):
-        bits = u[r].view(np.int32)
+    for q in range(rows):
+        f = q // per
+        wr, ur, od = w[q], u[q], odds[f]
+        for j in range(n):
+            ur[j] = wr[j] * od[j]
+        bits = ur.view(np.int32)
         if _bits_max(bits) < 0:
             return idx, count, tied, True
         for b in range(blocks):
@@ -125,38 +122,51 @@ def shrink_first(u, w, omr, s):
                 m = max(m, bits[j])
             tops[b] = m
         cut = np.sort(tops)[blocks - k] if blocks >= k else np.int32(0)
-        size = 0
-        for j in range(n):
-            v = bits[j]
-            if v < cut or (size == k and not v > vals[k - 1]):
-                continue
-            p = size if size < k else k - 1
-            while p > 0 and vals[p - 1] < v:
-                vals[p] = vals[p - 1]
-                at[p] = at[p - 1]
-                p -= 1
-            vals[p] = v
-            at[p] = j
-            if size < k:
-                size += 1
-        ur, wrow, orow = u[r], w[r // per_w], omr[r // per]
-        acc = 0.0  # float64, as torch's cumsum of float32
-        c = 0
-        going = True
-        for j in range(s):
-            a = wrow[at[j]] * orow[at[j]]
-            acc += a
-            before = np.float32(acc) - a
-            if going and ur[at[j]] > two * before:
-                c += 1
-            else:
-                going = False
-            idx[r, j] = at[j]
-        for j in range(k - 1):
-            if vals[j + 1] == vals[j] and vals[j + 1] > 0:
-                tied[r] = True
-        count[r] = c
+        count[q], tied[q] = _first_s(bits, cut, wr, omr[f], s, vals, at, idx[q])
     return idx, count, tied, False
+
+
+@_jit
+def _first_s(bits, cut, wr, orow, s, vals, at, idx):
+    """The ``s + 1`` largest of a row of ``u`` >= 0 (``bits``: its int32 bits, which order as
+    u; only tokens at or above ``cut`` are visited, in order) descending, their first ``s``
+    into ``idx``, ``a = w * (1 - r)`` there, ``before = cumsum(a) - a`` and the count of leading
+    ``u > 2 before`` among the first ``s``. Returns (count, tied). The ``s + 1`` largest are at
+    least the ``s + 1``-th largest of the maxima of ``4 (s + 1)`` blocks (that many blocks hold
+    a value at least as large): :func:`shrink_first`'s ``cut``."""
+    k = s + 1
+    size = 0
+    for j in range(bits.shape[0]):
+        v = bits[j]
+        if v < cut or (size == k and not v > vals[k - 1]):
+            continue
+        p = size if size < k else k - 1
+        while p > 0 and vals[p - 1] < v:
+            vals[p] = vals[p - 1]
+            at[p] = at[p - 1]
+            p -= 1
+        vals[p] = v
+        at[p] = j
+        if size < k:
+            size += 1
+    ur = bits.view(np.float32)
+    two = np.float32(2.0)
+    acc = 0.0  # float64, as torch's cumsum of float32
+    c = 0
+    going = True
+    for j in range(s):
+        a = wr[at[j]] * orow[at[j]]
+        acc += a
+        before = np.float32(acc) - a
+        if going and ur[at[j]] > two * before:
+            c += 1
+        else:
+            going = False
+        idx[j] = at[j]
+    tied = False
+    for j in range(k - 1):
+        tied |= vals[j + 1] == vals[j] and vals[j + 1] > 0
+    return c, tied
 
 
 @_jit
@@ -283,15 +293,18 @@ def _settle_cut(kr, k, ib, gb, group):
     lo = k
     while lo > 0 and kr[lo - 1] >> ib == qc:
         lo -= 1
+    mask = (1 << ib) - 1
     m = 0
+    least, most = np.int64(INF_BITS), np.int64(0)
     for j in range(lo, n):
         if kr[j] >> ib == qc:
             group[m] = j
             m += 1
-    if m < 2:
+            v = _value(gb, kr[j] & mask)
+            least, most = min(least, v), max(most, v)
+    if least == most:  # one value: the partition's (by index) is the order
         return
     key = np.empty(m, np.int64)
-    mask = (1 << ib) - 1
     for i in range(m):
         t = kr[group[i]] & mask
         key[i] = (np.int64(_value(gb, t)) << 32) | t
@@ -307,11 +320,15 @@ def _settle_runs(kr, last, ib, gb):
     positive gains meet there (equal values: only in such a run)."""
     mask = (1 << ib) - 1
     ties = False
-    start = 0
-    for j in range(1, last + 1):
-        if j < last and kr[j] >> ib == kr[start] >> ib:
+    j = 1
+    while j < last:
+        if kr[j] >> ib != kr[j - 1] >> ib:
+            j += 1
             continue
-        for i in range(start + 1, j):  # a run start..j - 1: insertion by value
+        start, end = j - 1, j + 1  # a run start..end - 1
+        while end < last and kr[end] >> ib == kr[start] >> ib:
+            end += 1
+        for i in range(start + 1, end):  # insertion by value
             t = kr[i]
             v = _value(gb, t & mask)
             p = i
@@ -319,10 +336,10 @@ def _settle_runs(kr, last, ib, gb):
                 kr[p] = kr[p - 1]
                 p -= 1
             kr[p] = t
-        for i in range(start + 1, j):
+        for i in range(start + 1, end):
             v = _value(gb, kr[i] & mask)
             ties |= v == _value(gb, kr[i - 1] & mask) and v < INF_BITS
-        start = j
+        j = end + 1
     return ties
 
 
@@ -472,27 +489,33 @@ def exact_mask(head, hb, hv, b_i, k_star):
 
 @_jit
 def binary_terms(w, u, bfac, r, omr, idx, count, beta_i, var_i, b_i):
-    """``terms`` for binary shrinkage into ``beta_i``, ``var_i``, ``b_i`` (R, n): ``V = w u``,
-    ``b = w max(r, 1 - r) / r``, ``beta = 0``, then at the first ``count`` tokens of ``idx``
-    (lambda = r): ``V r^2``, ``b r``, ``beta = w (1 - r)``. The factor rows ``bfac``, ``r``,
-    ``omr`` stand for ``R // len(bfac)`` consecutive rows each."""
-    rows, n = w.shape
-    per = rows // bfac.shape[0]
+    """``terms`` for binary shrinkage into ``beta_i``, ``var_i``, ``b_i`` (R, n), row by row
+    (:func:`_terms_row`). The factor rows ``bfac``, ``r``, ``omr`` stand for
+    ``R // len(bfac)`` consecutive rows each."""
+    per = w.shape[0] // bfac.shape[0]
+    for q in range(w.shape[0]):
+        f = q // per
+        _terms_row(w[q], u[q], bfac[f], r[f], omr[f], idx[q], count[q], beta_i[q], var_i[q],
+                   b_i[q])
+
+
+@_jit
+def _terms_row(wr, ur, fr, rr, orow, idx, count, br, vr, mr):
+    """A row's binary-shrinkage terms: ``V = w u``, ``b = w max(r, 1 - r) / r``, ``beta = 0``,
+    then at the first ``count`` tokens of ``idx`` (lambda = r): ``V r^2``, ``b r``,
+    ``beta = w (1 - r)``."""
     zero = np.float32(0.0)
-    for q in range(rows):
-        wr, ur, fr = w[q], u[q], bfac[q // per]
-        br, vr, mr = beta_i[q], var_i[q], b_i[q]
-        for j in range(n):
-            vr[j] = wr[j] * ur[j]
-            mr[j] = wr[j] * fr[j]
-            br[j] = zero
-        rr, orow = r[q // per], omr[q // per]
-        for p in range(count[q]):
-            i = idx[q, p]
-            s = rr[i]
-            vr[i] = vr[i] * (s * s)
-            mr[i] = mr[i] * s
-            br[i] = zero + wr[i] * orow[i]
+    for j in range(wr.shape[0]):  # one loop per output: faster than one for all three
+        vr[j] = wr[j] * ur[j]
+    for j in range(wr.shape[0]):
+        mr[j] = wr[j] * fr[j]
+    br[:] = zero
+    for p in range(count):
+        i = idx[p]
+        s = rr[i]
+        vr[i] = vr[i] * (s * s)
+        mr[i] = mr[i] * s
+        br[i] = zero + wr[i] * orow[i]
 
 
 @_jit

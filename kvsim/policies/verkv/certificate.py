@@ -229,9 +229,8 @@ class BinaryShrink:
 def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -> BinaryShrink:
     """Appendix A.2: visit L in decreasing ``u_i = w_i (1 - r_i) / r_i`` and set
     ``lambda_i = r_i`` (adding ``a_i = w_i (1 - r_i)`` to beta) while ``u_i > 2 beta``."""
-    u = torch.mul(w, f.odds, out=_rows.empty_tensor(torch.broadcast_shapes(w.shape, f.odds.shape),
-                                                   w))
-    shape, n = u.shape, u.shape[-1]
+    shape = torch.broadcast_shapes(w.shape, f.odds.shape)
+    n = shape[-1]
 
     def prefix(uu, ww, omr, k):
         if k < n:  # torch.topk: its order of equal values is the one to keep
@@ -245,9 +244,11 @@ def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -
     # a head, then the full order for rows whose whole head is shrunk
     last = n if head is None else min(head, n)
     sizes = sorted({last, n})
-    first = _shrink_first_compiled(u, w, f.one_minus_r) if SHRINK_FIRST < last < n else None
+    first = _shrink_first_compiled(w, f) if SHRINK_FIRST < last < n else None
+    u = first[0] if first is not None else torch.mul(w, f.odds,
+                                                      out=_rows.empty_tensor(shape, w))
     if first is not None:
-        idx, count = first
+        _, idx, count = first
         sizes = [SHRINK_FIRST] + sizes
     elif SHRINK_FIRST < last < n:  # most rows stop early: try SHRINK_FIRST tokens first
         vals, idx = torch.topk(u, SHRINK_FIRST + 1, dim=-1)
@@ -291,23 +292,27 @@ def _row_blocks(x: torch.Tensor, shape) -> np.ndarray | None:
     return x.contiguous().reshape(-1, shape[-1]).numpy()
 
 
-def _shrink_first_compiled(u, w, omr):
-    """:func:`binary_shrink`'s first ``SHRINK_FIRST`` tokens by :func:`_rows.shrink_first`
-    (idx, count; rows with tied values get count ``SHRINK_FIRST``, as the torch code gives
-    them), or None where it does not apply (no numba, not float32 on the CPU, a NaN)."""
-    if not _rows.applies(u):
+def _shrink_first_compiled(w, f: Factors):
+    """``u`` and :func:`binary_shrink`'s first ``SHRINK_FIRST`` tokens (idx, count; rows with
+    tied values get count ``SHRINK_FIRST``, as the torch code gives them) by
+    :func:`_rows.shrink_first`, or None where it does not apply (no numba, not float32 on the
+    CPU, broadcast weights, a NaN)."""
+    shape = w.shape
+    if not (_rows.applies(w) and torch.broadcast_shapes(shape, f.odds.shape) == shape):
         return None
-    shape = u.shape
-    ww, oo = _row_blocks(w, shape), _row_blocks(omr, shape)
-    if ww is None or oo is None:
+    odds, omr = (_row_blocks(x, shape) for x in (f.odds, f.one_minus_r))
+    if odds is None or omr is None or len(odds) != len(omr):
         return None
-    idx, count, tied, bad = _rows.shrink_first(u.reshape(-1, shape[-1]).numpy(), ww, oo,
-                                               SHRINK_FIRST)
+    n = shape[-1]
+    u = _rows.empty_tensor(shape, w)
+    idx, count, tied, bad = _rows.shrink_first(w.contiguous().reshape(-1, n).numpy(), odds, omr,
+                                               SHRINK_FIRST, u.view(-1, n).numpy())
     if bad:
         return None
     count[tied] = SHRINK_FIRST
     lead = shape[:-1]
-    return torch.from_numpy(idx).reshape(*lead, SHRINK_FIRST), torch.from_numpy(count).reshape(lead)
+    return (u, torch.from_numpy(idx).reshape(*lead, SHRINK_FIRST),
+            torch.from_numpy(count).reshape(lead))
 
 
 def binary_shrinkage(w: torch.Tensor, r: torch.Tensor, in_l: torch.Tensor,
