@@ -371,8 +371,9 @@ def head_terms(key, k, gain, beta_i, var_i, b_i, head, hb, hv, cb, cv, cm):
         tie[r] = _settle_runs(kr, last, ib, gb)
         for j in range(k):
             hr[j] = kr[j] & mask
-        for j in range(k):
+        for j in range(k):  # one loop per output: faster than one for both
             hbr[j] = bi[hr[j]]
+        for j in range(k):
             hvr[j] = vi[hr[j]]
         m = np.int32(0)
         for j in range(k, n):  # the tail
@@ -532,10 +533,10 @@ def outside(beta_i, var_i, b_i, exact, g, beta_in, var_in):
         ex = exact[q // (g * m), q % m]
         bi, vi, bits = beta_i[q], var_i[q], b_i[q].view(np.int32)
         bo, vo = beta_in[q], var_in[q]
+        for j in range(n):  # one loop per output: faster than one for both
+            bo[j] = bi[j] * np.float32(ex[j])
         for j in range(n):
-            e = np.float32(ex[j])
-            bo[j] = bi[j] * e
-            vo[j] = vi[j] * e
+            vo[j] = vi[j] * np.float32(ex[j])
         top, lo, hi = np.int32(0), bits[0], bits[0]
         for j in range(n):
             v = bits[j]
