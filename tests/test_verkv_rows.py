@@ -87,10 +87,10 @@ def test_fetch_plan_equals_the_torch_code(ties):
                                                                      "eps_before"))
 
 
-def test_fetch_plan_on_coarse_sort_keys_equals_the_torch_code():
-    """Gains in a narrow band beside a tiny and a huge one, so that the 32-bit sort keys hold
-    many equal shifted values (runs inside the head and across its cut), with exact ties and
-    zeros: the compiled loops order them as the torch code's stable sort."""
+def test_fetch_plan_on_banded_gains_equals_the_torch_code():
+    """Gains in a narrow band beside a tiny and a huge one (values a few ulps apart inside the
+    head and across its cut), with exact ties and zeros: the compiled loops order them as the
+    torch code's stable sort."""
     for seed in range(2):
         g = torch.Generator().manual_seed(seed)
         rows, n = 6, 1500

@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover - numba is a dependency; the torch code 
     numba = None
 
 AVAILABLE = numba is not None
+INDEX_BITS = 32  # a sort key: (bits of +inf - bits of the value) << 32 | token index
 INF_BITS = 0x7F800000
 NEG_ZERO_BITS = -0x80000000  # -0.0 as an int32
 SCRATCH_BYTES = 1 << 28
@@ -228,32 +229,11 @@ def gain_prep(var_i, var, top, second, arg, l2, l3, out):
 
 
 @_jit
-def _index_bits(n):
-    """Bits of a token index below ``n``."""
-    b = 0
-    while (1 << b) < n:
-        b += 1
-    return b
-
-
-@_jit
-def _value(gb, t):
-    """A token's key value: bits of +inf - bits of its gain (``gb``: the gains' bits; -0.0 as
-    +0.0), ascending in the gains' descending order."""
-    return INF_BITS - max(gb[t], np.int32(0))
-
-
-@_jit
 def gain_keys(beta_i, var_i, root, c1, c2, dt, root1, root2, arg, l2, tiny, key):
     """The gains (``root`` from :func:`gain_prep`, square-rooted, is overwritten with them)
-    and a 32-bit sort key per token into ``key`` (R, n) (uint32): the key value
-    (:func:`_value`) less the row's least, shifted right until the positive gains' fit beside
-    the index (at most the largest that does), then the index. Ascending keys are the stable
-    descending order up to runs of equal shifted values (:func:`head_terms` orders those).
-    False where a gain is not finite and >= 0."""
+    and their sort keys into ``key`` (R, n): (bits of +inf - bits of the gain) << 32 | index,
+    ascending in the stable descending order. False where a gain is not finite and >= 0."""
     rows, n = beta_i.shape
-    ib = _index_bits(n)
-    top = (np.int64(1) << (32 - ib)) - 1
     for r in range(rows):
         bi, vi, g = beta_i[r], var_i[r], root[r]
         r1 = root1[r]
@@ -264,111 +244,35 @@ def gain_keys(beta_i, var_i, root, c1, c2, dt, root1, root2, arg, l2, tiny, key)
         den = r1 + root2[r]
         g[a] = bi[a] + dt[r] + (c1[r] - c2[r]) / (tiny if den < tiny else den)
         gb = g.view(np.int32)
+        kr = key[r]
         bad = 0
-        lo, hi = np.int64(INF_BITS), np.int64(0)
         for j in range(n):
             v = gb[j]
             bad += (v >= INF_BITS) | ((v < 0) & (v != NEG_ZERO_BITS))
-            x = _value(gb, j)
-            lo = min(lo, x)
-            hi = max(hi, x if x < INF_BITS else 0)  # zero gains apart
+            kr[j] = ((INF_BITS - np.int64(max(v, 0))) << INDEX_BITS) | j
         if bad:
             return False
-        shift = 0
-        while (max(hi - lo, 0) >> shift) > top:
-            shift += 1
-        kr = key[r]
-        for j in range(n):
-            kr[j] = (min((_value(gb, j) - lo) >> shift, top) << ib) | j
     return True
 
 
 @_jit
-def _settle_cut(kr, k, ib, gb, group):
-    """Where tokens of the shifted value at position ``k`` (keys ``kr`` partitioned at k, the
-    head sorted) lie on both sides of the cut: those tokens in the stable order (by value,
-    then index) over their places, the head's first."""
-    n = kr.shape[0]
-    qc = kr[k] >> ib
-    lo = k
-    while lo > 0 and kr[lo - 1] >> ib == qc:
-        lo -= 1
-    mask = (1 << ib) - 1
-    m = 0
-    least, most = np.int64(INF_BITS), np.int64(0)
-    for j in range(lo, n):
-        if kr[j] >> ib == qc:
-            group[m] = j
-            m += 1
-            v = _value(gb, kr[j] & mask)
-            least, most = min(least, v), max(most, v)
-    if least == most:  # one value: the partition's (by index) is the order
-        return
-    key = np.empty(m, np.int64)
-    for i in range(m):
-        t = kr[group[i]] & mask
-        key[i] = (np.int64(_value(gb, t)) << 32) | t
-    key.sort()
-    for i in range(m):
-        kr[group[i]] = (qc << ib) | (key[i] & 0xFFFFFFFF)
-
-
-@_jit
-def _settle_runs(kr, last, ib, gb):
-    """Runs of equal shifted values among the first ``last`` keys ``kr`` put in the stable
-    order (by value, then index: the keys hold them in index order); returns whether equal
-    positive gains meet there (equal values: only in such a run)."""
-    mask = (1 << ib) - 1
-    ties = False
-    j = 1
-    while j < last:
-        if kr[j] >> ib != kr[j - 1] >> ib:
-            j += 1
-            continue
-        start, end = j - 1, j + 1  # a run start..end - 1
-        while end < last and kr[end] >> ib == kr[start] >> ib:
-            end += 1
-        for i in range(start + 1, end):  # insertion by value
-            t = kr[i]
-            v = _value(gb, t & mask)
-            p = i
-            while p > start and _value(gb, kr[p - 1] & mask) > v:
-                kr[p] = kr[p - 1]
-                p -= 1
-            kr[p] = t
-        for i in range(start + 1, end):
-            v = _value(gb, kr[i] & mask)
-            ties |= v == _value(gb, kr[i - 1] & mask) and v < INF_BITS
-        j = end + 1
-    return ties
-
-
-@_jit
-def head_terms(key, k, gain, beta_i, var_i, b_i, head, hb, hv, cb, cv, cm):
+def head_terms(key, k, beta_i, var_i, b_i, head, hb, hv, cb, cv, cm):
     """What ``_plan_on`` takes from the head of the fetch order, from the keys (R, n) of the
-    gains ``gain`` (:func:`gain_keys`) whose first ``k`` are sorted (and, when ``k < n``, the
-    others after them, the least at ``k``): the order made exact (equal shifted values put in
-    the stable order, also across the cut), the head's indices, beta and V into ``head``,
-    ``hb``, ``hv`` (R, k) (for torch's row sums) and its part of the suffixes from each
-    position (:func:`_head_suffixes`) into ``cb``, ``cv``, ``cm``. Returns the largest b
-    outside the head (0 without a tail; b >= 0 (:func:`top_two`), so maxima are taken on the
-    bits), whether equal positive gains meet in the head or across its cut (where torch.topk's
-    order decides) and the token after the head (0 without one)."""
+    gains (:func:`gain_keys`) whose first ``k`` are the head in order (and, when ``k < n``, the
+    other tokens after them, the next token of the order at ``k``): the head's indices, beta
+    and V into ``head``, ``hb``, ``hv`` (R, k) (for torch's row sums) and its part of the
+    suffixes from each position (:func:`_head_suffixes`) into ``cb``, ``cv``, ``cm``. Returns
+    the largest b outside the head (0 without a tail; b >= 0 (:func:`top_two`), so maxima are
+    taken on the bits) and whether equal positive gains meet in the head or across its cut
+    (where torch.topk's order decides)."""
     rows, n = key.shape
-    ib = _index_bits(n)
-    mask = (1 << ib) - 1
+    mask = (np.int64(1) << INDEX_BITS) - 1
     tail_b = np.zeros(rows, np.int32)
     tie = np.zeros(rows, np.bool_)
-    nxt = np.zeros(rows, np.int64)
-    group = np.empty(n, np.int64)
     last = k + 1 if k < n else k
     for r in range(rows):
         kr, hr, hbr, hvr = key[r], head[r], hb[r], hv[r]
-        bi, vi, bits, gb = beta_i[r], var_i[r], b_i[r].view(np.int32), gain[r].view(np.int32)
-        if k < n:
-            _settle_cut(kr, k, ib, gb, group)
-            nxt[r] = kr[k] & mask
-        tie[r] = _settle_runs(kr, last, ib, gb)
+        bi, vi, bits = beta_i[r], var_i[r], b_i[r].view(np.int32)
         for j in range(k):
             hr[j] = kr[j] & mask
         for j in range(k):  # one loop per output: faster than one for both
@@ -379,8 +283,13 @@ def head_terms(key, k, gain, beta_i, var_i, b_i, head, hb, hv, cb, cv, cm):
         for j in range(k, n):  # the tail
             m = max(m, bits[kr[j] & mask])
         tail_b[r] = m
+        ties = 0
+        for j in range(1, last):
+            hi = kr[j] >> INDEX_BITS
+            ties += (hi == kr[j - 1] >> INDEX_BITS) & (hi < INF_BITS)
+        tie[r] = ties > 0
         _head_suffixes(hr, hbr, hvr, bits, cb[r], cv[r], cm[r].view(np.int32))
-    return tail_b.view(np.float32), tie, nxt
+    return tail_b.view(np.float32), tie
 
 
 @_jit

@@ -541,7 +541,7 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
     gain = _rows.scratch("gain", bi.shape, np.float32)  # the plan's gains, until the next
     c1, c2, dt = _rows.gain_prep(vi, var.contiguous().reshape(-1).numpy(), top, second, arg, l2,
                                  l3, gain)
-    key = _rows.scratch("key", bi.shape, np.uint32)
+    key = _rows.scratch("key", bi.shape, np.int64)
     if not _rows.gain_keys(bi, vi, sqrt(gain), c1, c2, dt, sqrt(c1.copy()), sqrt(c2.copy()),
                            arg, l2, f32(torch.finfo(torch.float32).tiny), key):
         return None
@@ -554,7 +554,7 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
     head = _rows.scratch("head", (rows, k), np.int32)
     hb, hv, cb, cv, cm = (_rows.scratch(name, (rows, k), np.float32)
                           for name in ("hb", "hv", "cb", "cv", "cm"))
-    tail_b, tie, nxt = _rows.head_terms(key, k, gain, bi, vi, mi, head, hb, hv, cb, cv, cm)
+    tail_b, tie = _rows.head_terms(key, k, bi, vi, mi, head, hb, hv, cb, cv, cm)
     d = denom.contiguous().reshape(-1).numpy()
     totals = beta.reshape(-1), var.reshape(-1)
     plan, found = _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi, *totals, d, eps, delta,
@@ -562,6 +562,7 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
     tied = None
     if k < n:  # rows whose plan could depend on torch.topk's order of equal gains
         ties = np.flatnonzero(tie)
+        nxt = key[:, k] & 0xFFFFFFFF
         ties = ties[_rows.tie_moves(ties, head, nxt, gain, bi, vi, mi, plan.k_star.numpy())]
         if len(ties):
             ties = ties[~_any_order(ties, head, nxt, gain, (bi, vi, mi), totals, d, plan, found,
