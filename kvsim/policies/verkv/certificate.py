@@ -462,9 +462,10 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
     rows = lambda x, at: x.reshape(-1, *x.shape[len(shape) - 1:])[at]  # noqa: E731
     compiled = _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps, delta, k, also, l)
     if compiled is not None:
-        gain, plan, found, tied = compiled
+        tied_gain, plan, found, tied = compiled
         if k == n:
             return plan
+        gain = None  # the compiled loops keep the gains of the tied rows alone
     else:
         gain = _gains(beta_i, var_i, b_i, beta, var, l)
         if k == n:
@@ -473,19 +474,20 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
         idx, rest, after = _fetch_head(gain, k)
         plan, found = _plan_on(idx, rest, beta_i, var_i, b_i, beta, var, denom, eps, delta, also)
         tied = _topk_rows(gain, (beta_i, var_i, b_i, plan.k_star), idx, after)
-    tensors = (gain, beta_i, var_i, b_i, beta, var, denom)
+    tensors = (beta_i, var_i, b_i, beta, var, denom)
     if tied.numel():
-        g, *more = (rows(x, tied) for x in tensors)
+        more = [rows(x, tied) for x in tensors]
         if compiled is not None:
-            sub, sub_found = _plan_topk_compiled(g, *more, k, eps, delta, also)
+            sub, sub_found = _plan_topk_compiled(tied_gain, *more, k, eps, delta, also)
         else:
-            sub, sub_found = _plan_on(torch.topk(g, k, dim=-1).indices, None, *more, eps,
-                                      delta, also)
+            sub, sub_found = _plan_on(torch.topk(rows(gain, tied), k, dim=-1).indices, None,
+                                      *more, eps, delta, also)
         found = found.reshape(-1).index_put((tied,), sub_found)
         _put_rows(plan, tied, sub)
     if not bool(found.all()):  # rows whose cut lies beyond the head: a full sort
         redo = (~found).reshape(-1).nonzero()[:, 0]
-        g, *more = (rows(x, redo) for x in tensors)
+        more = [rows(x, redo) for x in tensors]
+        g = rows(gain, redo) if gain is not None else _gains(*more[:5], l)
         full, _ = _plan_on(top_desc(g, n, values=False)[1], None, *more, eps, delta, also)
         _put_rows(plan, redo, full)
     return plan
@@ -517,19 +519,62 @@ def _gains(beta_i, var_i, b_i, beta, var, l: float) -> torch.Tensor:
     return gain.scatter_(-1, arg, gain_arg)
 
 
+ROW_BLOCK = 16  # rows per visit of the fetch order's loops, so that a block's rows stay cached
+
+
 def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: float, k: int,
                    also, l: float):
-    """The gains, the fetch plan on the head of ``k`` tokens, which rows found k* in it and the
-    rows whose plan could depend on torch.topk's order of equal gains (:func:`_topk_rows`), by
-    the compiled row loops (:mod:`._rows`: the torch code's float32 operations row by
-    row, with torch's row sums); None where they do not apply (no numba, not float32 on the
-    CPU, a gain that is not finite and >= 0)."""
+    """The fetch plan on the head of ``k`` tokens, which rows found k* in it, the rows whose
+    plan could depend on torch.topk's order of equal gains (:func:`_topk_rows`) and their gains,
+    by the compiled row loops (:mod:`._rows`: the torch code's float32 operations row by row,
+    with torch's row sums); None where they do not apply (no numba, not float32 on the CPU, a
+    gain that is not finite and >= 0). The order is found ``ROW_BLOCK`` rows at a time."""
     if not (_rows.applies(beta_i, var_i, b_i, denom)
             and var_i.shape == b_i.shape == beta_i.shape):
         return None
     shape, n = beta_i.shape, beta_i.shape[-1]
     lead = shape[:-1]
     bi, vi, mi = (x.contiguous().reshape(-1, n).numpy() for x in (beta_i, var_i, b_i))
+    var_np = var.contiguous().reshape(-1).numpy()
+    rows = len(bi)
+    head = _rows.scratch("head", (rows, k), np.int32)
+    hb, hv, cb, cv, cm = (_rows.scratch(name, (rows, k), np.float32)
+                          for name in ("hb", "hv", "cb", "cv", "cm"))
+    tail_b, nxt = np.empty(rows, np.float32), np.empty(rows, np.int64)
+    tie = np.empty(rows, np.bool_)
+    tie_gain = []  # the gains of rows with ties, for their order's choices
+    for lo in range(0, rows, ROW_BLOCK):
+        s = slice(lo, min(lo + ROW_BLOCK, rows))
+        gain = _order_block(bi[s], vi[s], mi[s], var_np[s], k, l, head[s], hb[s], hv[s], cb[s],
+                            cv[s], cm[s], tail_b[s], tie[s], nxt[s])
+        if gain is None:
+            return None
+        tie_gain += [gain[j].copy() for j in np.flatnonzero(tie[s])] if k < n else []
+    d = denom.contiguous().reshape(-1).numpy()
+    totals = beta.reshape(-1), var.reshape(-1)
+    plan, found = _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi, *totals, d, eps, delta,
+                                also)
+    ties = np.flatnonzero(tie) if k < n else np.zeros(0, np.int64)
+    g = np.array(tie_gain, np.float32).reshape(-1, n)
+    if len(ties):  # rows whose plan could depend on torch.topk's order of equal gains
+        at = np.arange(len(ties))
+        keep = _rows.tie_moves(at, head[ties], nxt[ties], g, bi[ties], vi[ties], mi[ties],
+                               plan.k_star.numpy()[ties])
+        ties, g = ties[keep], g[keep]
+    if len(ties):
+        keep = ~_any_order(ties, head[ties], nxt[ties], g, (bi, vi, mi), totals, d, plan, found,
+                           eps, delta, also)
+        ties, g = ties[keep], g[keep]
+    plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
+                       for f in ("k_star", "exact", "eps_before", "eps_after")))
+    return torch.from_numpy(g), plan, found.reshape(lead), torch.from_numpy(ties)
+
+
+def _order_block(bi, vi, mi, var, k: int, l: float, head, hb, hv, cb, cv, cm, tail_b, tie, nxt):
+    """The gains of a block of rows and :func:`_rows.head_terms`'s outputs for their fetch order
+    (into ``head`` .. ``nxt``); returns the gains (a buffer reused by the next block), or None
+    where a b or a gain is not finite and >= 0."""
+    rows, n = bi.shape
     f32, sqrt = np.float32, _rows.torch_sqrt_
     arg, top, second, ambiguous, ok = _rows.top_two(mi)
     if not ok:
@@ -538,9 +583,8 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
         at = np.flatnonzero(ambiguous)
         arg[at] = torch.topk(torch.from_numpy(mi[at]), 2, dim=-1).indices[:, 0].numpy()
     l2, l3 = f32(2.0 * l), f32(l / 3.0)
-    gain = _rows.scratch("gain", bi.shape, np.float32)  # the plan's gains, until the next
-    c1, c2, dt = _rows.gain_prep(vi, var.contiguous().reshape(-1).numpy(), top, second, arg, l2,
-                                 l3, gain)
+    gain = _rows.scratch("gain", bi.shape, np.float32)
+    c1, c2, dt = _rows.gain_prep(vi, var, top, second, arg, l2, l3, gain)
     key = _rows.scratch("key", bi.shape, np.int64)
     if not _rows.gain_keys(bi, vi, sqrt(gain), c1, c2, dt, sqrt(c1.copy()), sqrt(c2.copy()),
                            arg, l2, f32(torch.finfo(torch.float32).tiny), key):
@@ -548,29 +592,11 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
     if k < n:
         key.partition(k, axis=-1)  # the k smallest keys first, the next one at k
         key[:, :k].sort(axis=-1)
+        nxt[:] = key[:, k] & 0xFFFFFFFF
     else:
         key.sort(axis=-1)
-    rows = len(bi)
-    head = _rows.scratch("head", (rows, k), np.int32)
-    hb, hv, cb, cv, cm = (_rows.scratch(name, (rows, k), np.float32)
-                          for name in ("hb", "hv", "cb", "cv", "cm"))
-    tail_b, tie = _rows.head_terms(key, k, bi, vi, mi, head, hb, hv, cb, cv, cm)
-    d = denom.contiguous().reshape(-1).numpy()
-    totals = beta.reshape(-1), var.reshape(-1)
-    plan, found = _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi, *totals, d, eps, delta,
-                                also)
-    tied = None
-    if k < n:  # rows whose plan could depend on torch.topk's order of equal gains
-        ties = np.flatnonzero(tie)
-        nxt = key[:, k] & 0xFFFFFFFF
-        ties = ties[_rows.tie_moves(ties, head, nxt, gain, bi, vi, mi, plan.k_star.numpy())]
-        if len(ties):
-            ties = ties[~_any_order(ties, head, nxt, gain, (bi, vi, mi), totals, d, plan, found,
-                                    eps, delta, also)]
-        tied = torch.from_numpy(ties)
-    plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
-                       for f in ("k_star", "exact", "eps_before", "eps_after")))
-    return torch.from_numpy(gain).reshape(shape), plan, found.reshape(lead), tied
+    tail_b[:], tie[:] = _rows.head_terms(key, k, bi, vi, mi, head, hb, hv, cb, cv, cm)
+    return gain
 
 
 TIE_PAIRS = 3  # rows with up to this many pairs of equal gains try every order of them
@@ -578,10 +604,11 @@ TIE_PAIRS = 3  # rows with up to this many pairs of equal gains try every order 
 
 def _any_order(rows, head, nxt, gain, terms, totals, d, plan: FetchPlan, found, eps: float,
                delta: float, also) -> np.ndarray:
-    """Which of the flat ``rows`` (ordered heads ``head``, next tokens ``nxt``) have the same
-    plan and ``found`` on every head ``torch.topk`` could give (:func:`_rows.tie_swaps`): then
-    its order among equal gains does not matter and the stable order's plan is its plan."""
-    pairs, owner, heads = _rows.tie_swaps(rows, head, nxt, gain, TIE_PAIRS)
+    """Which of the flat ``rows`` (their ordered heads ``head``, next tokens ``nxt`` and gains
+    ``gain``) have the same plan and ``found`` on every head ``torch.topk`` could give
+    (:func:`_rows.tie_swaps`): then its order among equal gains does not matter and the stable
+    order's plan is its plan."""
+    pairs, owner, heads = _rows.tie_swaps(np.arange(len(rows)), head, nxt, gain, TIE_PAIRS)
     same = pairs > 0
     if not len(owner):
         return same
@@ -589,10 +616,9 @@ def _any_order(rows, head, nxt, gain, terms, totals, d, plan: FetchPlan, found, 
     hb, hv, cb, cv, cm = (np.empty(heads.shape, np.float32) for _ in range(5))
     bi, vi, mi = (x[at] for x in terms)
     tail_b = _rows.head_values(heads, bi, vi, mi, hb, hv, cb, cv, cm)
-    alt, alt_found = _cut_compiled(heads, hb, hv, (cb, cv, cm), tail_b, mi,
-                                   *(x[torch.from_numpy(at)] for x in totals), d[at], eps,
-                                   delta, also)
     at_t = torch.from_numpy(at)
+    alt, alt_found = _cut_compiled(heads, hb, hv, (cb, cv, cm), tail_b, mi,
+                                   *(x[at_t] for x in totals), d[at], eps, delta, also)
     equal = (alt.k_star == plan.k_star[at_t]) & (alt_found == found[at_t]) \
         & (alt.exact == plan.exact[at_t]).all(-1)
     for f in ("eps_before", "eps_after"):
