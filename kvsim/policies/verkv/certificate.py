@@ -229,7 +229,7 @@ class BinaryShrink:
 def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -> BinaryShrink:
     """Appendix A.2: visit L in decreasing ``u_i = w_i (1 - r_i) / r_i`` and set
     ``lambda_i = r_i`` (adding ``a_i = w_i (1 - r_i)`` to beta) while ``u_i > 2 beta``."""
-    shape = torch.broadcast_shapes(w.shape, f.odds.shape)
+    shape = torch.Size(np.broadcast_shapes(w.shape, f.odds.shape))  # faster than torch's
     n = shape[-1]
 
     def prefix(uu, ww, omr, k):
@@ -298,7 +298,7 @@ def _shrink_first_compiled(w, f: Factors):
     :func:`_rows.shrink_first`, or None where it does not apply (no numba, not float32 on the
     CPU, broadcast weights, a NaN)."""
     shape = w.shape
-    if not (_rows.applies(w) and torch.broadcast_shapes(shape, f.odds.shape) == shape):
+    if not (_rows.applies(w) and np.broadcast_shapes(shape, f.odds.shape) == shape):
         return None
     odds, omr = (_row_blocks(x, shape) for x in (f.odds, f.one_minus_r))
     if odds is None or omr is None or len(odds) != len(omr):

@@ -72,6 +72,16 @@ class VerKVLayer:
     known_idx: torch.Tensor  # (n_kv, R) context tokens with exact weights before any read
     factors: C.Factors  # per-token constants of r, (n_kv, 1, n_ctx), zero outside L
     v_range: tuple | None = None  # (lo, hi) (n_kv, d) of the context's values: output certificate
+    _known_keys: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def known_keys(self) -> torch.Tensor:
+        """(n_kv, R, d) the host keys at ``known_idx``, gathered once (for the same tensors)."""
+        kept = self._known_keys
+        if kept is None or kept[0] is not self.k_host or kept[1] is not self.known_idx:
+            idx = self.known_idx
+            keys = self.k_host.gather(1, idx[:, :, None].expand(-1, -1, self.k_host.shape[-1]))
+            self._known_keys = kept = (self.k_host, idx, keys)
+        return kept[2]
 
 
 def make_layer(sample: PoissonSample, sketch: KeySketch | None, k_host: torch.Tensor,
@@ -122,8 +132,7 @@ def _planned_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | 
         return _exact_logits(q, layer, visible), None
     s = sketch_logits(layer.sketch, q).view(n_kv, g * m, -1)
     idx = layer.known_idx  # (n_kv, R)
-    keys = layer.k_host.gather(1, idx[:, :, None].expand(-1, -1, d))
-    exact_known = torch.matmul(qg, keys.transpose(1, 2)) / math.sqrt(d)  # (n_kv, g*m, R)
+    exact_known = torch.matmul(qg, layer.known_keys().transpose(1, 2)) / math.sqrt(d)
     at = idx[:, None, :].expand(-1, g * m, -1)
     s.scatter_(-1, at, exact_known)
     e = None
@@ -221,7 +230,7 @@ def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor |
     if short is None:
         return s, e, shift, torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
     sidx, valid = short  # (n_kv, kk)
-    skeys = layer.k_host.gather(1, sidx[:, :, None].expand(-1, -1, d))  # (n_kv, kk, d)
+    skeys = layer.k_host[torch.arange(n_kv)[:, None], sidx]  # (n_kv, kk, d): gather's, faster
     exact_short = torch.matmul(q.reshape(n_kv, g * m, d), skeys.transpose(1, 2)) / math.sqrt(d)
     gidx = sidx[:, None].expand(-1, g * m, -1)
     vv = valid[:, None].expand(-1, g * m, -1)
