@@ -256,12 +256,13 @@ def gain_keys(beta_i, var_i, root, c1, c2, dt, root1, root2, arg, l2, tiny, key)
 
 
 @_jit
-def head_terms(key, k, beta_i, var_i, b_i, head, hb, hv, cb, cv, cm):
+def head_terms(key, k, gain, beta_i, var_i, b_i, head, hb, hv, cb, cv, cm):
     """What ``_plan_on`` takes from the head of the fetch order, from the keys (R, n) of the
-    gains (:func:`gain_keys`) whose first ``k`` are the head in order (and, when ``k < n``, the
-    other tokens after them, the next token of the order at ``k``): the head's indices, beta
-    and V into ``head``, ``hb``, ``hv`` (R, k) (for torch's row sums) and its part of the
-    suffixes from each position (:func:`_head_suffixes`) into ``cb``, ``cv``, ``cm``. Returns
+    gains ``gain`` (:func:`gain_keys`) whose first ``k`` are the head in order (and, when
+    ``k < n``, the other tokens after them, the next token of the order at ``k``): the head's
+    indices, beta and V into ``head``, ``hb``, ``hv`` (R, k) (for torch's row sums) and its
+    part of the suffixes from each position (:func:`_head_suffixes`) into ``cb``, ``cv``,
+    ``cm``. Returns
     the largest b outside the head (0 without a tail; b >= 0 (:func:`top_two`), so maxima are
     taken on the bits) and whether equal positive gains meet in the head or across its cut
     (where torch.topk's order decides)."""
@@ -279,10 +280,13 @@ def head_terms(key, k, beta_i, var_i, b_i, head, hb, hv, cb, cv, cm):
             hbr[j] = bi[hr[j]]
         for j in range(k):
             hvr[j] = vi[hr[j]]
-        m = np.int32(0)
-        for j in range(k, n):  # the tail
-            m = max(m, bits[kr[j] & mask])
-        tail_b[r] = m
+        if k < n:  # the tail: the tokens whose key is at least the one at k (in order: faster
+            cut, gb = kr[k], gain[r].view(np.int32)  # than gathering those after the cut)
+            m = np.int32(0)
+            for i in range(n):
+                own = ((INF_BITS - np.int64(max(gb[i], 0))) << INDEX_BITS) | i
+                m = max(m, bits[i] if own >= cut else np.int32(0))
+            tail_b[r] = m
         ties = 0
         for j in range(1, last):
             hi = kr[j] >> INDEX_BITS

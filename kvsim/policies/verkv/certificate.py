@@ -595,7 +595,7 @@ def _order_block(bi, vi, mi, var, k: int, l: float, head, hb, hv, cb, cv, cm, ta
         nxt[:] = key[:, k] & 0xFFFFFFFF
     else:
         key.sort(axis=-1)
-    tail_b[:], tie[:] = _rows.head_terms(key, k, bi, vi, mi, head, hb, hv, cb, cv, cm)
+    tail_b[:], tie[:] = _rows.head_terms(key, k, gain, bi, vi, mi, head, hb, hv, cb, cv, cm)
     return gain
 
 
