@@ -87,6 +87,31 @@ def test_fetch_plan_equals_the_torch_code(ties):
                                                                      "eps_before"))
 
 
+def test_fetch_plan_on_banded_gains_equals_the_torch_code():
+    """Gains in a narrow band beside a tiny and a huge one (values a few ulps apart inside the
+    head and across its cut), with exact ties and zeros: the compiled loops order them as the
+    torch code's stable sort."""
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        rows, n = 6, 1500
+        var_i = 1 + torch.rand(rows, n, generator=g) * 1e-3
+        dup = torch.randint(0, n, (rows, n // 10), generator=g)
+        var_i.scatter_(1, dup, var_i.gather(1, dup.roll(1, 1)))  # equal gains
+        var_i[:, 0], var_i[:, 1] = 1e-30, 1e3
+        var_i[torch.rand(rows, n, generator=g) < 0.05] = 0.0
+        beta_i = torch.where(torch.rand(rows, n, generator=g) < 0.01, var_i * 0.3, 0.0)
+        b_i = var_i.sqrt() * torch.rand(rows, n, generator=g)
+        for scale in (1e-2, 1.0):
+            denom = var_i.sum(-1) * scale
+            for eps in (1e-3, 0.05, 0.3):
+                for head in (n // 3, n // 2, n):
+                    got = C.fetch_plan_terms(beta_i, var_i, b_i, denom, eps, DELTA, head=head)
+                    want = torch_only(C.fetch_plan_terms, beta_i, var_i, b_i, denom, eps, DELTA,
+                                      head=head)
+                    for name in ("k_star", "exact", "eps_before", "eps_after"):
+                        assert same(getattr(got, name), getattr(want, name)), (seed, head, name)
+
+
 def test_tie_moves_equals_topk_rows():
     """The compiled ``_topk_rows`` on gains of few values (many ties, cuts inside runs)."""
     g = torch.Generator().manual_seed(3)
@@ -104,6 +129,47 @@ def test_tie_moves_equals_topk_rows():
     moves = _rows.tie_moves(at.numpy(), head.numpy(), after.numpy(), gain.numpy(),
                             beta_i.numpy(), var_i.numpy(), b_i.numpy(), k_star.numpy())
     assert torch.equal(at[torch.from_numpy(moves)], want)
+
+
+def _paired_terms(seed: int, n: int = 600, rows: int = 24):
+    """Terms whose rows each hold a pair of equal gains at a chosen rank (from the first to
+    past a head of n / 2): a token's beta and V copied to the next one in the order, its b
+    copied or halved, every fourth row its V one ulp up (the gains may still round equal)."""
+    w, f = _weights(seed, (1, rows, n), False)
+    bi, vi, mi = (x.clone() for x in C.terms(w, f, C.binary_shrink(w, f)))
+    g = C._gains(bi, vi, mi, bi.sum(-1), vi.sum(-1), C.log_term(DELTA))
+    order = torch.sort(g, dim=-1, descending=True, stable=True).indices[0]
+    for r in range(rows):
+        p = [0, 1, 2, 5, 20, 60, n // 3 - 1, n // 3, n // 2][r % 9]
+        a, b = order[r, p], order[r, p + 1]
+        bi[0, r, b], vi[0, r, b] = bi[0, r, a], vi[0, r, a]
+        mi[0, r, b] = mi[0, r, a] * (1 if r % 2 else 0.5)
+        if r % 4 == 3:
+            vi[0, r, b] = torch.nextafter(vi[0, r, a], torch.tensor(1.0))
+    return w, bi, vi, mi
+
+
+def test_tied_pairs_equal_the_torch_code(monkeypatch):
+    """Rows with a pair of equal gains: the plan is the stable order's where every order of the
+    pair gives the same one, torch.topk's otherwise, as the torch code's (both cases occur)."""
+    settled, any_order = [], C._any_order
+
+    def spy(*args):
+        out = any_order(*args)
+        settled.extend(out.tolist())
+        return out
+
+    monkeypatch.setattr(C, "_any_order", spy)
+    for seed in range(3):
+        w, bi, vi, mi = _paired_terms(seed)
+        denom = w.sum(-1) * 1.02
+        for eps in (1e-3, 0.02, 0.05, 0.3):
+            for head in (200, 300):
+                got = C.fetch_plan_terms(bi, vi, mi, denom, eps, DELTA, head=head)
+                want = torch_only(C.fetch_plan_terms, bi, vi, mi, denom, eps, DELTA, head=head)
+                for name in ("k_star", "exact", "eps_before", "eps_after"):
+                    assert same(getattr(got, name), getattr(want, name)), (seed, eps, head, name)
+    assert any(settled) and not all(settled)
 
 
 @pytest.mark.parametrize("options", [{}, {"eps_output": 0.1}, {"variant": "paper"},

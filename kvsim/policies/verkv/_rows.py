@@ -92,32 +92,29 @@ def _bits_max(bits):
 
 
 @_jit
-def shrink_first(u, w, omr, s):
-    """The first ``s`` of binary shrinkage's visiting order per row: the ``s + 1`` largest
-    ``u`` (descending), ``a = w * (1 - r)`` there, ``before = cumsum(a) - a`` and the count of
-    leading ``u > 2 before`` among the first ``s``. ``w`` and ``omr`` have one row per
-    ``len(u) // len(w)`` (``// len(omr)``) consecutive rows of ``u``. Returns (idx (R, s),
-    count (R,), tied (R,): equal positive values among the ``s + 1``, where torch.topk's
-    order decides; bad: a NaN, a negative value or -0.0 (then the torch code)).
-
-    The ``s + 1`` largest are at least the ``s + 1``-th largest of the maxima of ``4 (s + 1)``
-    blocks (that many blocks hold a value at least as large), so only the tokens at or above
-    it are visited in order; on the bits, as ``u >= 0``."""
-    rows, n = u.shape
-    per_w = rows // w.shape[0]
-    per = rows // omr.shape[0]
+def shrink_first(w, odds, omr, s, u):
+    """``u = w * odds`` into ``u`` (R, n) and the first ``s`` of binary shrinkage's visiting
+    order per row (:func:`_first_s`), in one visit of each row. The factor rows ``odds``,
+    ``omr`` stand for ``R // len(odds)`` consecutive rows each. Returns (idx (R, s), count
+    (R,), tied (R,): equal positive values among the ``s + 1``, where torch.topk's order
+    decides; bad: a NaN, a negative value or -0.0 in u (then the torch code))."""
+    rows, n = w.shape
+    per = rows // odds.shape[0]
     idx = np.zeros((rows, s), np.int64)
     count = np.zeros(rows, np.int64)
     tied = np.zeros(rows, np.bool_)
-    two = np.float32(2.0)
     k = s + 1
     vals = np.empty(k, np.int32)
     at = np.empty(k, np.int64)
     blocks = min(n, 4 * k)
     width = -(-n // blocks)
     tops = np.empty(blocks, np.int32)
-    for r in range(rows):
-        bits = u[r].view(np.int32)
+    for q in range(rows):
+        f = q // per
+        wr, ur, od = w[q], u[q], odds[f]
+        for j in range(n):
+            ur[j] = wr[j] * od[j]
+        bits = ur.view(np.int32)
         if _bits_max(bits) < 0:
             return idx, count, tied, True
         for b in range(blocks):
@@ -126,38 +123,51 @@ def shrink_first(u, w, omr, s):
                 m = max(m, bits[j])
             tops[b] = m
         cut = np.sort(tops)[blocks - k] if blocks >= k else np.int32(0)
-        size = 0
-        for j in range(n):
-            v = bits[j]
-            if v < cut or (size == k and not v > vals[k - 1]):
-                continue
-            p = size if size < k else k - 1
-            while p > 0 and vals[p - 1] < v:
-                vals[p] = vals[p - 1]
-                at[p] = at[p - 1]
-                p -= 1
-            vals[p] = v
-            at[p] = j
-            if size < k:
-                size += 1
-        ur, wrow, orow = u[r], w[r // per_w], omr[r // per]
-        acc = 0.0  # float64, as torch's cumsum of float32
-        c = 0
-        going = True
-        for j in range(s):
-            a = wrow[at[j]] * orow[at[j]]
-            acc += a
-            before = np.float32(acc) - a
-            if going and ur[at[j]] > two * before:
-                c += 1
-            else:
-                going = False
-            idx[r, j] = at[j]
-        for j in range(k - 1):
-            if vals[j + 1] == vals[j] and vals[j + 1] > 0:
-                tied[r] = True
-        count[r] = c
+        count[q], tied[q] = _first_s(bits, cut, wr, omr[f], s, vals, at, idx[q])
     return idx, count, tied, False
+
+
+@_jit
+def _first_s(bits, cut, wr, orow, s, vals, at, idx):
+    """The ``s + 1`` largest of a row of ``u`` >= 0 (``bits``: its int32 bits, which order as
+    u; only tokens at or above ``cut`` are visited, in order) descending, their first ``s``
+    into ``idx``, ``a = w * (1 - r)`` there, ``before = cumsum(a) - a`` and the count of leading
+    ``u > 2 before`` among the first ``s``. Returns (count, tied). The ``s + 1`` largest are at
+    least the ``s + 1``-th largest of the maxima of ``4 (s + 1)`` blocks (that many blocks hold
+    a value at least as large): :func:`shrink_first`'s ``cut``."""
+    k = s + 1
+    size = 0
+    for j in range(bits.shape[0]):
+        v = bits[j]
+        if v < cut or (size == k and not v > vals[k - 1]):
+            continue
+        p = size if size < k else k - 1
+        while p > 0 and vals[p - 1] < v:
+            vals[p] = vals[p - 1]
+            at[p] = at[p - 1]
+            p -= 1
+        vals[p] = v
+        at[p] = j
+        if size < k:
+            size += 1
+    ur = bits.view(np.float32)
+    two = np.float32(2.0)
+    acc = 0.0  # float64, as torch's cumsum of float32
+    c = 0
+    going = True
+    for j in range(s):
+        a = wr[at[j]] * orow[at[j]]
+        acc += a
+        before = np.float32(acc) - a
+        if going and ur[at[j]] > two * before:
+            c += 1
+        else:
+            going = False
+        idx[j] = at[j]
+    tied = False
+    for j in range(k - 1):
+        tied |= vals[j + 1] == vals[j] and vals[j + 1] > 0
+    return c, tied
 
 
 @_jit
@@ -246,28 +256,32 @@ def gain_keys(beta_i, var_i, root, c1, c2, dt, root1, root2, arg, l2, tiny, key)
 
 
 @_jit
-def head_terms(key, k, gain, beta_i, var_i, b_i, head, hb, hv):
-    """From the keys (R, n) of the gains ``gain`` whose first ``k`` are the head in order (and,
-    when ``k < n``, the rest after them, the next token of the order at ``k``): the head's
-    indices, beta and V
-    into ``head``, ``hb``, ``hv`` (R, k) (for torch's row sums), and returns the largest b
-    outside the head (0 without a tail) and whether equal positive gains meet in the head or
-    across its cut (where torch.topk's order decides). One short loop per task: they
-    vectorise, a loop doing all at once does not."""
+def head_terms(key, k, gain, beta_i, var_i, b_i, head, hb, hv, cb, cv, cm):
+    """What ``_plan_on`` takes from the head of the fetch order, from the keys (R, n) of the
+    gains ``gain`` (:func:`gain_keys`) whose first ``k`` are the head in order (and, when
+    ``k < n``, the other tokens after them, the next token of the order at ``k``): the head's
+    indices, beta and V into ``head``, ``hb``, ``hv`` (R, k) (for torch's row sums) and its
+    part of the suffixes from each position (:func:`_head_suffixes`) into ``cb``, ``cv``,
+    ``cm``. Returns
+    the largest b outside the head (0 without a tail; b >= 0 (:func:`top_two`), so maxima are
+    taken on the bits) and whether equal positive gains meet in the head or across its cut
+    (where torch.topk's order decides)."""
     rows, n = key.shape
     mask = (np.int64(1) << INDEX_BITS) - 1
-    for r in range(rows):
-        kr, hr = key[r], head[r]
-        for j in range(k):
-            hr[j] = kr[j] & mask
-    _gather2(head, beta_i, var_i, hb, hv)
-    tail_b = np.zeros(rows, np.int32)  # as bits: b >= 0 (top_two), so they order as b
+    tail_b = np.zeros(rows, np.int32)
     tie = np.zeros(rows, np.bool_)
     last = k + 1 if k < n else k
     for r in range(rows):
-        kr, bits, gb = key[r], b_i[r].view(np.int32), gain[r].view(np.int32)
-        if k < n:  # the tail: the tokens whose key is at least the one at k
-            cut = kr[k]
+        kr, hr, hbr, hvr = key[r], head[r], hb[r], hv[r]
+        bi, vi, bits = beta_i[r], var_i[r], b_i[r].view(np.int32)
+        for j in range(k):
+            hr[j] = kr[j] & mask
+        for j in range(k):  # one loop per output: faster than one for both
+            hbr[j] = bi[hr[j]]
+        for j in range(k):
+            hvr[j] = vi[hr[j]]
+        if k < n:  # the tail: the tokens whose key is at least the one at k (in order: faster
+            cut, gb = kr[k], gain[r].view(np.int32)  # than gathering those after the cut)
             m = np.int32(0)
             for i in range(n):
                 own = ((INF_BITS - np.int64(max(gb[i], 0))) << INDEX_BITS) | i
@@ -278,98 +292,97 @@ def head_terms(key, k, gain, beta_i, var_i, b_i, head, hb, hv):
             hi = kr[j] >> INDEX_BITS
             ties += (hi == kr[j - 1] >> INDEX_BITS) & (hi < INF_BITS)
         tie[r] = ties > 0
+        _head_suffixes(hr, hbr, hvr, bits, cb[r], cv[r], cm[r].view(np.int32))
     return tail_b.view(np.float32), tie
 
 
 @_jit
-def _gather2(head, beta_i, var_i, hb, hv):
-    for r in range(head.shape[0]):
-        hr, bi, vi, br, vr = head[r], beta_i[r], var_i[r], hb[r], hv[r]
-        for j in range(head.shape[1]):
-            br[j] = bi[hr[j]]
-            vr[j] = vi[hr[j]]
+def _head_suffixes(hr, hbr, hvr, bits, cbr, cvr, cmr):
+    """A head's part of the suffixes from each position: ``hb.flip(-1).cumsum(-1)`` (float64
+    sums of float32, as torch's, rounded to float32), the same of ``hv``, and the running max
+    of the b bits ``bits`` of its tokens (from the last)."""
+    acc_b = 0.0
+    acc_v = 0.0
+    run = np.int32(0)
+    for j in range(len(hr) - 1, -1, -1):
+        acc_b += hbr[j]
+        acc_v += hvr[j]
+        cbr[j] = np.float32(acc_b)
+        cvr[j] = np.float32(acc_v)
+        run = max(run, bits[hr[j]])
+        cmr[j] = run
 
 
 @_jit
-def head_values(head, beta_i, var_i, b_i, hb, hv):
-    """The beta and V of the heads ``head`` (R, k) into ``hb``, ``hv`` and the largest b of each
-    row outside its head (0 where there is none)."""
+def head_values(head, beta_i, var_i, b_i, hb, hv, cb, cv, cm):
+    """:func:`head_terms`'s outputs for given heads ``head`` (R, k) (torch.topk's): their beta
+    and V into ``hb``, ``hv``, their part of the suffixes into ``cb``, ``cv``, ``cm``, and the
+    largest b of each row outside its head (0 where there is none)."""
     rows, n = b_i.shape
-    tail_b = np.zeros(rows, b_i.dtype)
+    tail_b = np.zeros(rows, np.int32)
     out = np.ones(n, np.bool_)
     for r in range(rows):
         out[:] = True
+        hr, bits = head[r], b_i[r].view(np.int32)
         for j in range(head.shape[1]):
-            i = head[r, j]
+            i = hr[j]
             hb[r, j] = beta_i[r, i]
             hv[r, j] = var_i[r, i]
             out[i] = False
-        m = tail_b[r]
+        m = np.int32(0)
         for i in range(n):
-            if out[i] and b_i[r, i] > m:
-                m = b_i[r, i]
+            m = max(m, bits[i] if out[i] else np.int32(0))
         tail_b[r] = m
-    return tail_b
+        _head_suffixes(hr, hb[r], hv[r], bits, cb[r], cv[r], cm[r].view(np.int32))
+    return tail_b.view(np.float32)
 
 
 @_jit
-def suffixes(head, hb, hv, b_i, tail_beta, tail_var, tail_b, sb, sv, sm):
-    """(R, k + 1) the certificate's beta, V and b of the order's suffix from each position
-    (``_plan_on``): the head's part (reversed cumulative sums in float64, rounded to float32,
-    and a running max) plus the tail's; position k: the tail alone; into ``sb``, ``sv``,
-    ``sm``. b >= 0 (:func:`top_two`): its maxima are taken on the bits."""
-    rows, k = hb.shape
+def _suffix(r, j, k, cb, cv, cm, tail_beta, tail_var, tail_b):
+    """The certificate's beta, V and b of the order's suffix from position ``j`` of row ``r``
+    (``_plan_on``): the head's part plus the tail's; position k: the tail alone. b >= 0 and
+    not NaN nor -0.0 (:func:`top_two`), so max is the max of the bits."""
+    tm = tail_b[r]
+    if j < k:
+        m = cm[r, j]
+        return cb[r, j] + tail_beta[r], cv[r, j] + tail_var[r], m if m > tm else tm
     zero = np.float32(0.0)
-    for r in range(rows):
-        tb, tv = tail_beta[r], tail_var[r]
-        hbr, hvr, sbr, svr = hb[r], hv[r], sb[r], sv[r]
-        sbr[k] = zero + tb
-        svr[k] = zero + tv
-        acc_b = 0.0
-        acc_v = 0.0
-        for j in range(k - 1, -1, -1):
-            acc_b += hbr[j]
-            acc_v += hvr[j]
-            sbr[j] = np.float32(acc_b) + tb
-            svr[j] = np.float32(acc_v) + tv
-        bits, hr, smr = b_i[r].view(np.int32), head[r], sm[r].view(np.int32)
-        run = np.int32(0)
-        for j in range(k - 1, -1, -1):
-            run = max(run, bits[hr[j]])
-            smr[j] = run
-        tm = tail_b[r:r + 1].view(np.int32)[0]
-        for j in range(k + 1):
-            smr[j] = max(smr[j], tm) if j < k else max(np.int32(0), tm)
+    return zero + tail_beta[r], zero + tail_var[r], tm
 
 
 @_jit
-def eps_args(rows, lo, hi, sv, sm, l3, l2, out):
+def eps_args(rows, lo, hi, k, cb, cv, cm, tail_beta, tail_var, tail_b, l3, l2, out):
     """``t * t + 2 l max(V, 0)`` with ``t = b l / 3`` (what bernstein_eps takes the square root
-    of) at positions lo..hi - 1 of the suffixes of ``rows``, into ``out`` (len(rows), hi - lo)."""
+    of) at positions lo..hi - 1 of the suffixes (:func:`_suffix`) of ``rows``, into ``out``
+    (len(rows), hi - lo)."""
     zero = np.float32(0.0)
     for i in range(len(rows)):
         r = rows[i]
         for j in range(lo, hi):
-            t = sm[r, j] * l3
-            v = sv[r, j]
+            _, v, m = _suffix(r, j, k, cb, cv, cm, tail_beta, tail_var, tail_b)
+            t = m * l3
             out[i, j - lo] = t * t + l2 * (zero if v < zero else v)
 
 
 @_jit
-def first_ok(rows, lo, hi, sb, sm, root, denom, l3, eps, also_root, also_l3, also_eps,
-             k_star, found, eps_at):
+def first_ok(rows, lo, hi, k, cb, cv, cm, tail_beta, tail_var, tail_b, root, denom, l3, eps,
+             also_root, also_l3, also_eps, k_star, found, eps_at, eps_before):
     """The first position in lo..hi - 1 whose eps_hat ``(beta + t + root) / D`` is below
     ``eps`` (and the output certificate's, ``also_root`` given) for each of ``rows``: sets
-    ``k_star``, ``found`` and ``eps_at`` (eps_hat there) where there is one."""
+    ``k_star``, ``found`` and ``eps_at`` (eps_hat there) where there is one, and eps_hat at
+    position 0 (eps_hat(L)) into ``eps_before``."""
     also = also_root.shape[1] > 0
     for i in range(len(rows)):
         r = rows[i]
         d = denom[r]
         for j in range(lo, hi):
-            e = (sb[r, j] + sm[r, j] * l3 + root[i, j - lo]) / d
+            sb, _, sm = _suffix(r, j, k, cb, cv, cm, tail_beta, tail_var, tail_b)
+            e = (sb + sm * l3 + root[i, j - lo]) / d
+            if j == 0:
+                eps_before[r] = e
             ok = e < eps
             if ok and also:
-                ok = (sb[r, j] + sm[r, j] * also_l3 + also_root[i, j - lo]) / d < also_eps
+                ok = (sb + sm * also_l3 + also_root[i, j - lo]) / d < also_eps
             if ok:
                 k_star[r], found[r], eps_at[r] = j, True, e
                 break
@@ -390,27 +403,33 @@ def exact_mask(head, hb, hv, b_i, k_star):
 
 @_jit
 def binary_terms(w, u, bfac, r, omr, idx, count, beta_i, var_i, b_i):
-    """``terms`` for binary shrinkage into ``beta_i``, ``var_i``, ``b_i`` (R, n): ``V = w u``,
-    ``b = w max(r, 1 - r) / r``, ``beta = 0``, then at the first ``count`` tokens of ``idx``
-    (lambda = r): ``V r^2``, ``b r``, ``beta = w (1 - r)``. The factor rows ``bfac``, ``r``,
-    ``omr`` stand for ``R // len(bfac)`` consecutive rows each."""
-    rows, n = w.shape
-    per = rows // bfac.shape[0]
+    """``terms`` for binary shrinkage into ``beta_i``, ``var_i``, ``b_i`` (R, n), row by row
+    (:func:`_terms_row`). The factor rows ``bfac``, ``r``, ``omr`` stand for
+    ``R // len(bfac)`` consecutive rows each."""
+    per = w.shape[0] // bfac.shape[0]
+    for q in range(w.shape[0]):
+        f = q // per
+        _terms_row(w[q], u[q], bfac[f], r[f], omr[f], idx[q], count[q], beta_i[q], var_i[q],
+                   b_i[q])
+
+
+@_jit
+def _terms_row(wr, ur, fr, rr, orow, idx, count, br, vr, mr):
+    """A row's binary-shrinkage terms: ``V = w u``, ``b = w max(r, 1 - r) / r``, ``beta = 0``,
+    then at the first ``count`` tokens of ``idx`` (lambda = r): ``V r^2``, ``b r``,
+    ``beta = w (1 - r)``."""
     zero = np.float32(0.0)
-    for q in range(rows):
-        wr, ur, fr = w[q], u[q], bfac[q // per]
-        br, vr, mr = beta_i[q], var_i[q], b_i[q]
-        for j in range(n):
-            vr[j] = wr[j] * ur[j]
-            mr[j] = wr[j] * fr[j]
-            br[j] = zero
-        rr, orow = r[q // per], omr[q // per]
-        for p in range(count[q]):
-            i = idx[q, p]
-            s = rr[i]
-            vr[i] = vr[i] * (s * s)
-            mr[i] = mr[i] * s
-            br[i] = zero + wr[i] * orow[i]
+    for j in range(wr.shape[0]):  # one loop per output: faster than one for all three
+        vr[j] = wr[j] * ur[j]
+    for j in range(wr.shape[0]):
+        mr[j] = wr[j] * fr[j]
+    br[:] = zero
+    for p in range(count):
+        i = idx[p]
+        s = rr[i]
+        vr[i] = vr[i] * (s * s)
+        mr[i] = mr[i] * s
+        br[i] = zero + wr[i] * orow[i]
 
 
 @_jit
@@ -427,10 +446,10 @@ def outside(beta_i, var_i, b_i, exact, g, beta_in, var_in):
         ex = exact[q // (g * m), q % m]
         bi, vi, bits = beta_i[q], var_i[q], b_i[q].view(np.int32)
         bo, vo = beta_in[q], var_in[q]
+        for j in range(n):  # one loop per output: faster than one for both
+            bo[j] = bi[j] * np.float32(ex[j])
         for j in range(n):
-            e = np.float32(ex[j])
-            bo[j] = bi[j] * e
-            vo[j] = vi[j] * e
+            vo[j] = vi[j] * np.float32(ex[j])
         top, lo, hi = np.int32(0), bits[0], bits[0]
         for j in range(n):
             v = bits[j]
@@ -471,6 +490,56 @@ def tie_moves(rows, head, after, gain, beta_i, var_i, b_i, k_star):
                 break
         moves[i] = m
     return moves
+
+
+@_jit
+def tie_swaps(rows, head, after, gain, most):
+    """The other heads ``torch.topk`` could give the flat ``rows`` (head ``head`` (R, k), next
+    token ``after``) where its order among equal gains is all that differs from the stable
+    one and is a choice of few: every gain of the head and the next token positive, equal
+    ones in pairs (no three equal), at most ``most`` pairs. Each pair may come either way
+    round (a pair across the cut: either token in the head). Returns the rows' pair counts
+    (-1: not such a row), and per other head (2^pairs - 1 per row) its row's position in
+    ``rows`` and the head (A, k)."""
+    k = head.shape[1]
+    at = np.zeros((len(rows), most), np.int64)  # each pair's first position
+    pairs = np.zeros(len(rows), np.int64)
+    total = 0
+    for i in range(len(rows)):
+        r = rows[i]
+        hr, g = head[r], gain[r]
+        c = 0
+        for j in range(k + 1):
+            t = hr[j] if j < k else after[r]
+            if not g[t] > 0:
+                c = -1
+                break
+            if j and g[t] == g[hr[j - 1]]:
+                if c == most or (j > 1 and g[hr[j - 2]] == g[t]):
+                    c = -1
+                    break
+                at[i, c] = j - 1
+                c += 1
+        pairs[i] = c
+        total += (1 << c) - 1 if c > 0 else 0
+    owner = np.empty(total, np.int64)
+    heads = np.empty((total, k), head.dtype)
+    a = 0
+    for i in range(len(rows)):
+        r = rows[i]
+        for mask in range(1, (1 << pairs[i]) if pairs[i] > 0 else 1):
+            h = heads[a]
+            h[:] = head[r]
+            for p in range(pairs[i]):
+                if mask >> p & 1:
+                    j = at[i, p]
+                    if j + 1 < k:
+                        h[j], h[j + 1] = h[j + 1], h[j]
+                    else:  # across the cut: the next token in the head instead
+                        h[j] = after[r]
+            owner[a] = i
+            a += 1
+    return pairs, owner, heads
 
 
 @_jit

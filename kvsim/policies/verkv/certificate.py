@@ -229,9 +229,8 @@ class BinaryShrink:
 def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -> BinaryShrink:
     """Appendix A.2: visit L in decreasing ``u_i = w_i (1 - r_i) / r_i`` and set
     ``lambda_i = r_i`` (adding ``a_i = w_i (1 - r_i)`` to beta) while ``u_i > 2 beta``."""
-    u = torch.mul(w, f.odds, out=_rows.empty_tensor(torch.broadcast_shapes(w.shape, f.odds.shape),
-                                                   w))
-    shape, n = u.shape, u.shape[-1]
+    shape = torch.Size(np.broadcast_shapes(w.shape, f.odds.shape))  # faster than torch's
+    n = shape[-1]
 
     def prefix(uu, ww, omr, k):
         if k < n:  # torch.topk: its order of equal values is the one to keep
@@ -245,9 +244,11 @@ def binary_shrink(w: torch.Tensor, f: Factors, head: int | None = SHRINK_HEAD) -
     # a head, then the full order for rows whose whole head is shrunk
     last = n if head is None else min(head, n)
     sizes = sorted({last, n})
-    first = _shrink_first_compiled(u, w, f.one_minus_r) if SHRINK_FIRST < last < n else None
+    first = _shrink_first_compiled(w, f) if SHRINK_FIRST < last < n else None
+    u = first[0] if first is not None else torch.mul(w, f.odds,
+                                                      out=_rows.empty_tensor(shape, w))
     if first is not None:
-        idx, count = first
+        _, idx, count = first
         sizes = [SHRINK_FIRST] + sizes
     elif SHRINK_FIRST < last < n:  # most rows stop early: try SHRINK_FIRST tokens first
         vals, idx = torch.topk(u, SHRINK_FIRST + 1, dim=-1)
@@ -291,23 +292,27 @@ def _row_blocks(x: torch.Tensor, shape) -> np.ndarray | None:
     return x.contiguous().reshape(-1, shape[-1]).numpy()
 
 
-def _shrink_first_compiled(u, w, omr):
-    """:func:`binary_shrink`'s first ``SHRINK_FIRST`` tokens by :func:`_rows.shrink_first`
-    (idx, count; rows with tied values get count ``SHRINK_FIRST``, as the torch code gives
-    them), or None where it does not apply (no numba, not float32 on the CPU, a NaN)."""
-    if not _rows.applies(u):
+def _shrink_first_compiled(w, f: Factors):
+    """``u`` and :func:`binary_shrink`'s first ``SHRINK_FIRST`` tokens (idx, count; rows with
+    tied values get count ``SHRINK_FIRST``, as the torch code gives them) by
+    :func:`_rows.shrink_first`, or None where it does not apply (no numba, not float32 on the
+    CPU, broadcast weights, a NaN)."""
+    shape = w.shape
+    if not (_rows.applies(w) and np.broadcast_shapes(shape, f.odds.shape) == shape):
         return None
-    shape = u.shape
-    ww, oo = _row_blocks(w, shape), _row_blocks(omr, shape)
-    if ww is None or oo is None:
+    odds, omr = (_row_blocks(x, shape) for x in (f.odds, f.one_minus_r))
+    if odds is None or omr is None or len(odds) != len(omr):
         return None
-    idx, count, tied, bad = _rows.shrink_first(u.reshape(-1, shape[-1]).numpy(), ww, oo,
-                                               SHRINK_FIRST)
+    n = shape[-1]
+    u = _rows.empty_tensor(shape, w)
+    idx, count, tied, bad = _rows.shrink_first(w.contiguous().reshape(-1, n).numpy(), odds, omr,
+                                               SHRINK_FIRST, u.view(-1, n).numpy())
     if bad:
         return None
     count[tied] = SHRINK_FIRST
     lead = shape[:-1]
-    return torch.from_numpy(idx).reshape(*lead, SHRINK_FIRST), torch.from_numpy(count).reshape(lead)
+    return (u, torch.from_numpy(idx).reshape(*lead, SHRINK_FIRST),
+            torch.from_numpy(count).reshape(lead))
 
 
 def binary_shrinkage(w: torch.Tensor, r: torch.Tensor, in_l: torch.Tensor,
@@ -457,9 +462,10 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
     rows = lambda x, at: x.reshape(-1, *x.shape[len(shape) - 1:])[at]  # noqa: E731
     compiled = _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps, delta, k, also, l)
     if compiled is not None:
-        gain, plan, found, tied = compiled
+        tied_gain, plan, found, tied = compiled
         if k == n:
             return plan
+        gain = None  # the compiled loops keep the gains of the tied rows alone
     else:
         gain = _gains(beta_i, var_i, b_i, beta, var, l)
         if k == n:
@@ -468,19 +474,20 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
         idx, rest, after = _fetch_head(gain, k)
         plan, found = _plan_on(idx, rest, beta_i, var_i, b_i, beta, var, denom, eps, delta, also)
         tied = _topk_rows(gain, (beta_i, var_i, b_i, plan.k_star), idx, after)
-    tensors = (gain, beta_i, var_i, b_i, beta, var, denom)
+    tensors = (beta_i, var_i, b_i, beta, var, denom)
     if tied.numel():
-        g, *more = (rows(x, tied) for x in tensors)
+        more = [rows(x, tied) for x in tensors]
         if compiled is not None:
-            sub, sub_found = _plan_topk_compiled(g, *more, k, eps, delta, also)
+            sub, sub_found = _plan_topk_compiled(tied_gain, *more, k, eps, delta, also)
         else:
-            sub, sub_found = _plan_on(torch.topk(g, k, dim=-1).indices, None, *more, eps,
-                                      delta, also)
+            sub, sub_found = _plan_on(torch.topk(rows(gain, tied), k, dim=-1).indices, None,
+                                      *more, eps, delta, also)
         found = found.reshape(-1).index_put((tied,), sub_found)
         _put_rows(plan, tied, sub)
     if not bool(found.all()):  # rows whose cut lies beyond the head: a full sort
         redo = (~found).reshape(-1).nonzero()[:, 0]
-        g, *more = (rows(x, redo) for x in tensors)
+        more = [rows(x, redo) for x in tensors]
+        g = rows(gain, redo) if gain is not None else _gains(*more[:5], l)
         full, _ = _plan_on(top_desc(g, n, values=False)[1], None, *more, eps, delta, also)
         _put_rows(plan, redo, full)
     return plan
@@ -512,19 +519,62 @@ def _gains(beta_i, var_i, b_i, beta, var, l: float) -> torch.Tensor:
     return gain.scatter_(-1, arg, gain_arg)
 
 
+ROW_BLOCK = 16  # rows per visit of the fetch order's loops, so that a block's rows stay cached
+
+
 def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: float, k: int,
                    also, l: float):
-    """The gains, the fetch plan on the head of ``k`` tokens, which rows found k* in it and the
-    rows whose plan could depend on torch.topk's order of equal gains (:func:`_topk_rows`), by
-    the compiled row loops (:mod:`._rows`: the torch code's float32 operations row by
-    row, with torch's row sums); None where they do not apply (no numba, not float32 on the
-    CPU, a gain that is not finite and >= 0)."""
+    """The fetch plan on the head of ``k`` tokens, which rows found k* in it, the rows whose
+    plan could depend on torch.topk's order of equal gains (:func:`_topk_rows`) and their gains,
+    by the compiled row loops (:mod:`._rows`: the torch code's float32 operations row by row,
+    with torch's row sums); None where they do not apply (no numba, not float32 on the CPU, a
+    gain that is not finite and >= 0). The order is found ``ROW_BLOCK`` rows at a time."""
     if not (_rows.applies(beta_i, var_i, b_i, denom)
             and var_i.shape == b_i.shape == beta_i.shape):
         return None
     shape, n = beta_i.shape, beta_i.shape[-1]
     lead = shape[:-1]
     bi, vi, mi = (x.contiguous().reshape(-1, n).numpy() for x in (beta_i, var_i, b_i))
+    var_np = var.contiguous().reshape(-1).numpy()
+    rows = len(bi)
+    head = _rows.scratch("head", (rows, k), np.int32)
+    hb, hv, cb, cv, cm = (_rows.scratch(name, (rows, k), np.float32)
+                          for name in ("hb", "hv", "cb", "cv", "cm"))
+    tail_b, nxt = np.empty(rows, np.float32), np.empty(rows, np.int64)
+    tie = np.empty(rows, np.bool_)
+    tie_gain = []  # the gains of rows with ties, for their order's choices
+    for lo in range(0, rows, ROW_BLOCK):
+        s = slice(lo, min(lo + ROW_BLOCK, rows))
+        gain = _order_block(bi[s], vi[s], mi[s], var_np[s], k, l, head[s], hb[s], hv[s], cb[s],
+                            cv[s], cm[s], tail_b[s], tie[s], nxt[s])
+        if gain is None:
+            return None
+        tie_gain += [gain[j].copy() for j in np.flatnonzero(tie[s])] if k < n else []
+    d = denom.contiguous().reshape(-1).numpy()
+    totals = beta.reshape(-1), var.reshape(-1)
+    plan, found = _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi, *totals, d, eps, delta,
+                                also)
+    ties = np.flatnonzero(tie) if k < n else np.zeros(0, np.int64)
+    g = np.array(tie_gain, np.float32).reshape(-1, n)
+    if len(ties):  # rows whose plan could depend on torch.topk's order of equal gains
+        at = np.arange(len(ties))
+        keep = _rows.tie_moves(at, head[ties], nxt[ties], g, bi[ties], vi[ties], mi[ties],
+                               plan.k_star.numpy()[ties])
+        ties, g = ties[keep], g[keep]
+    if len(ties):
+        keep = ~_any_order(ties, head[ties], nxt[ties], g, (bi, vi, mi), totals, d, plan, found,
+                           eps, delta, also)
+        ties, g = ties[keep], g[keep]
+    plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
+                       for f in ("k_star", "exact", "eps_before", "eps_after")))
+    return torch.from_numpy(g), plan, found.reshape(lead), torch.from_numpy(ties)
+
+
+def _order_block(bi, vi, mi, var, k: int, l: float, head, hb, hv, cb, cv, cm, tail_b, tie, nxt):
+    """The gains of a block of rows and :func:`_rows.head_terms`'s outputs for their fetch order
+    (into ``head`` .. ``nxt``); returns the gains (a buffer reused by the next block), or None
+    where a b or a gain is not finite and >= 0."""
+    rows, n = bi.shape
     f32, sqrt = np.float32, _rows.torch_sqrt_
     arg, top, second, ambiguous, ok = _rows.top_two(mi)
     if not ok:
@@ -533,9 +583,8 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
         at = np.flatnonzero(ambiguous)
         arg[at] = torch.topk(torch.from_numpy(mi[at]), 2, dim=-1).indices[:, 0].numpy()
     l2, l3 = f32(2.0 * l), f32(l / 3.0)
-    gain = _rows.scratch("gain", bi.shape, np.float32)  # the plan's gains, until the next
-    c1, c2, dt = _rows.gain_prep(vi, var.contiguous().reshape(-1).numpy(), top, second, arg, l2,
-                                 l3, gain)
+    gain = _rows.scratch("gain", bi.shape, np.float32)
+    c1, c2, dt = _rows.gain_prep(vi, var, top, second, arg, l2, l3, gain)
     key = _rows.scratch("key", bi.shape, np.int64)
     if not _rows.gain_keys(bi, vi, sqrt(gain), c1, c2, dt, sqrt(c1.copy()), sqrt(c2.copy()),
                            arg, l2, f32(torch.finfo(torch.float32).tiny), key):
@@ -543,29 +592,47 @@ def _plan_compiled(beta_i, var_i, b_i, beta, var, denom, eps: float, delta: floa
     if k < n:
         key.partition(k, axis=-1)  # the k smallest keys first, the next one at k
         key[:, :k].sort(axis=-1)
+        nxt[:] = key[:, k] & 0xFFFFFFFF
     else:
         key.sort(axis=-1)
-    head, hb, hv = (_rows.scratch(name, (len(bi), k), t)
-                    for name, t in (("head", np.int64), ("hb", np.float32), ("hv", np.float32)))
-    tail_b, tie = _rows.head_terms(key, k, gain, bi, vi, mi, head, hb, hv)
-    plan, found = _cut_compiled(head, hb, hv, tail_b, mi, beta.reshape(-1), var.reshape(-1),
-                                denom.contiguous().reshape(-1).numpy(), eps, delta, also)
-    plan = FetchPlan(*(getattr(plan, f).reshape(*lead, *getattr(plan, f).shape[1:])
-                       for f in ("k_star", "exact", "eps_before", "eps_after")))
-    tied = None
-    if k < n:  # rows whose plan could depend on torch.topk's order of equal gains
-        ties = np.flatnonzero(tie)
-        nxt = key[:, k] & 0xFFFFFFFF
-        moves = _rows.tie_moves(ties, head, nxt, gain, bi, vi, mi,
-                                plan.k_star.reshape(-1).numpy())
-        tied = torch.from_numpy(ties[moves])
-    return torch.from_numpy(gain).reshape(shape), plan, found.reshape(lead), tied
+    tail_b[:], tie[:] = _rows.head_terms(key, k, gain, bi, vi, mi, head, hb, hv, cb, cv, cm)
+    return gain
 
 
-def _cut_compiled(head, hb, hv, tail_b, mi, beta, var, d, eps: float, delta: float, also):
+TIE_PAIRS = 3  # rows with up to this many pairs of equal gains try every order of them
+
+
+def _any_order(rows, head, nxt, gain, terms, totals, d, plan: FetchPlan, found, eps: float,
+               delta: float, also) -> np.ndarray:
+    """Which of the flat ``rows`` (their ordered heads ``head``, next tokens ``nxt`` and gains
+    ``gain``) have the same plan and ``found`` on every head ``torch.topk`` could give
+    (:func:`_rows.tie_swaps`): then its order among equal gains does not matter and the stable
+    order's plan is its plan."""
+    pairs, owner, heads = _rows.tie_swaps(np.arange(len(rows)), head, nxt, gain, TIE_PAIRS)
+    same = pairs > 0
+    if not len(owner):
+        return same
+    at = rows[owner]
+    hb, hv, cb, cv, cm = (np.empty(heads.shape, np.float32) for _ in range(5))
+    bi, vi, mi = (x[at] for x in terms)
+    tail_b = _rows.head_values(heads, bi, vi, mi, hb, hv, cb, cv, cm)
+    at_t = torch.from_numpy(at)
+    alt, alt_found = _cut_compiled(heads, hb, hv, (cb, cv, cm), tail_b, mi,
+                                   *(x[at_t] for x in totals), d[at], eps, delta, also)
+    equal = (alt.k_star == plan.k_star[at_t]) & (alt_found == found[at_t]) \
+        & (alt.exact == plan.exact[at_t]).all(-1)
+    for f in ("eps_before", "eps_after"):
+        equal &= getattr(alt, f).view(torch.int32) == getattr(plan, f)[at_t].view(torch.int32)
+    same[owner[~equal.numpy()]] = False
+    return same
+
+
+def _cut_compiled(head, hb, hv, parts, tail_b, mi, beta, var, d, eps: float, delta: float,
+                  also):
     """(flat FetchPlan, found) on the ordered heads ``head`` (R, k) of rows with b ``mi``
     (R, n): ``_plan_on``'s plan by the compiled loops; ``hb``, ``hv`` the head's beta and V,
-    ``tail_b`` the largest b outside it, ``beta`` and ``var`` the rows' totals (tensors)."""
+    ``parts`` the head's part of the suffixes (:func:`_rows.head_terms`), ``tail_b`` the
+    largest b outside it, ``beta`` and ``var`` the rows' totals (tensors)."""
     k, n = head.shape[1], mi.shape[1]
     f32, sqrt = np.float32, _rows.torch_sqrt_
     if k < n:
@@ -573,29 +640,25 @@ def _cut_compiled(head, hb, hv, tail_b, mi, beta, var, d, eps: float, delta: flo
         tail_var = (var - torch.from_numpy(hv).sum(-1)).clamp_min(0).numpy()
     else:
         tail_beta = tail_var = np.zeros(len(hb), np.float32)
-    sb, sv, sm = (_rows.scratch(name, (len(hb), k + 1), np.float32) for name in ("sb", "sv", "sm"))
-    _rows.suffixes(head, hb, hv, mi, tail_beta, tail_var, tail_b, sb, sv, sm)
+    suffix = (k, *parts, tail_beta, tail_var, tail_b)
     # k*: the first position whose eps_hat is below eps, over growing spans of positions
     # for the rows still looking (the square roots are torch's)
     lt = log_term(delta)
     rows = len(hb)
     k_star, found = np.zeros(rows, np.int64), np.zeros(rows, np.bool_)
-    eps_after = np.empty(rows, np.float32)
+    eps_before, eps_after = np.empty(rows, np.float32), np.empty(rows, np.float32)
     todo, lo, span = np.arange(rows), 0, 64
     while len(todo) and lo <= k:
         hi = min(lo + span, k + 1)
         roots = []
         for lg in (lt,) if also is None else (lt, also[1]):
             root = np.empty((len(todo), hi - lo), np.float32)
-            _rows.eps_args(todo, lo, hi, sv, sm, f32(lg / 3.0), f32(2.0 * lg), root)
+            _rows.eps_args(todo, lo, hi, *suffix, f32(lg / 3.0), f32(2.0 * lg), root)
             roots.append(sqrt(root))
-        if lo == 0:  # eps_hat(L)
-            with np.errstate(divide="ignore", invalid="ignore"):  # D = 0 or NaN, as torch
-                eps_before = (sb[:, 0] + sm[:, 0] * f32(lt / 3.0) + roots[0][:, 0]) / d
         a_root, a_l3, a_eps = ((np.empty((0, 0), np.float32), f32(0.0), f32(0.0))
                                if also is None else (roots[1], f32(also[1] / 3.0), f32(also[0])))
-        _rows.first_ok(todo, lo, hi, sb, sm, roots[0], d, f32(lt / 3.0), f32(eps), a_root,
-                       a_l3, a_eps, k_star, found, eps_after)
+        _rows.first_ok(todo, lo, hi, *suffix, roots[0], d, f32(lt / 3.0), f32(eps), a_root, a_l3,
+                       a_eps, k_star, found, eps_after, eps_before)
         todo, lo, span = todo[~found[todo]], hi, span * 4
     eps_after[~found] = eps_before[~found]  # k* = 0
     exact = _rows.exact_mask(head, hb, hv, mi, k_star)
@@ -606,10 +669,11 @@ def _cut_compiled(head, hb, hv, tail_b, mi, beta, var, d, eps: float, delta: flo
 def _plan_topk_compiled(g, bi, vi, mi, beta, var, d, k: int, eps: float, delta: float, also):
     """``_plan_on`` on ``torch.topk``'s head of the gains ``g`` (R, n) by the compiled loops
     (rows from :func:`_plan_compiled`)."""
-    head = torch.topk(g, k, dim=-1).indices.numpy()
-    hb, hv = (np.empty(head.shape, np.float32) for _ in range(2))
-    tail_b = _rows.head_values(head, bi.numpy(), vi.numpy(), mi.numpy(), hb, hv)
-    return _cut_compiled(head, hb, hv, tail_b, mi.numpy(), beta, var, d.numpy(), eps, delta, also)
+    head = torch.topk(g, k, dim=-1).indices.to(torch.int32).numpy()
+    hb, hv, cb, cv, cm = (np.empty(head.shape, np.float32) for _ in range(5))
+    tail_b = _rows.head_values(head, bi.numpy(), vi.numpy(), mi.numpy(), hb, hv, cb, cv, cm)
+    return _cut_compiled(head, hb, hv, (cb, cv, cm), tail_b, mi.numpy(), beta, var, d.numpy(),
+                         eps, delta, also)
 
 
 def _put_rows(plan: FetchPlan, at: torch.Tensor, sub: FetchPlan) -> None:

@@ -36,6 +36,7 @@ alone (:func:`reweighted_log_factors`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -72,6 +73,16 @@ class VerKVLayer:
     known_idx: torch.Tensor  # (n_kv, R) context tokens with exact weights before any read
     factors: C.Factors  # per-token constants of r, (n_kv, 1, n_ctx), zero outside L
     v_range: tuple | None = None  # (lo, hi) (n_kv, d) of the context's values: output certificate
+    _known_keys: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def known_keys(self) -> torch.Tensor:
+        """(n_kv, R, d) the host keys at ``known_idx``, gathered once (for the same tensors)."""
+        kept = self._known_keys
+        if kept is None or kept[0] is not self.k_host or kept[1] is not self.known_idx:
+            idx = self.known_idx
+            keys = self.k_host.gather(1, idx[:, :, None].expand(-1, -1, self.k_host.shape[-1]))
+            self._known_keys = kept = (self.k_host, idx, keys)
+        return kept[2]
 
 
 def make_layer(sample: PoissonSample, sketch: KeySketch | None, k_host: torch.Tensor,
@@ -122,8 +133,7 @@ def _planned_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor | 
         return _exact_logits(q, layer, visible), None
     s = sketch_logits(layer.sketch, q).view(n_kv, g * m, -1)
     idx = layer.known_idx  # (n_kv, R)
-    keys = layer.k_host.gather(1, idx[:, :, None].expand(-1, -1, d))
-    exact_known = torch.matmul(qg, keys.transpose(1, 2)) / math.sqrt(d)  # (n_kv, g*m, R)
+    exact_known = torch.matmul(qg, layer.known_keys().transpose(1, 2)) / math.sqrt(d)
     at = idx[:, None, :].expand(-1, g * m, -1)
     s.scatter_(-1, at, exact_known)
     e = None
@@ -164,8 +174,8 @@ def pass_shortlist_planned(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLay
                            cfg: DecideConfig, chunks: list[slice] | None = None,
                            keep: int = 0):
     """:func:`pass_shortlist` and, when there are at most ``keep`` chunks, each chunk's planned
-    logits (what :func:`decide` takes as ``planned`` for those rows instead of scoring them
-    again), else None."""
+    logits, half-widths and rows' largest upper logit (what :func:`decide` takes as ``planned``
+    for those rows instead of scoring them again), else None."""
     if layer.sketch is None or cfg.shortlist <= 0:
         return None, None
     n_kv, n, _ = layer.k_host.shape
@@ -176,11 +186,11 @@ def pass_shortlist_planned(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLay
     for sl in chunks:
         visible = _visible(q_pos[sl], n)
         s, e = _planned_logits(q[:, sl], layer, visible)
+        upper = s if e is None else s + e  # the bounded sketch ranks by the upper logit
+        shift = upper.amax(-1)
         if planned is not None:
-            planned.append((s, e))
-        if e is not None:  # the bounded sketch ranks by the upper logit
-            s = s + e
-        best = torch.maximum(best, _pass_score(s, s.amax(-1)))
+            planned.append((s, e, shift))
+        best = torch.maximum(best, _pass_score(upper, shift))
         seen |= True if visible is None else visible.any(0)
     return _pick(best, seen, layer, cfg), planned
 
@@ -212,16 +222,18 @@ def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor |
     n_q, m, d = q.shape
     n_kv, n, _ = layer.k_host.shape
     g = n_q // n_kv
-    s, e = _planned_logits(q, layer, visible) if planned is None else planned  # overwritten
-    upper = s if e is None else s + e
-    shift = upper.amax(-1)
-    if short is None and layer.sketch is not None and cfg.shortlist > 0:
+    # s is overwritten; the rows' largest upper logit comes with the planned logits
+    s, e, shift = (*_planned_logits(q, layer, visible), None) if planned is None else planned
+    pick = short is None and layer.sketch is not None and cfg.shortlist > 0
+    upper = s if e is None or not (pick or shift is None) else s + e
+    shift = upper.amax(-1) if shift is None else shift
+    if pick:
         short = _pick(_pass_score(upper, shift), True if visible is None else visible.any(0),
                       layer, cfg)
     if short is None:
         return s, e, shift, torch.zeros(n_kv, m, n, dtype=torch.bool, device=q.device)
     sidx, valid = short  # (n_kv, kk)
-    skeys = layer.k_host.gather(1, sidx[:, :, None].expand(-1, -1, d))  # (n_kv, kk, d)
+    skeys = layer.k_host[torch.arange(n_kv)[:, None], sidx]  # (n_kv, kk, d): gather's, faster
     exact_short = torch.matmul(q.reshape(n_kv, g * m, d), skeys.transpose(1, 2)) / math.sqrt(d)
     gidx = sidx[:, None].expand(-1, g * m, -1)
     vv = valid[:, None].expand(-1, g * m, -1)
@@ -248,8 +260,9 @@ def decide(q: torch.Tensor, q_pos: torch.Tensor, layer: VerKVLayer, cfg: DecideC
     ``extra_logits`` (n_q, m, n_extra): exact logits of the tokens after the context (-inf where
     masked); they count in D and never in L. ``fetched`` (n_kv, n): context tokens the pass has
     already fetched for earlier rows (their plans did not look at the sample): exact and out of
-    L for these rows, like H. ``planned``: these rows' planned logits from
-    :func:`pass_shortlist_planned` (they are overwritten), instead of scoring them again.
+    L for these rows, like H. ``planned``: these rows' planned logits (they are overwritten),
+    half-widths and largest upper logits from :func:`pass_shortlist_planned`, instead of scoring
+    them again.
     """
     n_q, m, d = q.shape
     n_kv, n, _ = layer.k_host.shape
@@ -325,8 +338,7 @@ def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
     w = (s.sub_(shift[..., None]) if e is None else s + e - shift[..., None]).exp_()
     # weights under a tiny floor move D by < n * floor (the largest weight is 1): flush them to 0
     # so that squares stay out of subnormal arithmetic, which is ~100x slower on CPUs
-    floor = torch.tensor(WEIGHT_FLOOR.get(str(w.dtype).removeprefix("torch."), 0.0), dtype=w.dtype)
-    F.threshold_(w, float(torch.nextafter(floor, torch.zeros_like(floor))), 0.0)  # w < floor: 0
+    F.threshold_(w, _below_floor(w.dtype), 0.0)  # w < floor: 0
     denom = w.sum(-1) if e is None else torch.exp(s - e - shift[..., None]).sum(-1)
     if extra is not None:
         denom = denom + torch.exp(extra - shift[..., None]).sum(-1)
@@ -339,6 +351,13 @@ def _certify(s, e, shift, extra, f: C.Factors, cfg: DecideConfig, also):
     plan = C.fetch_plan_terms(*terms, denom, cfg.eps, cfg.delta, head=cfg.fetch_head, also=also,
                               totals=totals)
     return denom, shrink, terms, totals, plan
+
+
+@functools.cache
+def _below_floor(dtype: torch.dtype) -> float:
+    """The largest value of ``dtype`` below its weight floor (``WEIGHT_FLOOR``)."""
+    floor = torch.tensor(WEIGHT_FLOOR.get(str(dtype).removeprefix("torch."), 0.0), dtype=dtype)
+    return float(torch.nextafter(floor, torch.zeros_like(floor)))
 
 
 def reweighted_log_factor(layer: VerKVLayer, dec: Decision, n_q: int,
