@@ -225,8 +225,9 @@ def estimated_logits(q: torch.Tensor, layer: VerKVLayer, visible: torch.Tensor |
     # s is overwritten; the rows' largest upper logit comes with the planned logits
     s, e, shift = (*_planned_logits(q, layer, visible), None) if planned is None else planned
     pick = short is None and layer.sketch is not None and cfg.shortlist > 0
-    upper = s if e is None or not (pick or shift is None) else s + e
-    shift = upper.amax(-1) if shift is None else shift
+    if pick or shift is None:  # the bounded sketch ranks by the upper logit
+        upper = s if e is None else s + e
+        shift = upper.amax(-1) if shift is None else shift
     if pick:
         short = _pick(_pass_score(upper, shift), True if visible is None else visible.any(0),
                       layer, cfg)
