@@ -2,7 +2,8 @@
 one run, with a check that both give the same decisions and statistics to the bit.
 
     python benchmarks/bench_verkv_analysis.py [--base 6e5e1a5] [--contexts 2048,4096,8192]
-        [--threads 1] [--rounds 2] [--eval]
+        [--capture traces/captures/smollm2-niah-1k-8k.npz | none] [--threads 1] [--rounds 2]
+        [--eval]
 
 Per context: one synthetic layer of SmolLM2-135M's head shape (9 query heads, 3 KV heads, head
 dim 64; kvsim.model.synthetic), compressed by VerKV at 16x with the 2-bit sketch, sink 4, local 4
@@ -14,6 +15,13 @@ policy-profile`` runs policies). Two timings, each per layer and KV head (the la
 * ``attend``: the whole ``VerKV.attend`` of every pass, i.e. the per-layer hook of ``kvsim
   eval`` (``kvsim.model.hooks`` calls it through ``kvsim.measure.traffic.attend``) and of the
   trace harness.
+
+``captured``: the same analysis on real attention, every layer and question a capture set holds
+at its longest length (the shipped niah set: SmolLM2's 8 sampled layers, one KV head each, 4
+questions at 8,140 context tokens, 38 question rows and 8 decode steps; its SnapKV scores, as
+``kvsim policy-profile`` runs it): the mean per layer and KV head, and the range of the per-layer
+ratios. Real attention is peakier than the synthetic layer: most question rows fetch thousands of
+tokens, past the fetch order's 4,096-token head, and equal gains are common.
 
 Times are CPU seconds of the process (``time.process_time``; one torch thread by default), best
 of all repeats: wall-clock time on a loaded machine swings by 2x between runs. The base commit's
@@ -41,65 +49,91 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = {"n_q": 9, "n_kv": 3, "d": 64, "question": 36, "decode": 8}
+CAPTURE = ROOT / "traces" / "captures" / "smollm2-niah-1k-8k.npz"  # real attention, to 8K
 
 
-def worker(contexts: list[int], repeat: int, out: Path) -> None:
+def worker(contexts: list[int], repeat: int, out: Path, capture: str | None = None) -> None:
     """Runs inside a subprocess whose ``kvsim`` is the side under test."""
     import torch
 
+    times, arrays = {}, {}
+    for n in contexts:
+        from kvsim.model.synthetic import synthetic_attention_trace
+
+        tr = synthetic_attention_trace(n_layers=1, context=n, seed=0, kvzip=False, **SHAPE)
+        a = tr.attention
+        timed, kept = _layer(a.layers[0], a, n, {}, 0, repeat, attend=True)
+        times.update({f"{what}@{n}": t for what, t in timed.items()})
+        arrays.update({f"{n}/{key}": x for key, x in kept.items()})
+    if capture:
+        from kvsim import captureset
+
+        cs = captureset.load(capture)
+        j = len(cs.lengths) - 1  # the longest length
+        for i in range(len(cs.lengths[j].asked)):
+            a = cs.view(j, i).attention
+            n = int(a.question_pos[0])
+            for la in a.layers:
+                scores = {"snapkv": torch.as_tensor(la.scores["snapkv"][:, :n])}
+                timed, kept = _layer(la, a, n, scores, int(la.layer), repeat, attend=False)
+                times[f"capture/q{i}/L{la.layer}"] = timed["analysis"]
+                arrays.update({f"capture/q{i}/L{la.layer}/{key}": x for key, x in kept.items()})
+    np.savez(out, **arrays)
+    out.with_suffix(".json").write_text(json.dumps(times))
+
+
+def _layer(la, a, n: int, scores: dict, layer: int, repeat: int, attend: bool):
+    """One layer's VerKV analysis (and whole attend) timed per KV head, with what it decided."""
+    import torch
+
     from kvsim.attention.dense import logits
-    from kvsim.model.synthetic import synthetic_attention_trace
     from kvsim.policies import make
     from kvsim.policies.verkv import kvfetch as KF
 
-    times, arrays = {}, {}
-    for n in contexts:
-        tr = synthetic_attention_trace(n_layers=1, context=n, seed=0, kvzip=False, **SHAPE)
-        la, a = tr.attention.layers[0], tr.attention
-        f32 = lambda x: torch.as_tensor(x).to(torch.float32)  # noqa: E731
-        k, v, qq, qd = f32(la.k), f32(la.v), f32(la.q_question), f32(la.q_decode)
-        qpos, dpos = torch.as_tensor(a.question_pos), torch.as_tensor(a.decode_pos)
-        pol = make("verkv", {"compression": 16, "eps": 0.05, "sink": 4, "local": 4,
-                             "scorer": "snapkv"})
-        pol.bind(a.rope, a.head_dim)
-        state = pol.compress(k[:, :n], v[:, :n], {}, qq, qpos, torch.Generator().manual_seed(0),
-                             layer=0, obs_k=k[:, n:]).state
-        cfg = pol.config()
-        passes = [(qq, qpos)] + [(qd[:, j:j + 1], dpos[j:j + 1]) for j in range(qd.shape[1])]
+    f32 = lambda x: torch.as_tensor(np.asarray(x, np.float32))  # noqa: E731
+    k, v, qq, qd = f32(la.k), f32(la.v), f32(la.q_question), f32(la.q_decode)
+    qpos, dpos = torch.as_tensor(a.question_pos), torch.as_tensor(a.decode_pos)
+    pol = make("verkv", {"compression": 16, "eps": 0.05, "sink": 4, "local": 4,
+                         "scorer": "snapkv"})
+    pol.bind(a.rope, a.head_dim)
+    state = pol.compress(k[:, :n], v[:, :n], scores, qq, qpos, torch.Generator().manual_seed(0),
+                         layer=layer, obs_k=k[:, n:]).state
+    cfg = pol.config()
+    passes = [(qq, qpos)] + [(qd[:, j:j + 1], dpos[j:j + 1]) for j in range(qd.shape[1])]
 
-        def analysis():  # as VerKV.attend runs it (a pass of this size is one row chunk)
-            got = []
-            for q, p in passes:
-                chunks = [slice(0, q.shape[1])]
-                if hasattr(KF, "pass_shortlist_planned"):  # reuses the shortlist's scores
-                    short, planned = KF.pass_shortlist_planned(q, p, state, cfg, chunks, keep=1)
-                    more = {"planned": planned[0]} if planned else {}
-                else:
-                    short, more = KF.pass_shortlist(q, p, state, cfg, chunks), {}
-                extra = logits(q, k[:, n:], p, torch.arange(n, k.shape[1]))
-                got.append(KF.decide(q, p, state, cfg, extra_logits=extra, short=short, **more))
-            return got
+    def analysis():  # as VerKV.attend runs it (a pass of this size is one row chunk)
+        got = []
+        for q, p in passes:
+            chunks = [slice(0, q.shape[1])]
+            if hasattr(KF, "pass_shortlist_planned"):  # reuses the shortlist's scores
+                short, planned = KF.pass_shortlist_planned(q, p, state, cfg, chunks, keep=1)
+                more = {"planned": planned[0]} if planned else {}
+            else:
+                short, more = KF.pass_shortlist(q, p, state, cfg, chunks), {}
+            extra = logits(q, k[:, n:], p, torch.arange(n, k.shape[1]))
+            got.append(KF.decide(q, p, state, cfg, extra_logits=extra, short=short, **more))
+        return got
 
-        def attend():
-            return [pol.attend(state, q, p, k, v) for q, p in passes]
+    def whole():
+        return [pol.attend(state, q, p, k, v) for q, p in passes]
 
-        for name, fn in (("analysis", analysis), ("attend", attend)):
-            fn()
-            best = min(_seconds(fn) for _ in range(repeat))
-            times[f"{name}@{n}"] = best / SHAPE["n_kv"]
-        for i, dec in enumerate(analysis()):
-            for field in ("k_star", "own_exact", "exact_kv", "shortlisted", "eps_before",
-                          "eps_after", "denom_est", "shift"):
-                arrays[f"{n}/decide{i}/{field}"] = getattr(dec, field).numpy()
-            arrays[f"{n}/decide{i}/lam"] = dec.lam(state.factors).numpy()
-        for i, (o, st, reads) in enumerate(attend()):
-            arrays[f"{n}/attend{i}/out"] = o.numpy()
-            arrays[f"{n}/attend{i}/reads_kv"] = reads.kv.numpy()
-            arrays[f"{n}/attend{i}/reads_k"] = reads.k.numpy()
-            for key, val in st.items():
-                arrays[f"{n}/attend{i}/{key}"] = val.numpy()
-    np.savez(out, **arrays)
-    out.with_suffix(".json").write_text(json.dumps(times))
+    timed = {}
+    for name, fn in (("analysis", analysis), ("attend", whole))[:2 if attend else 1]:
+        fn()
+        timed[name] = min(_seconds(fn) for _ in range(repeat)) / k.shape[0]
+    kept = {}  # what it decided (and attend's outputs), for the comparison of the two sides
+    for i, dec in enumerate(analysis()):
+        for field in ("k_star", "own_exact", "exact_kv", "shortlisted", "eps_before",
+                      "eps_after", "denom_est", "shift"):
+            kept[f"decide{i}/{field}"] = getattr(dec, field).numpy()
+        kept[f"decide{i}/lam"] = dec.lam(state.factors).numpy()
+    for i, (o, st, reads) in enumerate(whole() if attend else []):
+        kept[f"attend{i}/out"] = o.numpy()
+        kept[f"attend{i}/reads_kv"] = reads.kv.numpy()
+        kept[f"attend{i}/reads_k"] = reads.k.numpy()
+        for name, val in st.items():
+            kept[f"attend{i}/{name}"] = val.numpy()
+    return timed, kept
 
 
 def _seconds(fn) -> float:
@@ -127,7 +161,7 @@ def run_side(root: Path, args, out: Path) -> dict:
             f"sys.path.insert(0, {str(root)!r}); sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
             f"import kvsim; assert kvsim.__file__.startswith({str(root)!r}), kvsim.__file__; "
             f"from pathlib import Path; import bench_verkv_analysis as b; "
-            f"b.worker({args.contexts!r}, {args.repeat}, Path({str(out)!r}))")
+            f"b.worker({args.contexts!r}, {args.repeat}, Path({str(out)!r}), {args.capture!r})")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=str(root))
     return json.loads(out.with_suffix(".json").read_text())
 
@@ -187,6 +221,13 @@ def analysis(args, old_root: Path, tmp: Path) -> None:
         for what in ("analysis", "attend"):
             o, w = best["old"][f"{what}@{n}"], best["new"][f"{what}@{n}"]
             print(f"{n:>8} {what:>9} {o * 1e3:10.1f} {w * 1e3:10.1f} {o / w:6.1f}x")
+    layers = sorted(k for k in best["new"] if k.startswith("capture/"))
+    if layers:  # the mean per layer and KV head, and the spread of the per-layer ratios
+        o, w = (np.mean([best[side][k] for k in layers]) for side in ("old", "new"))
+        ratios = [best["old"][k] / best["new"][k] for k in layers]
+        print(f"{'captured':>8} {'analysis':>9} {o * 1e3:10.1f} {w * 1e3:10.1f} {o / w:6.1f}x"
+              f"   ({len(layers)} layers x questions of {Path(args.capture).name} at its longest "
+              f"length; per layer {min(ratios):.1f}x-{max(ratios):.1f}x)")
     print(f"identical decisions, outputs and statistics: {not bad}"
           + (f" (differ: {', '.join(bad[:8])})" if bad else ""))
 
@@ -198,15 +239,20 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="old / new subprocess pairs")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads per side")
+    ap.add_argument("--capture", default=str(CAPTURE) if CAPTURE.exists() else "none",
+                    help="a capture set (kvsim capture --lengths) whose every captured layer "
+                         "and question at its longest length is also timed (none: skip; "
+                         f"default {CAPTURE.relative_to(ROOT)})")
     ap.add_argument("--eval", action="store_true", help="also time kvsim eval on both sides")
     ap.add_argument("--eval-args", default="--task niah --context 2048 --n 1 --policy verkv "
                     "--sink 4 --local 4 --max-new-tokens 4 --threads 1 --no-progress")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",") if c.strip() not in ("", "none")]
+    args.capture = None if args.capture == "none" else str(Path(args.capture).resolve())
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         old_root = base_tree(args.base, tmp)
-        if args.contexts:
+        if args.contexts or args.capture:
             analysis(args, old_root, tmp)
         if args.eval:
             t_old = eval_side(old_root, args, tmp / "eval-old.json")
