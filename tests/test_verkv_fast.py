@@ -56,6 +56,24 @@ def test_top_desc_is_a_stable_descending_sort(ties, dtype):
                 assert torch.equal(after, ref_i[..., k])
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_order_is_torch_topk(ties):
+    """Values and indices of torch.topk to the bit, ties (its own order), zeros, -0.0, a NaN and
+    a negative value (both handed to torch.topk) included."""
+    for seed, n in enumerate([2, 17, 300, 3000]):
+        x = _rows(seed, (3, 4, n), ties)
+        if seed == 2:
+            x[0, 1, 3] = float("nan")
+        if seed == 3:
+            x[2, 0, 7] = -1.0
+        for k in sorted({1, 2, n // 16 + 1, n // 2, n - 1} & set(range(1, n))):
+            v, i = C.topk_order(x, k)
+            want_v, want_i = torch.topk(x, k, dim=-1)
+            assert torch.equal(i, want_i), (n, k)
+            assert same(v, want_v) and torch.equal(v.view(torch.int32).nan_to_num(),
+                                                   want_v.view(torch.int32).nan_to_num())
+
+
 def _reference_shrink(w, f, head):
     """Appendix A.2 as it was written before: the prefix on a ``torch.topk`` head, or on a full
     stable sort (``head=None``, or rows whose whole head is shrunk)."""
