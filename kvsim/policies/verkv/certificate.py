@@ -509,13 +509,11 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
     if not bool(found.all()):  # rows whose cut lies beyond the head: a full sort
         redo = (~found).reshape(-1).nonzero()[:, 0]
         more = [rows(x, redo) for x in tensors]
-        full = _plan_compiled(*more, eps, delta, n, also, l) if compiled is not None else None
-        if full is not None:
-            full = full[1]
-        else:
+        got = _plan_compiled(*more, eps, delta, n, also, l) if compiled is not None else None
+        if got is None:
             g = rows(gain, redo) if gain is not None else _gains(*more[:5], l)
-            full, _ = _plan_on(top_desc(g, n, values=False)[1], None, *more, eps, delta, also)
-        _put_rows(plan, redo, full)
+            got = None, _plan_on(top_desc(g, n, values=False)[1], None, *more, eps, delta, also)[0]
+        _put_rows(plan, redo, got[1])
     return plan
 
 
