@@ -322,3 +322,25 @@ def test_a_setting_that_cannot_run_stops_a_parallel_build_with_its_error(sets, t
                                "local": [4]}, grid=True)
     with pytest.raises(KvsimError, match="budget"):
         build(sets, specs, tmp_path / "bad.json", progress=False, jobs_n=2)
+
+
+def test_a_build_checks_the_reads_on_each_views_first_layer(sets, tmp_path, monkeypatch):
+    """The read check (kvsim.measure.traffic) runs attend twice: a build runs it on the first
+    captured layer of every view, as the harness does on a whole trace, not on every layer."""
+    from kvsim.measure import harness
+    seen, run = [], harness.run
+
+    def spy(policy, one, *args, verify="first", **kw):
+        seen.append((one.meta["capture_set"]["length"], one.meta["capture_set"]["question"],
+                     int(one.attention.layers[0].layer), verify))
+        return run(policy, one, *args, verify=verify, **kw)
+
+    monkeypatch.setattr(harness, "run", spy)
+    specs, _ = parse("verkv", {"compression": [8.0], "eps": [0.05], "sink": [4], "local": [4]},
+                     grid=True)
+    build(sets[:1], specs, tmp_path / "p.json", progress=False)
+    views = {(length, q) for length, q, _, _ in seen}
+    assert len(views) == len(LENGTHS) * 2
+    for view in views:
+        layers = sorted((layer, v) for length, q, layer, v in seen if (length, q) == view)
+        assert [v for _, v in layers] == ["first"] + ["none"] * (len(layers) - 1), layers

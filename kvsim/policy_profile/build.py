@@ -173,7 +173,9 @@ def _init(paths, specs, seed, sets=None, policies=None) -> None:
 
 def _run_unit(unit: tuple, settings: list[int]) -> dict[int, list]:
     """Rows of each setting on one view, one per (layer, pass): every captured layer runs alone
-    through the harness (float32; the dense reference is float64)."""
+    through the harness (float32; the dense reference is float64). The reads are checked
+    (:mod:`kvsim.measure.traffic`) on the view's first layer, as the harness checks a whole
+    trace: the check runs ``attend`` a second time, which on every layer doubled the cost."""
     import torch
 
     from kvsim.measure import harness
@@ -187,7 +189,8 @@ def _run_unit(unit: tuple, settings: list[int]) -> dict[int, list]:
         for la in a.layers:
             one = Trace(view.meta, attention=Attention([la], a.context_len, a.question_pos,
                                                        a.decode_pos, a.rope, a.provenance))
-            stats, _ = harness.run(pol, one, _WORKER["seed"], dtype=torch.float32, timed=False)
+            stats, _ = harness.run(pol, one, _WORKER["seed"], dtype=torch.float32, timed=False,
+                                   verify="first" if la is a.layers[0] else "none")
             for ps in PASSES:
                 part = stats.get(ps, {})
                 rows.append([si, ci, c.lengths[j].target, c.lengths[j].context_len, i,
