@@ -344,3 +344,23 @@ def test_a_build_checks_the_reads_on_each_views_first_layer(sets, tmp_path, monk
     for view in views:
         layers = sorted((layer, v) for length, q, layer, v in seen if (length, q) == view)
         assert [v for _, v in layers] == ["first"] + ["none"] * (len(layers) - 1), layers
+
+
+def test_a_build_in_this_process_runs_one_torch_thread_and_restores_them(sets, tmp_path,
+                                                                        monkeypatch):
+    """As each worker of a parallel build does (the same figures whatever --jobs)."""
+    import torch
+
+    from kvsim.policy_profile import build as B
+    seen, run_unit = [], B._run_unit
+    monkeypatch.setattr(B, "_run_unit", lambda *a: seen.append(torch.get_num_threads())
+                        or run_unit(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        specs, _ = parse("verkv", {"compression": [8.0], "eps": [0.05], "sink": [4],
+                                   "local": [4]}, grid=True)
+        build(sets[:1], specs, tmp_path / "p.json", progress=False)
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

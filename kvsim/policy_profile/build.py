@@ -9,6 +9,7 @@ atomically at the end and the journal removed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -140,9 +141,10 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
                     raise
         else:
             _init(None, None, seed, sets, policies)
-            for (ci, j, i), sis in units.items():
-                bar.set_postfix_str(f"{sets[ci].task} {sets[ci].lengths[j].target}")
-                record(ci, j, i, _run_unit((ci, j, i), sis))
+            with _one_torch_thread():
+                for (ci, j, i), sis in units.items():
+                    bar.set_postfix_str(f"{sets[ci].task} {sets[ci].lengths[j].target}")
+                    record(ci, j, i, _run_unit((ci, j, i), sis))
     bar.close()
     profile = {"format": FORMAT, "version": VERSION, "seed": seed, "captures": files,
                "how": "kvsim policy-profile: each captured layer alone through kvsim.measure."
@@ -157,6 +159,21 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
 
 
 _WORKER: dict = {}
+
+
+@contextlib.contextmanager
+def _one_torch_thread():
+    """One torch thread in this process, as each worker of a parallel build has (the same bits
+    whatever --jobs; torch's threads also wait on each other for every small operation: on a
+    2-vCPU VM beside another job, 2 threads made a build 12x slower), then the caller's count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _init(paths, specs, seed, sets=None, policies=None) -> None:
