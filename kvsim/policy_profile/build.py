@@ -140,11 +140,7 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
                     pool.shutdown(wait=False, cancel_futures=True)
                     raise
         else:
-            _init(None, None, seed, sets, policies)
-            with _one_torch_thread():
-                for (ci, j, i), sis in units.items():
-                    bar.set_postfix_str(f"{sets[ci].task} {sets[ci].lengths[j].target}")
-                    record(ci, j, i, _run_unit((ci, j, i), sis))
+            _run_here(units, sets, policies, seed, bar, record)
     bar.close()
     profile = {"format": FORMAT, "version": VERSION, "seed": seed, "captures": files,
                "how": "kvsim policy-profile: each captured layer alone through kvsim.measure."
@@ -159,6 +155,15 @@ def build(captures: list[str], specs, out: str | os.PathLike, seed: int = 0,
 
 
 _WORKER: dict = {}
+
+
+def _run_here(units: dict, sets, policies, seed: int, bar, record) -> None:
+    """The work units one after another in this process, with one torch thread."""
+    _init(None, None, seed, sets, policies)
+    with _one_torch_thread():
+        for (ci, j, i), sis in units.items():
+            bar.set_postfix_str(f"{sets[ci].task} {sets[ci].lengths[j].target}")
+            record(ci, j, i, _run_unit((ci, j, i), sis))
 
 
 @contextlib.contextmanager
