@@ -91,11 +91,7 @@ def topk_order(x: torch.Tensor, k: int):
     n = x.shape[-1]
     if k + 1 > n or not _key_sortable(x):
         return torch.topk(x, k, dim=-1)
-    key = _desc_keys(x)
-    key.partition(k, axis=-1)  # the k + 1 smallest keys first
-    key = key[:, :k + 1]
-    key.sort(axis=-1)
-    idx = _indices(key, (*x.shape[:-1], k + 1))
+    idx = _partial_order(x, k)[..., :k + 1]
     vals = x.gather(-1, idx)
     tied = (vals[..., 1:] == vals[..., :-1]).any(-1)
     vals, idx = vals[..., :k], idx[..., :k]
@@ -141,11 +137,18 @@ def _fetch_head(g: torch.Tensor, k: int):
         return idx[..., :k], idx[..., k:], idx[..., k]
     if 16 * k <= n:
         return top_desc(g, k, values=False)[1], None, None
-    key = _desc_keys(g)
-    key.partition(k, axis=-1)  # the k smallest keys first, the next one at k
-    key[:, :k].sort(axis=-1)  # only the head needs an order
-    idx = _indices(key, g.shape)
+    idx = _partial_order(g, k)
     return idx[..., :k], idx[..., k:], idx[..., k]
+
+
+def _partial_order(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Token indices (..., n) of float32 rows >= 0: the first ``k + 1`` (``k < n``) in the
+    stable descending order, the others after them in any order (numpy's partition of
+    :func:`_desc_keys`, then a sort of the head alone)."""
+    key = _desc_keys(x)
+    key.partition(k, axis=-1)  # the k smallest keys first, the next one at k
+    key[:, :k].sort(axis=-1)
+    return _indices(key, x.shape)
 
 
 def _topk_rows(g, terms, head, after) -> torch.Tensor:
@@ -510,10 +513,12 @@ def fetch_plan_terms(beta_i, var_i, b_i, denom, eps: float, delta: float,
         redo = (~found).reshape(-1).nonzero()[:, 0]
         more = [rows(x, redo) for x in tensors]
         got = _plan_compiled(*more, eps, delta, n, also, l) if compiled is not None else None
-        if got is None:
+        if got is not None:
+            full = got[1]
+        else:
             g = rows(gain, redo) if gain is not None else _gains(*more[:5], l)
-            got = None, _plan_on(top_desc(g, n, values=False)[1], None, *more, eps, delta, also)[0]
-        _put_rows(plan, redo, got[1])
+            full = _plan_on(top_desc(g, n, values=False)[1], None, *more, eps, delta, also)[0]
+        _put_rows(plan, redo, full)
     return plan
 
 
