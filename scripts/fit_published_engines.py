@@ -6,7 +6,7 @@ The same fits as ``kvsim fit data/published.csv --family NAME --out NAME.json --
 (one leave-one-source-out pass shared by the three files):
 
     python scripts/build_published_dataset.py     # data/published/*.csv -> data/published.csv
-    python scripts/fit_published_engines.py [--refit-cv]   # --refit-cv: ~10 minutes on 2 cores
+    python scripts/fit_published_engines.py [--refit-cv [--jobs N]]   # N sources at once
 
 Without ``--refit-cv`` the leave-one-source-out errors of the last run
 (``data/published-cv.json``) are reused: the engines are refitted, the check is not.
@@ -63,8 +63,10 @@ def main() -> None:
     pred, base = Predictor(None), load("roofline")
     print(f"{len(points)} points, {len({p.meta.get('source') for p in points})} sources; "
           f"leave-one-source-out ...", flush=True)
-    cv = F.cross_validate(points, pred, base, progress=True) if not REUSE.exists() or \
-        "--refit-cv" in sys.argv else json.loads(REUSE.read_text())["values"]
+    jobs = int(sys.argv[sys.argv.index("--jobs") + 1]) if "--jobs" in sys.argv else 1
+    cv = F.cross_validate(points, pred, base, progress=True, jobs=jobs) \
+        if not REUSE.exists() or "--refit-cv" in sys.argv \
+        else json.loads(REUSE.read_text())["values"]
     summary = F.summary(cv)
     shared, engines, free_all = F.fit_joint(rows, pred, base)  # every family in one fit
     for fam in FAMILIES:

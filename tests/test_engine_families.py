@@ -337,3 +337,48 @@ def test_kvsim_fit_of_families_prints_the_cross_validation_table(tmp_path):
     assert eng.fit["checked"]["gpu"] == ["h100-sxm"]
     code, _, err = run_cli("fit", csv_path, "--family", "zz", "--out", tmp_path / "z.json")
     assert code == 2 and "no such engine" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- the fit's speed-ups
+def test_predictions_do_not_depend_on_what_the_predictor_priced_before():
+    """A predictor shares a GPU's costs between the points of one engine object and skips the
+    fetch and decide terms of dense policies: every prediction of the shipped dataset's rows is
+    the same, to the bit, whether a fresh predictor makes it or one that priced every row under
+    another engine first (and the skipped terms are the zeros they were)."""
+    pts = [p for p in read_points(ROOT / "data" / "published.csv") if p.use == "fit"][::4]
+    a, b = E.load("trtllm"), E.load("vllm")
+    warm = Predictor(None)
+    for p in pts:
+        warm.predict(p, b)
+    for p in pts:
+        fresh = Predictor(None).predict(p, a)
+        assert warm.predict(p, a) == fresh
+        assert fresh["fetch_ms"] == fresh["decide_ms"] == 0.0  # dense rows
+
+
+def test_one_batch_size_at_a_time_prices_as_the_run_ahead():
+    m = catalog.model("mixtral-8x7b").shard(2)
+    (spec,), _ = parse("dense-resident")
+    policy = Predictor(None).cost(Point(2, "a100-80gb", "mixtral-8x7b", spec, 1024, 1, {}))
+    costs = _costs("a100-80gb", gemm_overlap=0.3, gemm_half_tokens=40.0).set_tp(2)
+    ahead, one = StepCosts(m, costs, policy), StepCosts(m, costs, policy, ahead=False)
+    for B in (1, 7, 64, 300):
+        assert one.per_batch(B) == ahead.per_batch(B)
+    assert len(one._per_batch) == 4 < len(ahead._per_batch)
+
+
+@pytest.mark.slow  # two leave-one-source-out runs, ~30 s
+def test_cross_validation_in_worker_processes_gives_the_same_records():
+    pred = Predictor(None)
+    pts = _synthetic(pred, {"hbm_efficiency": 0.8}, {"step_overhead_ms": 2.0})
+    assert F.cross_validate(pts, pred, E.ROOFLINE, jobs=2) == \
+        F.cross_validate(pts, pred, E.ROOFLINE)
+
+
+def test_kvsim_fit_rejects_a_job_count_below_one(tmp_path):
+    from conftest import run_cli
+    out = tmp_path / "e.json"
+    code, _, err = run_cli("fit", ROOT / "data" / "published.csv", "--out", out, "--cv",
+                           "source", "--jobs", "0")
+    assert code == 2 and "--jobs" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

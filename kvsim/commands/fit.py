@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--cv", choices=["source"],
                    help="also cross-validate, leaving out one source (publication) at a time")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="with --cv and engine families: sources left out at once, in worker "
+                        "processes (the same results) [default: 1]")
     p.add_argument("--family", metavar="ENGINE",
                    help="with an engine column: the engine family whose profile to write "
                         "(its rows refit its overheads and efficiencies on the shared fit)")
@@ -101,6 +104,8 @@ def run(args) -> int:
     from kvsim.hw.engine import Value, load
     from kvsim.io import check_destination
     check_destination(args.out, args.force)  # before the work
+    if args.jobs < 1:
+        raise KvsimError(f"--jobs must be >= 1, got {args.jobs}")
     points = read_points(args.measured)
     if any(p.engine for p in points):
         return _run_families(args, points)
@@ -207,7 +212,7 @@ def _run_families(args, points) -> int:
     name = args.name or Path(args.out).stem
     cv = summary = None
     if args.cv:
-        cv = F.cross_validate(points, pred, base, progress=not args.json)
+        cv = F.cross_validate(points, pred, base, progress=not args.json, jobs=args.jobs)
         summary = F.summary(cv)
     engine = dataclasses.replace(engine, name=name, description=args.describe or (
         f"{args.family or 'every engine'}, fitted by kvsim fit on {args.measured}"),

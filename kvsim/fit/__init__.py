@@ -201,6 +201,8 @@ class Predictor:
         self.trace = Path(trace) if trace is not None else DEFAULT_TRACE
         self.seed = seed
         self._costs: dict = {}
+        self._models: dict = {}  # (model, dtypes, routing, tp) -> sharded model
+        self._on: dict = {}  # id(engine) -> (engine, {(gpu, tp, kernel): costs})
 
     def cost(self, p: Point):
         """The point's decode cost: the policy's analysis of the trace, with the point's
@@ -217,28 +219,52 @@ class Predictor:
             self._costs[key] = a.cost
         return self._costs[key]
 
+    def _model(self, p: Point):
+        """The point's model: its dtypes, routing and tensor-parallel shard."""
+        key = (p.model, p.kv_dtype, p.weight_dtype, p.routing, p.weight_only, p.tp)
+        m = self._models.get(key)
+        if m is None:
+            from kvsim.replay import with_dtypes
+            m = with_dtypes(catalog.model(p.model), p.kv_dtype, p.weight_dtype)
+            if (p.routing, p.weight_only) != (m.routing, m.weight_only):
+                m = dataclasses.replace(m, routing=p.routing, weight_only=p.weight_only)
+            m = self._models[key] = m.shard(p.tp)
+        return m
+
+    def _costs_on(self, p: Point, engine: Engine):
+        """The point's GPU costs under ``engine`` (its decode attention where the point names
+        one), shared by the points of one GPU, TP size and kernel under the same engine object:
+        a fit prices every row under each of its trial engines (the last 64 are kept)."""
+        held = self._on.get(id(engine))
+        if held is None or held[0] is not engine:
+            if len(self._on) >= 64:
+                self._on.clear()
+            held = self._on[id(engine)] = (engine, {})
+        key = (p.gpu, p.tp, p.attention)
+        costs = held[1].get(key)
+        if costs is None:
+            eng = engine
+            if p.attention is not None and engine.get("attention") != p.attention:
+                eng = engine.with_fields(attention=p.attention)
+            costs, _ = costs_for(p.gpu, None, eng)
+            costs = held[1][key] = costs.set_tp(p.tp)
+        return costs
+
     def predict(self, p: Point, engine: Engine) -> dict:
         """Predicted ``tpot_ms``, ``fetch_ms`` and ``decide_ms`` (per decode step, all layers),
         and, for the values the row measured, ``ttft_ms``, ``latency_s`` and
         ``throughput_tok_s`` (see the module docstring)."""
-        from kvsim.replay import with_dtypes
-        m = with_dtypes(catalog.model(p.model), p.kv_dtype, p.weight_dtype)
-        if (p.routing, p.weight_only) != (m.routing, m.weight_only):
-            m = dataclasses.replace(m, routing=p.routing, weight_only=p.weight_only)
-        m = m.shard(p.tp)
-        if p.attention is not None and engine.get("attention") != p.attention:
-            engine = engine.with_fields(attention=p.attention)
-        costs, _ = costs_for(p.gpu, None, engine)
-        costs.set_tp(p.tp)
-        steps = StepCosts(m, costs, self.cost(p))
+        m = self._model(p)
+        steps = StepCosts(m, self._costs_on(p, engine), self.cost(p), ahead=False)
         ctx = np.full(p.batch, float(p.context))
         step, _, _ = steps.decode(ctx, p.output_len)
-        j = np.arange(p.output_len, dtype=float)
-        _, decide, link = steps.layer_costs(np.full(p.output_len, p.batch),
-                                            float(ctx.sum()) + p.batch * j)
-        out = {"tpot_ms": 1e3 * float(step.mean()),
-               "fetch_ms": 1e3 * m.layers * float(link.mean()),
-               "decide_ms": 1e3 * m.layers * float(decide.mean())}
+        out = {"tpot_ms": 1e3 * float(step.mean()), "fetch_ms": 0.0, "decide_ms": 0.0}
+        if steps.fetches or steps.decide is not None:  # else both are 0 (a dense policy)
+            j = np.arange(p.output_len, dtype=float)
+            _, decide, link = steps.layer_costs(np.full(p.output_len, p.batch),
+                                                float(ctx.sum()) + p.batch * j)
+            out.update(fetch_ms=1e3 * m.layers * float(link.mean()),
+                       decide_ms=1e3 * m.layers * float(decide.mean()))
         if {"ttft_ms", "latency_s", "throughput_tok_s"} & set(p.measured):
             n = p.batch * p.context
             ttft = steps.step(0, 0.0, float(n), p.batch * float(m.attention_flops(p.context)),

@@ -198,31 +198,60 @@ def held_values(p: Point, got: dict) -> list[dict]:
 
 
 def cross_validate(points: list[Point], pred: Predictor, base: Engine,
-                   progress: bool = False) -> list[dict]:
+                   progress: bool = False, jobs: int = 1) -> list[dict]:
     """Leave one source out (see the module docstring): one record per held-out measured value
     (:func:`held_values`), with the family the prediction came from (its own, or the shared
-    engine where the other sources hold too few of its rows)."""
+    engine where the other sources hold too few of its rows). ``jobs``: sources fitted at once
+    in worker processes (the records are the same, in the same order)."""
     from tqdm import tqdm
     rows = [p for p in points if p.meta.get("certainty") not in BOUNDS]
     sources = list(dict.fromkeys(p.meta.get("source", "(no source)") for p in rows))
-    out = []
-    bar = tqdm(sources, desc="leave-one-source-out", unit="source", leave=False,
+    bar = tqdm(total=len(sources), desc="leave-one-source-out", unit="source", leave=False,
                disable=None if progress else True)
-    for s in bar:
-        held = [p for p in rows if p.meta.get("source", "(no source)") == s]
-        rest = [p for p in points if p.use == "fit" and p.meta.get("source") != s]
-        if not rest:
-            continue
-        try:
-            shared, engines, _ = fit_joint(rest, pred, base)
-        except KvsimError:
-            continue
-        for p in held:
-            eng = engines.get(p.engine, shared)
-            own = sum(q.engine == p.engine for q in rest) >= MIN_FAMILY_ROWS
-            for v in held_values(p, pred.predict(p, eng)):
-                v["fitted_as"] = p.engine if own else "shared"
-                out.append(v)
+    _FOLD.update(points=points, rows=rows, pred=pred, base=base)
+    try:
+        if jobs <= 1 or len(sources) < 2:
+            done = []
+            for s in sources:
+                done.append(_fold(s))
+                bar.update()
+        else:
+            import concurrent.futures as cf
+            import multiprocessing as mp
+            with cf.ProcessPoolExecutor(min(jobs, len(sources)),
+                                        mp_context=mp.get_context("fork")) as pool:
+                futures = [pool.submit(_fold, s) for s in sources]
+                for _ in cf.as_completed(futures):
+                    bar.update()
+                done = [f.result() for f in futures]
+    finally:
+        _FOLD.clear()
+        bar.close()
+    return [v for part in done for v in part]
+
+
+_FOLD: dict = {}  # what every fold reads (inherited by forked workers)
+
+
+def _fold(source: str) -> list[dict]:
+    """The held-out records of ``source`` under the joint fit of the other sources (none where
+    nothing is left to fit, or the fit cannot be made)."""
+    pred = _FOLD["pred"]
+    held = [p for p in _FOLD["rows"] if p.meta.get("source", "(no source)") == source]
+    rest = [p for p in _FOLD["points"] if p.use == "fit" and p.meta.get("source") != source]
+    if not rest:
+        return []
+    try:
+        shared, engines, _ = fit_joint(rest, pred, _FOLD["base"])
+    except KvsimError:
+        return []
+    out = []
+    for p in held:
+        eng = engines.get(p.engine, shared)
+        own = sum(q.engine == p.engine for q in rest) >= MIN_FAMILY_ROWS
+        for v in held_values(p, pred.predict(p, eng)):
+            v["fitted_as"] = p.engine if own else "shared"
+            out.append(v)
     return out
 
 

@@ -81,6 +81,7 @@ class StepCosts:
     costs: CostModel
     policy: DecodeCost
     prefill_work: PrefillWork = field(default_factory=PrefillWork)
+    ahead: bool = True  # price every decode batch size up to 2B at the first (a run asks many)
 
     def __post_init__(self):
         self._per_batch: dict[int, tuple[float, float]] = {}
@@ -116,7 +117,7 @@ class StepCosts:
         got = self._per_batch.get(B)
         if got is None:
             m, c = self.model, self.costs
-            if c.gemm_curve is None and c.head_curve is None:  # every size up to 2B at once
+            if self.ahead and c.gemm_curve is None and c.head_curve is None:  # up to 2B
                 sizes = np.arange(1, max(2 * B, 64) + 1)  # (elementwise: the same floats)
                 self._per_batch.update(zip(sizes.tolist(), zip(
                     c.gemm_time(sizes, m).tolist(), c.head_time(sizes, m).tolist())))
