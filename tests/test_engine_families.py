@@ -207,6 +207,24 @@ def test_published_dataset_is_what_the_build_script_makes_and_names_its_sources(
     assert {p.tp for p in points} >= {1, 2, 4, 8}
 
 
+def test_the_build_keeps_one_reading_of_a_run_and_drops_a_decode_only_throughput():
+    """Throughput and latency of the same run: the throughput stays. A throughput that is
+    batch / TPOT beside a latency it does not match (sglang issue 2087's bench_latency prints
+    its decode-only throughput): the latency stays, the throughput repeats the TPOT."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "build_published", ROOT / "scripts" / "build_published_dataset.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    raw = next(r for r in csv.DictReader(open(ROOT / "data" / "published" / "sglang.csv"))
+               if r["source"] == "sglang-issue-2087")
+    out, _ = build.convert(raw)
+    assert (out["throughput_tok_s"], out["latency_s"], out["tpot_ms"]) == ("", "4.614", "13.64")
+    same = dict(raw, throughput_tok_s=f"{32 * 256 / 4.614:.2f}")  # the whole run's
+    out, _ = build.convert(same)
+    assert out["throughput_tok_s"] == same["throughput_tok_s"] and out["latency_s"] == ""
+
+
 # ------------------------------------------------------------------ the family fit
 def _synthetic(pred, truth_shared, truth_family):
     """Points two engine families would measure: family "a" is the shared engine with its own
