@@ -83,3 +83,37 @@ def test_kvsim_catalog_lists_each_gpus_rates_and_their_source():
     assert code == 0, err
     assert "fp8_tflops" in out and "int8_tops" in out
     assert "rates by type: NVIDIA H100 specification table" in out
+
+
+def test_a_decode_step_below_the_tensor_core_tile_computes_the_tile_by_hand():
+    """Hopper's tensor-core GEMM instruction multiplies 64 rows (wgmma m64nNk16): one decode
+    token through a Qwen3-8B layer costs 64 tokens' compute. On an H20 (148 bf16 TFLOP/s for
+    4.0 TB/s) that compute is longer than the weight reads; on an H100 the reads hide it, and
+    from 64 tokens on the tile adds nothing."""
+    from kvsim.hw.costs import Matmuls
+    m = catalog.model("qwen3-8b")
+    tile = 2 * m.active_layer_params * 64 / (148e12 * FLOP_EFFICIENCY)
+    h20 = _costs("h20")
+    assert h20.mma_rows == 64 and "wgmma" in h20.provenance["gemm_tile"]
+    reads = m.layer_weight_bytes() / h20.hbm_bw
+    assert reads < tile / 2
+    for B in (1, 8, 63):
+        assert float(h20.gemm_time(B, m)) == pytest.approx(tile, rel=1e-12)
+        assert h20.matmuls(m).at(B) == pytest.approx(tile, rel=1e-12)
+    assert float(h20.gemm_time(128, m)) == pytest.approx(2 * tile, rel=1e-12)
+    # the fp8 checkpoint: the tile at the fp8 rate (296 TFLOP/s, the H20's INT8 rate)
+    assert float(h20.gemm_time(1, _fp8(m))) == pytest.approx(tile / 2, rel=1e-12)
+    # an H100 SXM: the weight reads hide the tile, as without it
+    h100 = _costs("h100-sxm")
+    bare = Matmuls(m, h100.gemm_flops(m), h100.hbm_bw, 1.0, 0.0)
+    for B in (1, 16, 64, 512):
+        assert float(h100.gemm_time(B, m)) == float(bare.time(B))
+    # the LM head of one sequence: 64 rows of compute where that exceeds its weight reads
+    p = m.vocab * m.hidden
+    assert float(h20.head_time(1, m)) == pytest.approx(
+        max(2 * p * 64 / h20.flops, p * 2 / h20.hbm_bw), rel=1e-12)
+
+
+def test_every_catalog_gpu_names_its_tensor_core_tile():
+    for g in catalog.GPUS.values():
+        assert g.mma_rows in (16, 64) and g.mma_source, g.name

@@ -38,6 +38,10 @@ class GPUSpec:
     int8_tops: float = 0.0
     int4_tops: float = 0.0
     rates_source: str = ""
+    # the fewest rows (tokens) one tensor-core matrix instruction multiplies: a matmul of fewer
+    # tokens does this many rows' work (:class:`kvsim.hw.costs.Matmuls`); 0: not known
+    mma_rows: int = 0
+    mma_source: str = ""
 
     def rates(self) -> dict[str, float]:
         """Dense peak rate (TFLOP/s or TOP/s) per compute type this entry lists."""
@@ -117,10 +121,11 @@ _RATES: dict[str, dict] = {
              "HGX B200 at 1,000 W, dense FP8 4,500 TFLOP/s and INT8 4,500 TOP/s (FP4 9,000), "
              "from NVIDIA's Blackwell specifications as tabulated at "
              "https://glennklockwood.com/garden/processors/B200"},
-    "h20": {"int8_tops": 296, "rates_source":
+    "h20": {"fp8_tflops": 296, "int8_tops": 296, "rates_source":
             "H20 INT8 296 TOP/s with FP16 148 TFLOP/s (press, "
-            "https://zangshuxian.com/new/674733024499207168); FP8 rate not found in a "
-            "source, left out (fp8 computes at the bf16 rate)"},
+            "https://zangshuxian.com/new/674733024499207168); FP8 not stated there: taken "
+            "equal to INT8, as on every Hopper part whose sheet lists both (H100 SXM and PCIe "
+            "above)"},
     "l40s": {"fp8_tflops": 733, "int8_tops": 733, "int4_tops": 1466, "rates_source":
              "NVIDIA L40S datasheet table (FP8 733, 1,466 with sparsity), as reproduced at "
              "https://www.mullet.se/product.html?product_id=355414; INT8 732.86 and INT4 "
@@ -128,7 +133,22 @@ _RATES: dict[str, dict] = {
     "mi300x": {"rates_source": "FP8/INT8 rates of the MI300X found only in conflicting "
                                "secondary sources: left out (fp8 computes at the bf16 rate)"},
 }
-GPUS = {n: dataclasses.replace(g, **_RATES.get(n, {})) for n, g in GPUS.items()}
+# Tensor-core instruction shapes (PTX ISA, "Warpgroup MMA" and "mma" sections; CUTLASS's WGMMA
+# and warp-level MMA guides): Hopper's warpgroup MMA is m64nNk16 (k32 for fp8), Ampere's and Ada's
+# warp MMA m16n8k16; Blackwell's tcgen05 MMA takes M 64 or 128; CDNA3's MFMA 16x16 or 32x32.
+_WGMMA = ("Hopper (sm_90) tensor-core GEMMs issue wgmma.mma_async, whose only M is 64 "
+          "(.m64nNk16, .m64nNk32 for fp8: PTX ISA; CUTLASS Warpgroup MMA guide); SGLang's H20 "
+          "deployment swaps A and B in small-batch GEMMs for this reason (LMSYS blog "
+          "2025-09-26, DeepGEMM swapAB)")
+_MMA = "Ampere/Ada warp MMA mma.sync m16n8k16 (PTX ISA; CUTLASS warp-level MMA guide)"
+_MMA_ROWS: dict[str, tuple[int, str]] = {
+    **{n: (16, _MMA) for n in ("a100-40gb", "a100-80gb", "l40s")},
+    **{n: (64, _WGMMA) for n in ("h100-pcie", "h100-sxm", "h200", "gh200", "h20")},
+    "b200": (64, "Blackwell tcgen05.mma, M 64 or 128 per CTA (PTX ISA)"),
+    "mi300x": (16, "CDNA3 MFMA 16x16xK or 32x32xK (AMD CDNA3 ISA)"),
+}
+GPUS = {n: dataclasses.replace(g, **_RATES.get(n, {}), mma_rows=_MMA_ROWS[n][0],
+                               mma_source=_MMA_ROWS[n][1]) for n, g in GPUS.items()}
 
 
 

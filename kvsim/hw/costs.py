@@ -93,10 +93,14 @@ class Matmuls:
     The weight reads are the bytes the tokens touch (:meth:`ModelSpec.layer_weight_bytes`) at
     achievable HBM bandwidth. The engine's ``gemm_overlap`` says how much of the smaller of the
     two hides under the larger: 1 (the default) is the roofline's max, 0 their sum.
+    A step of fewer tokens than the GPU's tensor-core instruction has rows (``tile``,
+    :attr:`GPUSpec.mma_rows`: 64 on Hopper) still does ``tile`` tokens' compute, which the
+    weight reads hide where the GPU's FLOP/s per byte allow (every GPU here but the H20): the
+    time is at least that compute (for a mixture of experts, ``tile`` tokens through the layer).
     ``time`` is vectorised; ``at`` is the same in floats (the simulator's hot path)."""
 
     def __init__(self, m: ModelSpec, rate: float, hbm_bw: float, overlap: float, half: float,
-                 moe_efficiency: float = 1.0):
+                 moe_efficiency: float = 1.0, tile: int = 0):
         self.m, self.rate, self.hbm_bw, self.overlap, self.half = m, rate, hbm_bw, overlap, half
         routed = 0.0
         if m.experts:
@@ -108,6 +112,9 @@ class Matmuls:
         self.per_expert = (m.experts_per_token / m.experts if m.routing == "uniform" else 1.0) \
             if m.experts else 0.0
         self.dense_bytes = float(m.layer_weight_bytes())
+        self.tile = float(tile)
+        self.floor = (self.dense_flops + self.routed_flops) * self.tile / (
+            self.rate * self._eff(self.tile)) if tile else 0.0  # tile tokens' compute
 
     def _eff(self, tokens):
         return tokens / (tokens + self.half) if self.half else 1.0
@@ -127,7 +134,8 @@ class Matmuls:
             memory = self.m.layer_weight_bytes(n) / self.hbm_bw
         else:
             memory = np.where(n > 0, self.dense_bytes / self.hbm_bw, 0.0)
-        return np.where(n > 0, self._combine(compute, memory), 0.0)
+        t = self._combine(compute, memory)
+        return np.where(n > 0, np.maximum(t, self.floor) if self.floor else t, 0.0)
 
     def at(self, n: float) -> float:
         if n <= 0:
@@ -137,8 +145,10 @@ class Matmuls:
         compute = self.dense_flops * n / (self.rate * self._eff(n))
         memory = self.dense_bytes / self.hbm_bw
         if self.overlap == 1.0:
-            return max(compute, memory)
-        return compute + memory - self.overlap * min(compute, memory)
+            t = max(compute, memory)
+        else:
+            t = compute + memory - self.overlap * min(compute, memory)
+        return max(t, self.floor) if self.floor else t
 
 
 class CostModel:
@@ -179,6 +189,7 @@ class CostModel:
         self.moe_efficiency = 1.0  # grouped expert matmuls' efficiency over the dense ones'
         self.attention = "gqa"  # decode attention reads a KV head once ("gqa") or per query head
         self.head_reread_share = 1.0  # per query head: share of the repeat reads that reach HBM
+        self.mma_rows = 0  # tokens a tensor-core matmul computes at least (GPUSpec.mma_rows)
 
     # ------------------------------------------------------------------------ construction
     @classmethod
@@ -208,6 +219,10 @@ class CostModel:
         cm = cls(g.name, g.hbm_gib * GiB, g.hbm_gbps * GB * HBM_EFFICIENCY,
                  g.bf16_tflops * 1e12 * FLOP_EFFICIENCY, links, prov)
         cm.spec = g
+        cm.mma_rows = g.mma_rows
+        if g.mma_rows:
+            prov["gemm_tile"] = (f"a decode step of fewer than {g.mma_rows} tokens computes "
+                                 f"{g.mma_rows} tokens' matmuls: {g.mma_source}")
         return cm
 
     @classmethod
@@ -389,7 +404,7 @@ class CostModel:
     def matmuls(self, m: ModelSpec) -> Matmuls:
         """The layer GEMMs of ``m`` on this GPU under this engine."""
         return Matmuls(m, self.gemm_flops(m), self.hbm_bw, self.gemm_overlap,
-                       self.gemm_half_tokens, self.moe_efficiency)
+                       self.gemm_half_tokens, self.moe_efficiency, self.mma_rows)
 
     def attention_reread(self, m: ModelSpec) -> float:
         """How many times decode attention reads each cached KV head from HBM: once with a
@@ -438,9 +453,9 @@ class CostModel:
             c = self.head_curve
             head = c(batch, lambda b: np.maximum(c.y[-1] * b / c.x[-1], c.y[0]))
         else:
-            p = m.vocab * m.hidden
-            head = np.maximum(2.0 * p * np.asarray(batch, float) / self.flops,
-                              p * m.dtype_bytes / self.hbm_bw)
+            p = m.vocab * m.hidden  # (a batch below the tensor-core tile: the tile's work)
+            head = np.maximum(2.0 * p * np.maximum(np.asarray(batch, float), self.mma_rows)
+                              / self.flops, p * m.dtype_bytes / self.hbm_bw)
         return head + self.token_overhead * np.asarray(batch, float) if self.token_overhead \
             else head
 
