@@ -94,6 +94,14 @@ def _short(row: dict, rows: list[dict]) -> str:
                      for k in vary)])
 
 
+def _check(args) -> None:
+    from kvsim.errors import KvsimError
+    from kvsim.io import check_destination
+    check_destination(args.out, args.force)
+    if args.jobs < 1:
+        raise KvsimError(f"--jobs must be >= 1, got {args.jobs}")
+
+
 def run(args) -> int:
     import dataclasses
     from pathlib import Path
@@ -102,10 +110,7 @@ def run(args) -> int:
     from kvsim.fit import Predictor, read_points
     from kvsim.fit.solve import fit
     from kvsim.hw.engine import Value, load
-    from kvsim.io import check_destination
-    check_destination(args.out, args.force)  # before the work
-    if args.jobs < 1:
-        raise KvsimError(f"--jobs must be >= 1, got {args.jobs}")
+    _check(args)  # before the work
     points = read_points(args.measured)
     if any(p.engine for p in points):
         return _run_families(args, points)
