@@ -83,6 +83,18 @@ def test_kvsim_catalog_lists_each_gpus_rates_and_their_source():
     assert code == 0, err
     assert "fp8_tflops" in out and "int8_tops" in out
     assert "rates by type: NVIDIA H100 specification table" in out
+    assert "mma_rows" in out and "tensor-core rows: Hopper" in out
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """kvsim catalog | head: the pipe closes under the printing; the command stops quietly."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "kvsim.cli", "catalog"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command has printed (it imports for a second first)
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and "Traceback" not in err, err
 
 
 def test_a_decode_step_below_the_tensor_core_tile_computes_the_tile_by_hand():

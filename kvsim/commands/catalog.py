@@ -35,10 +35,10 @@ def run(args) -> int:
                     "engines": [{**e.to_json(), "origin": e.origin} for e in engines]})
         return 0
     table([{k: g[k] or "-" for k in ("name", "hbm_gib", "hbm_gbps", "bf16_tflops", "fp8_tflops",
-                                     "int8_tops", "int4_tops", "link", "h2d_gbps", "peer",
-                                     "peer_gbps")} for g in gpus])
+                                     "int8_tops", "int4_tops", "mma_rows", "link", "h2d_gbps",
+                                     "peer", "peer_gbps")} for g in gpus])
     print("(dense tensor-core peak rates; '-': no published rate in the catalog: that type "
-          "computes at the bf16 rate)")
+          "computes at the bf16 rate; mma_rows: the tokens a decode matmul computes at least)")
     print()
     table([{k: m[k] for k in ("name", "params_b", "layers", "q_heads", "kv_heads", "head_dim",
                               "hidden", "intermediate", "vocab", "kv_kib_per_token")}
@@ -50,6 +50,7 @@ def run(args) -> int:
     for g in catalog.GPUS.values():
         print(f"  {g.name}: {g.source}")
         print(f"    rates by type: {g.rates_source}")
+        print(f"    tensor-core rows: {g.mma_source}")
     for m in catalog.MODELS.values():
         print(f"  {m.name}: {m.source}")
     for e in engines:
