@@ -112,9 +112,8 @@ class Matmuls:
         self.per_expert = (m.experts_per_token / m.experts if m.routing == "uniform" else 1.0) \
             if m.experts else 0.0
         self.dense_bytes = float(m.layer_weight_bytes())
-        self.tile = float(tile)
-        self.floor = (self.dense_flops + self.routed_flops) * self.tile / (
-            self.rate * self._eff(self.tile)) if tile else 0.0  # tile tokens' compute
+        self.floor = (self.dense_flops + self.routed_flops) * tile / (
+            self.rate * self._eff(float(tile))) if tile else 0.0  # tile tokens' compute
 
     def _eff(self, tokens):
         return tokens / (tokens + self.half) if self.half else 1.0
@@ -134,8 +133,7 @@ class Matmuls:
             memory = self.m.layer_weight_bytes(n) / self.hbm_bw
         else:
             memory = np.where(n > 0, self.dense_bytes / self.hbm_bw, 0.0)
-        t = self._combine(compute, memory)
-        return np.where(n > 0, np.maximum(t, self.floor) if self.floor else t, 0.0)
+        return np.where(n > 0, np.maximum(self._combine(compute, memory), self.floor), 0.0)
 
     def at(self, n: float) -> float:
         if n <= 0:
@@ -148,7 +146,7 @@ class Matmuls:
             t = max(compute, memory)
         else:
             t = compute + memory - self.overlap * min(compute, memory)
-        return max(t, self.floor) if self.floor else t
+        return max(t, self.floor)
 
 
 class CostModel:
