@@ -141,6 +141,47 @@ def test_attention_per_query_head_rereads_kv_and_overheads_add_by_hand():
     assert s1 - s0 == pytest.approx(1e-3 + 80 * 10e-6 + 8 * 20e-6, rel=1e-9)
 
 
+def test_attention_efficiency_slows_decode_attention_alone_by_hand():
+    """The engine's ``attention_efficiency`` divides decode attention's HBM rate (the KV reads)
+    and nothing else: a layer's cost grows by the KV bytes over the slower rate."""
+    m = catalog.model("llama-3.1-8b")
+    (spec,), _ = parse("dense-resident")
+    cost = Predictor(None).cost(Point(0, "h100-sxm", m.name, spec, 1, 1, {}))
+    tokens = 4 * 65536.0
+    kv_layer = m.kv_bytes_per_token / m.layers * tokens
+    bw = 3350 * GB * HBM_EFFICIENCY
+    (c0,), _, _ = StepCosts(m, _costs(), cost).layer_costs(4, np.array([tokens]))
+    (c1,), _, _ = StepCosts(m, _costs(attention_efficiency=0.6), cost).layer_costs(
+        4, np.array([tokens]))
+    assert c1 - c0 == pytest.approx(kv_layer / (0.6 * bw) - kv_layer / bw, rel=1e-9)
+    slow = _costs(attention_efficiency=0.6)
+    assert float(slow.gemm_time(4, m)) == float(_costs().gemm_time(4, m))
+    assert "0.6" in slow.provenance["decode_attention"]
+
+
+def test_attention_efficiency_is_identified_by_rows_of_several_kv_shares_and_fitted():
+    """Resident decode rows of two models where the KV is a small and a large share of the
+    bytes a step reads tell decode attention's rate from the weight reads'; the fit recovers
+    it. With one model's rows the weight reads trade against the step overhead: not free."""
+    from kvsim.fit.solve import fit, identified
+    truth = {"step_overhead_ms": 1.0, "hbm_efficiency": 0.8, "attention_efficiency": 0.7}
+    known = make_engine(E.ROOFLINE, truth, "default", "", "h100-sxm", "llama-3.1-8b")
+    (spec,), _ = parse("dense-resident")
+    pred, pts = Predictor(None), []
+    for i, (model, ctx, b) in enumerate((("llama-3.1-8b", 512, 1), ("qwen3-4b", 4096, 4),
+                                         ("llama-3.1-8b", 32768, 4),
+                                         ("qwen3-4b", 65536, 8)), start=2):
+        p = Point(i, "h100-sxm", model, spec, ctx, b, {}, None, 16)
+        p.measured = {"tpot_ms": pred.predict(p, known)["tpot_ms"]}
+        pts.append(p)
+    assert "attention_efficiency" in identified(pts, pred)
+    assert "attention_efficiency" not in identified(pts[:2], pred)  # the KV a small share only
+    assert "attention_efficiency" not in identified(pts[::2], pred)  # one model
+    res = fit(pts, pred, E.ROOFLINE, free=list(truth), loo=False)
+    for k, v in truth.items():
+        assert res.values[k] == pytest.approx(v, rel=1e-3), k
+
+
 def test_the_share_of_per_query_head_rereads_is_identified_and_fitted():
     """Rows of a kernel that is not GQA-aware at several contexts (and GQA-aware ones beside
     them) identify how many of its repeat KV reads reach HBM; the fit recovers it."""
@@ -184,7 +225,7 @@ def test_default_engine_fields_leave_the_roofline_unchanged():
 def test_engine_fields_are_checked():
     for key, bad in (("gemm_overlap", 1.5), ("attention", "per-head"), ("moe_efficiency", 0),
                      ("token_overhead_us", -1.0), ("allreduce_us", float("nan")),
-                     ("head_reread_share", 1.5)):
+                     ("head_reread_share", 1.5), ("attention_efficiency", 0.0)):
         with pytest.raises(E.KvsimError, match=key):
             E.ROOFLINE.with_fields(**{key: bad})
 

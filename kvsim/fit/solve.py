@@ -11,6 +11,9 @@ identify them (:func:`identified`):
 * ``hbm_efficiency``: with resident rows at two or more KV sizes per step (at one size it
   trades one-for-one against the overhead);
 * ``link.<path>.gbps``: with rows of a policy that moves KV over that path;
+* ``attention_efficiency``: with resident decode rows of two or more models, whose KV cache is
+  at most 10% of the bytes a step reads in some and at least 30% in others (decode attention's
+  HBM rate as a share of the weight reads');
 * ``head_reread_share``: with two or more decode rows of a GQA model whose ``attention`` column
   says ``per-query-head`` (the share of its repeat KV reads that reach HBM);
 * ``decide.<kernel>`` (e.g. ``decide.verkv``): ``per_ktoken_us`` with rows of that kernel's
@@ -52,6 +55,7 @@ PARAMS = {
     "gemm_half_tokens": (0.0, 1e4),
     "moe_efficiency": (0.05, 1.0),
     "head_reread_share": (0.0, 1.0),
+    "attention_efficiency": (0.2, 1.0),
     "hbm_efficiency": (0.05, HBM_CEILING),
     "flop_efficiency": (0.05, 1.0),
     **{f"link.{p}.gbps": (0.05, 2e3) for p in ("h2d", "d2h", "gather")},
@@ -91,6 +95,13 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
                 for p in decodes if costs[id(p)].host_read_frac == 0}
     if len(resident) >= 2:
         out.append("hbm_efficiency")
+    held = [p for p in decodes if costs[id(p)].host_read_frac == 0]
+    kv_share = [_kv_share(p, costs[id(p)], m[p.model]) for p in held]
+    if kv_share and min(kv_share) <= 0.1 and max(kv_share) >= 0.3 \
+            and len({m[p.model].weight_bytes for p in held}) >= 2:
+        # the KV's share of the bytes a step reads varies, and so do the weights (with one
+        # model's weights their read time trades one-for-one against the step overhead)
+        out.append("attention_efficiency")
     if len({m[p.model].layers for p in decodes}) >= 2:  # else it trades with the step overhead
         out.append("layer_overhead_us")
     if len({p.batch for p in decodes if costs[id(p)].host_read_frac == 0
@@ -121,13 +132,19 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
     return out
 
 
+def _kv_share(p: Point, cost, m) -> float:
+    """The KV cache's share of the HBM bytes a decode step of ``p`` reads (weights and KV)."""
+    kv = cost.hbm_read_frac * m.kv_bytes_per_token * p.context * p.batch
+    return kv / (kv + m.weight_bytes)
+
+
 def start_values(gpu: str, kernels: list[str]) -> dict:
     """Where the search starts: the catalog's roofline figures of the fitted GPU."""
     g = catalog.gpu(gpu)
     return {"step_overhead_ms": 0.5, "layer_overhead_us": 5.0, "token_overhead_us": 5.0,
             "allreduce_us": 5.0,
             "gemm_overlap": 0.5, "gemm_half_tokens": 32.0, "moe_efficiency": 0.7,
-            "head_reread_share": 0.5,
+            "head_reread_share": 0.5, "attention_efficiency": 0.8,
             "hbm_efficiency": HBM_EFFICIENCY, "flop_efficiency": FLOP_EFFICIENCY,
             "link.h2d.gbps": g.h2d_gbps,
             "link.d2h.gbps": g.h2d_gbps, "link.gather.gbps": g.h2d_gbps * GATHER_EFFICIENCY,

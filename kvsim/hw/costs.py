@@ -187,6 +187,7 @@ class CostModel:
         self.moe_efficiency = 1.0  # grouped expert matmuls' efficiency over the dense ones'
         self.attention = "gqa"  # decode attention reads a KV head once ("gqa") or per query head
         self.head_reread_share = 1.0  # per query head: share of the repeat reads that reach HBM
+        self.attention_efficiency = 1.0  # decode attention's share of the weight reads' HBM rate
         self.mma_rows = 0  # tokens a tensor-core matmul computes at least (GPUSpec.mma_rows)
 
     # ------------------------------------------------------------------------ construction
@@ -307,6 +308,10 @@ class CostModel:
         for key, val in sorted(engine.fields.items()):
             prov[f"engine.{key}"] = val.describe()
         self._kernel_fields(engine)
+        if self.attention_efficiency != 1.0 and self.attn_curve is None:
+            prov["decode_attention"] = (f"KV bytes / (achievable HBM bandwidth x "
+                                        f"{self.attention_efficiency:.3g}, engine {engine.name}'s "
+                                        f"attention_efficiency)")
         self.launches = engine.get("link_launches", self.launches)
         self.fetch = engine.get("fetch", self.fetch)
         measured = self.spec is None  # rates from a profile, not from a catalog entry
@@ -378,14 +383,17 @@ class CostModel:
         self.moe_efficiency = engine.get("moe_efficiency", 1.0)
         self.attention = engine.get("attention", "gqa")
         self.head_reread_share = engine.get("head_reread_share", 1.0)
+        self.attention_efficiency = engine.get("attention_efficiency", 1.0)
 
     # ------------------------------------------------------------------------- cost functions
     def link_time(self, nbytes, path: str = "h2d", copies=1) -> np.ndarray:
         return self.links[path].time(nbytes, copies)
 
     def attention_time(self, kv_bytes_read, kv_tokens_read=None) -> np.ndarray:
-        """One layer's decode attention over the batch: HBM-bound on the KV bytes it reads."""
-        roofline = np.asarray(kv_bytes_read, float) / self.hbm_bw
+        """One layer's decode attention over the batch: HBM-bound on the KV bytes it reads, at
+        the engine's ``attention_efficiency`` of the HBM rate its weight reads reach (paged
+        KV, per-head reductions)."""
+        roofline = np.asarray(kv_bytes_read, float) / (self.hbm_bw * self.attention_efficiency)
         if self.attn_curve is None or kv_tokens_read is None:
             return roofline
         c = self.attn_curve

@@ -149,6 +149,8 @@ FIELDS = {
     "head_reread_share": (lambda v: _nonneg(v) and v <= 1, "a share in [0, 1] of a per-query-"
                           "head kernel's repeat reads of a KV head that reach HBM (the rest hit "
                           "the L2 cache)"),
+    "attention_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of the HBM "
+                             "rate of the weight reads that decode attention reaches on the KV"),
     "link_launches": (lambda v: v in LAUNCHES, f"one of {', '.join(LAUNCHES)}"),
     "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
     **{f"link.{p}.gbps": (_positive, "GB/s > 0") for p in PATHS},
