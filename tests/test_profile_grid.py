@@ -116,6 +116,11 @@ def test_show_lists_the_grid():
     assert len(got) == 42 and {r["policy"] for r in got} >= {"verkv", "topk", "quest"}
     code, out, _ = run_cli("policy-profile", "--show", PROFILE, "--policy", "verkv")
     assert code == 0 and "grid of verkv in the profile: compression 4/8/16/32, eps " in out
+    # --show alone: the shipped profile, the one replay and plan apply
+    code, alone, err = run_cli("policy-profile", "--show")
+    assert code == 0, err
+    assert alone == run_cli("policy-profile", "--show", str(pp.DEFAULT))[1]
+    assert "42 settings" in alone
 
 
 @pytest.mark.slow  # ~17 s each

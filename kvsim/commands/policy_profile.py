@@ -14,8 +14,8 @@ EPILOG = """examples:
   kvsim policy-profile traces/captures/*.npz --policy verkv,topk,poissoncomp \\
       --compression 8,16,32 --eps 0.01,0.05,0.1,0.3 --sketch 2bit,perfect --sink 4 --local 4 \\
       --out my-profile.json                 (resumable: rerun the same command after a stop)
-  kvsim policy-profile --show traces/policy-profile-smollm2.json
-                                            (the grid: every policy setting it holds)
+  kvsim policy-profile --show                 (the shipped profile's grid: every policy setting
+                                            it holds; or --show FILE for another profile)
   kvsim policy-profile --show traces/policy-profile-smollm2.json --policy verkv --sink 4 \\
       --local 4 --context 32768             (the statistics at 32K, with 90% intervals; a value
                                             between two grid values of one option is interpolated)
@@ -32,8 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("captures", nargs="*", help="capture sets (kvsim capture --lengths)")
     p.add_argument("--policy", help="policies, comma-separated, each " + policy_help())
     p.add_argument("--out", help="profile to write (.json)")
-    p.add_argument("--show", metavar="PROFILE", help="print PROFILE's statistics at --context "
-                   "(without --policy: the grid of settings it holds)")
+    p.add_argument("--show", metavar="PROFILE", nargs="?", const=True,
+                   help="print PROFILE's statistics at --context (without --policy: the grid of "
+                   "settings it holds); PROFILE left out: the shipped profile, which replay and "
+                   "plan use")
     p.add_argument("--backtest", metavar="PROFILE",
                    help="print the back-test of PROFILE's context fits")
     p.add_argument("--fit-up-to", type=int, default=4096,
@@ -56,6 +58,9 @@ def run(args) -> int:
     if sum(bool(x) for x in (args.out, args.show, args.backtest)) != 1:
         raise KvsimError("give one of --out (build from capture sets), --show PROFILE or "
                          "--backtest PROFILE")
+    if args.show is True:
+        from kvsim import policy_profile as pp
+        args.show = str(pp.DEFAULT)
     if args.show and not args.policy and not args.captures:
         from kvsim import policy_profile as pp
         return _grid(pp.load(args.show), args.json)
