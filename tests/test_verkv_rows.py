@@ -186,6 +186,9 @@ def test_decisions_and_attention_equal_the_torch_code(options):
         for name in ("k_star", "own_exact", "exact_kv", "shortlisted", "eps_before",
                      "eps_after", "denom_est", "shift", "out_after"):
             assert same(getattr(got, name), getattr(want, name)), name
+        factors = KF.reweighted_log_factors(state, got, q.shape[0])  # union's and own
+        assert all(map(same, factors, torch_only(KF.reweighted_log_factors, state, got,
+                                                 q.shape[0])))
         o, st, reads = pol.attend(state, q, p, k, v)
         o2, st2, reads2 = torch_only(pol.attend, state, q, p, k, v)
         assert torch.equal(o, o2) and torch.equal(reads.kv, reads2.kv)

@@ -556,3 +556,28 @@ def pass_score(s, shift):
                 v = sr[j] - c
                 o[j] = v if (v > o[j] or v != v) else o[j]
     return out
+
+
+@_jit
+def log_factors(base, in_h, exact_kv, own_exact, idx, count, sampled, out, own):
+    """:func:`kvfetch.reweighted_log_factors` with binary shrinkage, row by row: ``out`` and
+    ``own`` (R, n), R = (KV head, query head, row), start from the KV head's ``base`` (-log r
+    on sampled tokens, -inf elsewhere) and are 0 on H (``in_h``), on the first ``count`` tokens
+    of ``idx`` that are sampled (lambda = r) and on the KV head's union ``exact_kv`` (n_kv, m,
+    n) (``out``) or the row's own set ``own_exact`` (R, n) (``own``)."""
+    rows, n = out.shape
+    n_kv, m = exact_kv.shape[0], exact_kv.shape[1]
+    per = rows // n_kv
+    zero = np.float32(0.0)
+    for r in range(rows):
+        kv = r // per
+        b, h, e, oe, o, ow = base[kv], in_h[kv], exact_kv[kv, r % m], own_exact[r], out[r], own[r]
+        for j in range(n):
+            v = b[j]
+            o[j] = zero if h[j] | e[j] else v
+            ow[j] = zero if h[j] | oe[j] else v
+        for t in range(min(count[r], idx.shape[1])):
+            c = idx[r, t]
+            if sampled[kv, c]:
+                o[c] = zero
+                ow[c] = zero

@@ -398,6 +398,17 @@ def reweighted_log_factors(layer: VerKVLayer, dec: Decision,
     r = smp.r.to(lam_dtype)
     base = torch.full((n_kv, n), float("-inf"), dtype=lam_dtype, device=r.device)
     base[smp.sampled] = -torch.log(r[smp.sampled])
+    if _rows.applies(base) and smp.in_h.device.type == "cpu":
+        out, own = (_rows.empty_tensor((n_q, m, n), base) for _ in range(2))
+        width = dec.shrink.idx.shape[-1]
+        _rows.log_factors(base.numpy(), smp.in_h.contiguous().numpy(),
+                          dec.exact_kv.contiguous().numpy(),
+                          dec.own_exact.reshape(-1, n).contiguous().numpy(),
+                          dec.shrink.idx.reshape(-1, width).contiguous().numpy(),
+                          dec.shrink.count.reshape(-1).contiguous().numpy(),
+                          smp.sampled.contiguous().numpy(), out.view(-1, n).numpy(),
+                          own.view(-1, n).numpy())
+        return out, own
     out = base[:, None, None, :].expand(n_kv, g, m, n).contiguous().view(n_q, m, n)
     # sampled tokens with lambda = r: log factor 0
     width = dec.shrink.idx.shape[-1]
