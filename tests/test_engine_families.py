@@ -182,6 +182,43 @@ def test_attention_efficiency_is_identified_by_rows_of_several_kv_shares_and_fit
         assert res.values[k] == pytest.approx(v, rel=1e-3), k
 
 
+def test_prefill_attention_efficiency_slows_prefill_attention_alone_by_hand():
+    """``prefill_attention_efficiency`` divides the compute rate of a prefill's causal attention
+    FLOPs and nothing else: a 32K-token prefill's step grows by those FLOPs at the slower rate,
+    a decode step not at all."""
+    m = catalog.model("llama-3.1-8b")
+    (spec,), _ = parse("dense-resident")
+    cost = Predictor(None).cost(Point(0, "h100-sxm", m.name, spec, 1, 1, {}))
+    n = 32768.0
+    attn = float(m.attention_flops(n))
+    rate = 989e12 * FLOP_EFFICIENCY
+    fast, slow = (StepCosts(m, c, cost) for c in (_costs(),
+                                                  _costs(prefill_attention_efficiency=0.5)))
+    t0, t1 = (s.step(0, 0.0, n, attn, 1, [n])[0] for s in (fast, slow))
+    assert t1 - t0 == pytest.approx(attn / (0.5 * rate) - attn / rate, rel=1e-9)
+    d0, d1 = (s.decode(np.full(4, n), 1)[0][0] for s in (fast, slow))
+    assert d0 == d1
+
+
+def test_prefill_attention_efficiency_is_identified_by_prompts_of_several_lengths_and_fitted():
+    """Time to first token at prompts where attention is a small and a large share of the
+    prefill's FLOPs tells its rate from the matmuls'; the fit recovers it."""
+    from kvsim.fit.solve import fit, identified
+    truth = {"step_overhead_ms": 1.0, "flop_efficiency": 0.6, "prefill_attention_efficiency": 0.5}
+    known = make_engine(E.ROOFLINE, truth, "default", "", "h100-sxm", "llama-3.1-8b")
+    (spec,), _ = parse("dense-resident")
+    pred, pts = Predictor(None), []
+    for i, ctx in enumerate((2048, 8192, 65536, 131072), start=2):
+        p = Point(i, "h100-sxm", "llama-3.1-8b", spec, ctx, 1, {"ttft_ms": 1.0}, None, 1)
+        p.measured = {"ttft_ms": pred.predict(p, known)["ttft_ms"]}
+        pts.append(p)
+    assert "prefill_attention_efficiency" in identified(pts, pred)
+    assert "prefill_attention_efficiency" not in identified(pts[:2], pred)  # short prompts
+    res = fit(pts, pred, E.ROOFLINE, free=list(truth), loo=False)
+    for k, v in truth.items():
+        assert res.values[k] == pytest.approx(v, rel=1e-3), k
+
+
 def test_the_share_of_per_query_head_rereads_is_identified_and_fitted():
     """Rows of a kernel that is not GQA-aware at several contexts (and GQA-aware ones beside
     them) identify how many of its repeat KV reads reach HBM; the fit recovers it."""
@@ -225,7 +262,8 @@ def test_default_engine_fields_leave_the_roofline_unchanged():
 def test_engine_fields_are_checked():
     for key, bad in (("gemm_overlap", 1.5), ("attention", "per-head"), ("moe_efficiency", 0),
                      ("token_overhead_us", -1.0), ("allreduce_us", float("nan")),
-                     ("head_reread_share", 1.5), ("attention_efficiency", 0.0)):
+                     ("head_reread_share", 1.5), ("attention_efficiency", 0.0),
+                     ("prefill_attention_efficiency", 1.5)):
         with pytest.raises(E.KvsimError, match=key):
             E.ROOFLINE.with_fields(**{key: bad})
 

@@ -14,6 +14,9 @@ identify them (:func:`identified`):
 * ``attention_efficiency``: with resident decode rows of two or more models, whose KV cache is
   at most 10% of the bytes a step reads in some and at least 30% in others (decode attention's
   HBM rate as a share of the weight reads');
+* ``prefill_attention_efficiency``: with rows whose prefill is timed (TTFT, or a static batch's
+  latency or throughput) at prompts where causal attention is at most 10% of the prefill's FLOPs
+  and others where it is at least 30% (its compute rate as a share of the matmuls');
 * ``head_reread_share``: with two or more decode rows of a GQA model whose ``attention`` column
   says ``per-query-head`` (the share of its repeat KV reads that reach HBM);
 * ``decide.<kernel>`` (e.g. ``decide.verkv``): ``per_ktoken_us`` with rows of that kernel's
@@ -56,6 +59,7 @@ PARAMS = {
     "moe_efficiency": (0.05, 1.0),
     "head_reread_share": (0.0, 1.0),
     "attention_efficiency": (0.2, 1.0),
+    "prefill_attention_efficiency": (0.2, 1.0),
     "hbm_efficiency": (0.05, HBM_CEILING),
     "flop_efficiency": (0.05, 1.0),
     **{f"link.{p}.gbps": (0.05, 2e3) for p in ("h2d", "d2h", "gather")},
@@ -102,6 +106,10 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
         # the KV's share of the bytes a step reads varies, and so do the weights (with one
         # model's weights their read time trades one-for-one against the step overhead)
         out.append("attention_efficiency")
+    share = [_attention_share(p, m[p.model]) for p in points
+             if {"ttft_ms", "latency_s", "throughput_tok_s"} & set(p.measured)]
+    if share and min(share) <= 0.1 and max(share) >= 0.3:
+        out.append("prefill_attention_efficiency")  # attention's share of prefill FLOPs varies
     if len({m[p.model].layers for p in decodes}) >= 2:  # else it trades with the step overhead
         out.append("layer_overhead_us")
     if len({p.batch for p in decodes if costs[id(p)].host_read_frac == 0
@@ -138,6 +146,12 @@ def _kv_share(p: Point, cost, m) -> float:
     return kv / (kv + m.weight_bytes)
 
 
+def _attention_share(p: Point, m) -> float:
+    """Attention's share of the FLOPs of ``p``'s prefill (causal attention and the matmuls)."""
+    attn = float(m.attention_flops(p.context))
+    return attn / (attn + 2.0 * m.active_params * p.context)
+
+
 def start_values(gpu: str, kernels: list[str]) -> dict:
     """Where the search starts: the catalog's roofline figures of the fitted GPU."""
     g = catalog.gpu(gpu)
@@ -145,6 +159,7 @@ def start_values(gpu: str, kernels: list[str]) -> dict:
             "allreduce_us": 5.0,
             "gemm_overlap": 0.5, "gemm_half_tokens": 32.0, "moe_efficiency": 0.7,
             "head_reread_share": 0.5, "attention_efficiency": 0.8,
+            "prefill_attention_efficiency": 0.8,
             "hbm_efficiency": HBM_EFFICIENCY, "flop_efficiency": FLOP_EFFICIENCY,
             "link.h2d.gbps": g.h2d_gbps,
             "link.d2h.gbps": g.h2d_gbps, "link.gather.gbps": g.h2d_gbps * GATHER_EFFICIENCY,

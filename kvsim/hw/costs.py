@@ -188,6 +188,7 @@ class CostModel:
         self.attention = "gqa"  # decode attention reads a KV head once ("gqa") or per query head
         self.head_reread_share = 1.0  # per query head: share of the repeat reads that reach HBM
         self.attention_efficiency = 1.0  # decode attention's share of the weight reads' HBM rate
+        self.prefill_attention_efficiency = 1.0  # prefill attention's share of the matmuls' rate
         self.mma_rows = 0  # tokens a tensor-core matmul computes at least (GPUSpec.mma_rows)
 
     # ------------------------------------------------------------------------ construction
@@ -384,6 +385,7 @@ class CostModel:
         self.attention = engine.get("attention", "gqa")
         self.head_reread_share = engine.get("head_reread_share", 1.0)
         self.attention_efficiency = engine.get("attention_efficiency", 1.0)
+        self.prefill_attention_efficiency = engine.get("prefill_attention_efficiency", 1.0)
 
     # ------------------------------------------------------------------------- cost functions
     def link_time(self, nbytes, path: str = "h2d", copies=1) -> np.ndarray:

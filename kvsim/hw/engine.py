@@ -151,6 +151,8 @@ FIELDS = {
                           "the L2 cache)"),
     "attention_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of the HBM "
                              "rate of the weight reads that decode attention reaches on the KV"),
+    "prefill_attention_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of "
+                                     "the matmuls' compute rate that prefill attention reaches"),
     "link_launches": (lambda v: v in LAUNCHES, f"one of {', '.join(LAUNCHES)}"),
     "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
     **{f"link.{p}.gbps": (_positive, "GB/s > 0") for p in PATHS},

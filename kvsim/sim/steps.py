@@ -102,6 +102,7 @@ class StepCosts:
         w = self.prefill_work
         self.works = bool(w.flops_per_token or w.flops_per_token_sq or w.bytes_per_token)
         self.overhead = c.step_overhead + m.layers * c.layer_overhead
+        self.attn_rate = c.flops * c.prefill_attention_efficiency  # prefill attention FLOP/s
         self.matmuls = c.matmuls(m)
         self.reread = c.attention_reread(m)  # KV heads read once per query head, or once
         self.decide = c.decide_model(p.decide_kernel, m, p.decide_bytes_per_token) \
@@ -213,7 +214,7 @@ class StepCosts:
             return alone, L * (compute + decide) + head, L * link, alone
         dec_gemm = np.where(D > 0, c.gemm_time(D, m), 0.0) if D.any() else 0.0
         gemm = np.maximum(dec_gemm, self.matmuls.time(D + chunks.tokens))
-        compute = compute - dec_gemm + gemm + chunks.attn_flops / L / c.flops \
+        compute = compute - dec_gemm + gemm + chunks.attn_flops / L / self.attn_rate \
             + c.allreduce_time(D + chunks.tokens, m) - c.allreduce_time(D, m)
         layers = step_time(compute, decide, link, L, self.overlap)
         emit = D + chunks.done
@@ -277,7 +278,8 @@ class StepCosts:
             got = self._gemm_at[n] = (self.matmuls.at(n), float(c.allreduce_time(n, m))
                                       if c.tp > 1 else 0.0)
         at, reduce = got
-        compute = attn + (at if at > gemm_d else gemm_d) + attn_flops / L / c.flops + reduce
+        compute = attn + (at if at > gemm_d else gemm_d) + attn_flops / L / self.attn_rate \
+            + reduce
         if overlap:  # (_step_time, inlined)
             compute_d = compute + decide
             layers = link + compute_d + (L - 1) * (link if link > compute_d else compute_d)
