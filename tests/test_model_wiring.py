@@ -246,3 +246,39 @@ def test_cli_on_a_local_model_directory_with_user_prompts(tmp_path):
     assert [la.layer for la in t.attention.layers] == [0, 2] and t.meta["prompt_index"] == 1
     rc, out, err = run_cli(*args)
     assert rc == 2 and "--force" in err
+
+
+def test_gguf_file_is_parsed_once_while_loading_and_gguf_is_restored(monkeypatch):
+    """kvsim.model.loading.gguf_parsed_once, against a stand-in ``gguf`` module: three readers
+    of one file are one parse, the tensor-name map is built once per (arch, depth) and a
+    call whose arguments cannot be a cache key still works; on leaving, the module's own
+    functions are back."""
+    import types
+
+    from kvsim.model.loading import gguf_parsed_once
+
+    calls = {"read": 0, "names": 0}
+
+    def reader(path, mode="r"):
+        calls["read"] += 1
+        return ("reader", str(path), mode)
+
+    def names(arch, n_blocks):
+        calls["names"] += 1
+        return ("map", arch, str(n_blocks))
+
+    fake = types.ModuleType("gguf")
+    fake.GGUFReader, fake.get_tensor_name_map = reader, names
+    monkeypatch.setitem(__import__("sys").modules, "gguf", fake)
+    with gguf_parsed_once():
+        got = [fake.GGUFReader("m.gguf") for _ in range(3)]
+        assert got == [("reader", "m.gguf", "r")] * 3 and calls["read"] == 1
+        assert fake.GGUFReader("m.gguf", mode="c") == ("reader", "m.gguf", "c")
+        assert calls["read"] == 2
+        maps = [fake.get_tensor_name_map(7, 30) for _ in range(397)]
+        assert maps == [("map", 7, "30")] * 397 and calls["names"] == 1
+        assert fake.get_tensor_name_map(7, [30]) == ("map", 7, "[30]")  # not hashable
+    assert fake.GGUFReader is reader and fake.get_tensor_name_map is names
+    with pytest.raises(RuntimeError), gguf_parsed_once():  # restored on an error too
+        raise RuntimeError("load failed")
+    assert fake.GGUFReader is reader and fake.get_tensor_name_map is names

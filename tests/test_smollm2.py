@@ -1,4 +1,5 @@
-"""The real SmolLM2-135M-Instruct (slow: loads the model once, ~25 s, then short prompts)."""
+"""The real SmolLM2-135M-Instruct (slow: loads the model, ~7 s, and once more by transformers
+alone for the comparison, ~16 s; then short prompts)."""
 
 import importlib.util
 
@@ -27,6 +28,24 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def lm():
     return load_model("smollm2")
+
+
+def test_the_gguf_parsed_once_gives_the_same_model_and_tokenizer(lm):
+    """load_model parses the GGUF file once for transformers' three reads of it
+    (kvsim.model.loading.gguf_parsed_once): the weights and the tokenizer equal a load by
+    transformers alone."""
+    import transformers as tr
+
+    from kvsim.model.loading import SMOLLM2_GGUF, _smollm2_dir
+    path, kw = str(_smollm2_dir()), {"gguf_file": SMOLLM2_GGUF, "local_files_only": True}
+    model = tr.AutoModelForCausalLM.from_pretrained(path, **kw)
+    tok = tr.AutoTokenizer.from_pretrained(path, **kw)
+    want, got = model.state_dict(), lm.model.state_dict()
+    assert want.keys() == got.keys()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    text = "The needle is 4817. <|im_start|>user über 你好<|im_end|>"
+    assert tok(text)["input_ids"] == lm.codec.tok(text)["input_ids"]
+    assert tok.chat_template == lm.codec.tok.chat_template
 
 
 def test_shapes_and_rope_of_the_real_model(lm):

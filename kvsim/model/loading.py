@@ -6,6 +6,8 @@ any other value: a local Hugging Face model directory. Nothing is ever downloade
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import time
@@ -118,6 +120,44 @@ def _smollm2_dir() -> Path:
     return d
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """While transformers loads a GGUF model: one parse of the file for its three reads of it
+    (tokenizer, config, weights; each ``from_pretrained`` opens its own ``gguf.GGUFReader``) and
+    one tensor-name map per architecture and depth (transformers builds one for every module,
+    397 for SmolLM2). The same objects either way, built once: SmolLM2 loads in 6.4 s instead of
+    16.0 s on a 2-vCPU VM. Without ``gguf``, or a ``gguf`` without these names, nothing changes;
+    the originals are put back on leaving."""
+    try:
+        import gguf
+    except ImportError:
+        gguf = None
+    reader, names = (getattr(gguf, n, None) for n in ("GGUFReader", "get_tensor_name_map"))
+    if reader is None or names is None:
+        yield
+        return
+    parsed: dict = {}
+    cached = functools.lru_cache(maxsize=None)(names)
+
+    def read_once(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in parsed:
+            parsed[key] = reader(path, *args, **kwargs)
+        return parsed[key]
+
+    def name_map(*args, **kwargs):
+        try:
+            return cached(*args, **kwargs)
+        except TypeError:  # an argument that cannot be a cache key
+            return names(*args, **kwargs)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = read_once, name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
+
+
 def load_model(spec: str, dtype: str = "auto", device: str = "cpu",
                use_chat_template: bool = True) -> LoadedModel:
     """Load ``smollm2`` or a local Hugging Face directory, with kvsim's attention hook installed."""
@@ -138,10 +178,12 @@ def load_model(spec: str, dtype: str = "auto", device: str = "cpu",
     t0 = time.perf_counter()
     tr.logging.set_verbosity_error()
     try:
-        tok = tr.AutoTokenizer.from_pretrained(str(path), **kwargs)
-        torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
-                       "float16": torch.float16}[dtype]
-        model = tr.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype, **kwargs)
+        with gguf_parsed_once() if "gguf_file" in kwargs else contextlib.nullcontext():
+            tok = tr.AutoTokenizer.from_pretrained(str(path), **kwargs)
+            torch_dtype = {"auto": "auto", "float32": torch.float32,
+                           "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+            model = tr.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype,
+                                                            **kwargs)
     except (OSError, ValueError) as e:
         raise KvsimError(f"--model {spec}: cannot load ({str(e).splitlines()[0]})") from None
     model.to(device).eval()
