@@ -94,20 +94,19 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
     m = {p.model: catalog.model(p.model) for p in points}
     decodes = [p for p in points if {"tpot_ms", "latency_s", "throughput_tok_s"}
                & set(p.measured)]  # rows whose value holds decode steps
-    resident = {round(costs[id(p)].hbm_read_frac * m[p.model].kv_bytes_per_token * p.context
-                      * p.batch + m[p.model].weight_bytes)
-                for p in decodes if costs[id(p)].host_read_frac == 0}
-    if len(resident) >= 2:
+    # resident decode rows: (the KV bytes a step reads, the weights')
+    held = [(costs[id(p)].hbm_read_frac * m[p.model].kv_bytes_per_token * p.context * p.batch,
+             m[p.model].weight_bytes) for p in decodes if costs[id(p)].host_read_frac == 0]
+    if len({round(kv + w) for kv, w in held}) >= 2:
         out.append("hbm_efficiency")
-    held = [p for p in decodes if costs[id(p)].host_read_frac == 0]
-    kv_share = [_kv_share(p, costs[id(p)], m[p.model]) for p in held]
+    kv_share = [kv / (kv + w) for kv, w in held]
     if kv_share and min(kv_share) <= 0.1 and max(kv_share) >= 0.3 \
-            and len({m[p.model].weight_bytes for p in held}) >= 2:
+            and len({w for _, w in held}) >= 2:
         # the KV's share of the bytes a step reads varies, and so do the weights (with one
         # model's weights their read time trades one-for-one against the step overhead)
         out.append("attention_efficiency")
-    share = [_attention_share(p, m[p.model]) for p in points
-             if {"ttft_ms", "latency_s", "throughput_tok_s"} & set(p.measured)]
+    share = [float(m[p.model].attention_flops(p.context) / m[p.model].prefill_flops(p.context))
+             for p in points if {"ttft_ms", "latency_s", "throughput_tok_s"} & set(p.measured)]
     if share and min(share) <= 0.1 and max(share) >= 0.3:
         out.append("prefill_attention_efficiency")  # attention's share of prefill FLOPs varies
     if len({m[p.model].layers for p in decodes}) >= 2:  # else it trades with the step overhead
@@ -138,18 +137,6 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
         out += [name + "per_kfetched_us"] if len(reads) >= 2 and timed else []
         out += [name + "serial_share"] if len({p.batch for p in rows}) >= 2 else []
     return out
-
-
-def _kv_share(p: Point, cost, m) -> float:
-    """The KV cache's share of the HBM bytes a decode step of ``p`` reads (weights and KV)."""
-    kv = cost.hbm_read_frac * m.kv_bytes_per_token * p.context * p.batch
-    return kv / (kv + m.weight_bytes)
-
-
-def _attention_share(p: Point, m) -> float:
-    """Attention's share of the FLOPs of ``p``'s prefill (causal attention and the matmuls)."""
-    attn = float(m.attention_flops(p.context))
-    return attn / (attn + 2.0 * m.active_params * p.context)
 
 
 def start_values(gpu: str, kernels: list[str]) -> dict:
