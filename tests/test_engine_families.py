@@ -342,7 +342,12 @@ def test_joint_fit_reproduces_two_families_made_by_known_engines():
     p = pts[0]
     slow, fast = (pred.predict(p, fams[f])["tpot_ms"] for f in ("a", "b"))
     assert slow - fast == pytest.approx(2.0, rel=0.15)
-    _, fam_a, levels = F.fit_levels(pts, pred, E.ROOFLINE, "a")
+    _, fam_a, levels, fams_again = F.fit_levels(pts, pred, E.ROOFLINE, "a")
+    assert set(fams_again) == set(fams)
+    vals = F.fitted_values(pts, pred, shared, fams)  # in-sample: each row by its own family
+    assert len(vals) == 2 * len(pts) and {v["fitted_as"] for v in vals} == {"a", "b"}
+    assert all(abs(v["err_pct"]) < 6 for v in vals)
+    assert F.summary(vals)[0]["within_share"] == 1.0
     assert levels["family"] == free["a"]
     assert fam_a.get("step_overhead_ms") == fams["a"].get("step_overhead_ms")
 
@@ -429,6 +434,7 @@ def test_kvsim_fit_of_families_prints_the_cross_validation_table(tmp_path):
     code, text, err = run_cli("fit", csv_path, "--family", "a", "--out", out, "--cv", "source")
     assert code == 0, err
     assert "leave-one-source-out" in text and "within 20%" in text and "in interval" in text
+    assert "fitted: within 20%" in text  # the same values under the fit of every source
     eng = E.load(out)
     assert eng.fit["family"] == "a" and len(eng.fit["cv"]) == 2 * len(pts)
     assert eng.fit["checked"]["gpu"] == ["h100-sxm"]

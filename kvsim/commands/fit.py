@@ -213,37 +213,45 @@ def _run_families(args, points) -> int:
     if not args.json:
         print(f"fitting {len(rows)} points of {args.measured} ({len(names)} engines: "
               f"{', '.join(names)})", flush=True)
-    shared, engine, free = F.fit_levels(rows, pred, base, args.family)
+    shared, engine, free, engines = F.fit_levels(rows, pred, base, args.family)
     name = args.name or Path(args.out).stem
-    cv = summary = None
+    cv = summary = fitted = None
     if args.cv:
         cv = F.cross_validate(points, pred, base, progress=not args.json, jobs=args.jobs)
         summary = F.summary(cv)
+        fitted = F.summary(F.fitted_values(points, pred, shared, engines))
     engine = dataclasses.replace(engine, name=name, description=args.describe or (
         f"{args.family or 'every engine'}, fitted by kvsim fit on {args.measured}"),
         fit=F.record(points, rows, pred, engine, args.family, free, cv, summary))
     engine.save(args.out, args.force)
     if args.json:
         print_json({"engine": engine.to_json(), "out": args.out,
-                    **({"cv": {"by": "source", "values": cv, "summary": summary}}
-                       if cv else {})})
+                    **({"cv": {"by": "source", "values": cv, "summary": summary,
+                               "fitted_summary": fitted}} if cv else {})})
         return 0
     print(f"shared: {', '.join(free['shared'])}; {args.family or 'shared'}: "
           f"{', '.join(free['family']) or '(the shared values)'}")
     table([{"parameter": k, "shared": shared.get(k), "value": engine.get(k)}
            for k in (*free["shared"], *[f for f in free["family"] if f not in free["shared"]])])
     if summary:
-        print_cv_summary(summary)
+        print_cv_summary(summary, fitted)
     print(f"\nwrote {args.out}")
     return 0
 
 
-def print_cv_summary(summary: list[dict]) -> None:
-    """The leave-one-source-out table, per category and overall."""
-    print("\nleave-one-source-out: each source's values predicted by a fit of the others")
+def print_cv_summary(summary: list[dict], fitted: list[dict] | None = None) -> None:
+    """The leave-one-source-out table, per category and overall; with ``fitted`` (the same
+    values predicted by the fit of every source) its share within 20% and median beside."""
+    print("\nleave-one-source-out: each source's values predicted by a fit of the others"
+          + ("; 'fitted': by the fit of every source, its own included" if fitted else ""))
+    fit = {r["category"]: r for r in fitted or []}
+    pct = lambda r, k, f: f.format(r[k]) if r and r["values"] else "-"  # noqa: E731
     table([{"category": r["category"], "values": r["values"], "sources": r.get("sources", 0),
-            "within 20%": f"{100 * r['within_share']:.0f}%" if r["values"] else "-",
-            "median |err|": f"{r['median_abs_pct']:.1f}%" if r["values"] else "-",
-            "largest": f"{r['max_abs_pct']:.0f}%" if r["values"] else "-",
-            "in interval": f"{100 * r['covered_share']:.0f}%" if r["values"] else "-"}
+            "within 20%": pct(r, "within_share", "{:.0%}"),
+            "median |err|": pct(r, "median_abs_pct", "{:.1f}%"),
+            "largest": pct(r, "max_abs_pct", "{:.0f}%"),
+            "in interval": pct(r, "covered_share", "{:.0%}"),
+            **({"fitted: within 20%": pct(fit.get(r["category"]), "within_share", "{:.0%}"),
+                "fitted: median": pct(fit.get(r["category"]), "median_abs_pct", "{:.1f}%")}
+               if fitted else {})}
            for r in summary])

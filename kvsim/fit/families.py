@@ -175,12 +175,29 @@ def fit_joint(rows: list[Point], pred: Predictor, base: Engine) -> tuple[Engine,
 
 
 def fit_levels(rows: list[Point], pred: Predictor, base: Engine,
-               family: str | None) -> tuple[Engine, Engine, dict]:
+               family: str | None) -> tuple[Engine, Engine, dict, dict]:
     """(shared engine, ``family``'s engine (the shared one where it has too few rows), what
-    was free: ``{"shared": [...], "family": [...]}``), from :func:`fit_joint`."""
+    was free: ``{"shared": [...], "family": [...]}``, every family's engine), from
+    :func:`fit_joint`."""
     shared, fams, free = fit_joint(rows, pred, base)
     return shared, fams.get(family, shared), {"shared": free["shared"],
-                                               "family": free.get(family, [])}
+                                               "family": free.get(family, [])}, fams
+
+
+def fitted_values(points: list[Point], pred: Predictor, shared: Engine,
+                  engines: dict) -> list[dict]:
+    """The values :func:`cross_validate` judges, each predicted by the joint fit of *every*
+    source (``shared`` and ``engines`` from :func:`fit_joint`) with its own family's engine:
+    beside the held-out errors, what is left is the model's misfit, and the difference is
+    what a publication's own rows teach its engine family."""
+    out = []
+    for p in points:
+        if p.meta.get("certainty") in BOUNDS:
+            continue
+        for v in held_values(p, pred.predict(p, engines.get(p.engine, shared))):
+            v["fitted_as"] = p.engine if p.engine in engines else "shared"
+            out.append(v)
+    return out
 
 
 def held_values(p: Point, got: dict) -> list[dict]:
