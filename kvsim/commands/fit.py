@@ -34,7 +34,10 @@ efficiencies shared by every row, then one engine's overheads and efficiencies f
 
 --cv source: leave one source out. For each value of the source column (one publication), an
 engine fitted on the fit rows of every other source predicts that source's rows; printed per
-source with the errors, and how many of all the held-out predictions fall within 20%.
+source with the errors, and how many of all the held-out predictions fall within 20%. With
+engine families it prints the table per category and beside it the same values under the fit
+of every source ("fitted"): the gap between the two is what a publication's own rows teach its
+engine family and no other source does.
 """
 
 
