@@ -58,11 +58,10 @@ def run(args) -> int:
     if sum(bool(x) for x in (args.out, args.show, args.backtest)) != 1:
         raise KvsimError("give one of --out (build from capture sets), --show PROFILE or "
                          "--backtest PROFILE")
-    if args.show is True:
-        from kvsim import policy_profile as pp
+    from kvsim import policy_profile as pp
+    if args.show is True:  # --show with no file: the shipped profile
         args.show = str(pp.DEFAULT)
     if args.show and not args.policy and not args.captures:
-        from kvsim import policy_profile as pp
         return _grid(pp.load(args.show), args.json)
     if not args.policy:
         raise KvsimError("--policy is required")
@@ -84,7 +83,6 @@ def run(args) -> int:
         return 0
     if args.captures:
         raise KvsimError("capture sets are read only when building (--out)")
-    from kvsim import policy_profile as pp
     prof = pp.load(args.show or args.backtest)
     from kvsim.policies import make
     from kvsim.replay.policy_source import unset_from_profile
