@@ -1,5 +1,5 @@
-"""The figures a reshaping must not change: ten replay configurations and the README's plan,
-written as JSON and CSV, and compared field by field with an earlier snapshot.
+"""The figures a reshaping must not change: fourteen replay configurations, a sweep and a
+deployment search, written as JSON and CSV, and compared field by field with an earlier snapshot.
 
     python scripts/figures_snapshot.py --out /tmp/before          # before the change
     python scripts/figures_snapshot.py --out /tmp/after --compare /tmp/before
@@ -36,11 +36,24 @@ REPLAYS = {
                      "--requests", "300", "--batch", "8", "--context", "16384"],
     "workload": ["--policy", "dense-resident", "--workload",
                  "docs/workloads/alternating-16k-512.csv", "--batch", "8"],
+    # fetching policies on head-dim-128 and head-dim-64 models, and with an 8-bit KV cache
+    "quest-qwen3": ["--policy", "quest", "--sink", "4", "--local", "4", "--batch", "4"],
+    "quest-smollm2": ["--policy", "quest", "--sink", "4", "--local", "4", "--batch", "4",
+                      "--model", "smollm2-135m", "--context", "8192"],
+    "verkv-llama-fp8": ["--policy", "verkv", "--sink", "4", "--local", "4", "--batch", "8",
+                        "--model", "llama-3.1-8b", "--context", "65536", "--kv-dtype", "fp8"],
+    "verkv-perfect-smollm2": ["--policy", "verkv:sketch=perfect", "--sink", "4", "--local",
+                              "4", "--model", "smollm2-135m", "--context", "8192"],
 }
 WALL_CLOCK = ("policy_timings.", "timings.")  # measured on this machine each run: not figures
 PLAN = ["--gpu", "h100-sxm,h200", "--model", "qwen3-4b", "--context", "8192,32768,131072",
         "--policy", "dense-resident,dense-offload,verkv", "--compression", "16", "--eps", "0.05",
         "--sink", "4", "--local", "4", "--batch", "1,16", "--jobs", "1"]
+# a deployment search: the SLO search, the replicas and the answer
+DEPLOY = ["--gpu", "h100-sxm,l40s", "--model", "qwen3-4b", "--context", "16384",
+          "--output-len", "128", "--policy", "dense-resident,quest", "--sink", "4", "--local",
+          "4", "--batch", "4,16", "--slo-tpot-ms", "60", "--target-qps", "2", "--slo-requests",
+          "100", "--jobs", "2"]
 
 
 def kvsim(args: list[str]) -> subprocess.CompletedProcess:
@@ -60,6 +73,10 @@ def snapshot(out: Path) -> None:
     if r.returncode:
         sys.exit(f"plan failed: {r.stderr.strip()[-300:]}")
     print("plan: ok")
+    r = kvsim(["plan", *DEPLOY, "--out", str(out / "deploy"), "--force"])
+    if r.returncode:
+        sys.exit(f"deploy plan failed: {r.stderr.strip()[-300:]}")
+    print("deploy plan: ok")
 
 
 def _flat(x, prefix=""):
@@ -98,22 +115,38 @@ def compare(new: Path, old: Path, rtol: float, text_ok: bool) -> int:
                 text = isinstance(a[key], str)
                 print(f"{f.name}: {key}: {a[key]!r} -> {b[key]!r}")
                 bad += not (text and text_ok)
-    pa, pb = pd.read_csv(old / "plan/results.csv"), pd.read_csv(new / "plan/results.csv")
+    for plan in ("plan", "deploy"):
+        if not (old / plan / "results.csv").exists():
+            continue  # a snapshot of an older version of this script
+        bad += _compare_table(pd.read_csv(old / plan / "results.csv"),
+                              pd.read_csv(new / plan / "results.csv"), plan, rtol, text_ok)
+    if (old / "deploy/answer.json").exists():
+        a = dict(_flat(json.loads((old / "deploy/answer.json").read_text())))
+        b = dict(_flat(json.loads((new / "deploy/answer.json").read_text())))
+        for key in sorted(set(a) | set(b)):
+            if key not in b or key not in a or not _same(a[key], b[key], rtol):
+                print(f"answer.json: {key}: {a.get(key, '(none)')!r} -> {b.get(key, '(none)')!r}")
+                bad += not (isinstance(a.get(key), str) and text_ok)
+    print(f"{bad} differing field(s)")
+    return 1 if bad else 0
+
+
+def _compare_table(pa, pb, name: str, rtol: float, text_ok: bool) -> int:
+    bad = 0
     if len(pa) != len(pb):
-        print(f"plan: {len(pa)} rows -> {len(pb)}")
+        print(f"{name}: {len(pa)} rows -> {len(pb)}")
         bad += 1
     for col in pa.columns:
         if col not in pb.columns:
-            print(f"plan: column {col} lost")
+            print(f"{name}: column {col} lost")
             bad += 1
             continue
         for i, (x, y) in enumerate(zip(pa[col], pb[col])):
             if not _same(x, y, rtol) and not (isinstance(x, float) and isinstance(y, float)
                                                 and math.isnan(x) and math.isnan(y)):
-                print(f"plan row {i} {col}: {x!r} -> {y!r}")
+                print(f"{name} row {i} {col}: {x!r} -> {y!r}")
                 bad += not (isinstance(x, str) and text_ok)
-    print(f"{bad} differing field(s)")
-    return 1 if bad else 0
+    return bad
 
 
 def main() -> None:
