@@ -3,7 +3,8 @@ the policies' tensor code.
 
 A policy runs its algorithm on a trace (``kvsim.measure.harness``) and returns a
 :class:`PolicyResult`: statistics measured on the trace and a :class:`DecodeCost` that says what
-it holds in HBM and host memory and what it reads and moves per decode step. Each of those four
+it holds in HBM and host memory and what it reads and moves per decode step, stated for the model
+it serves (:class:`HeadShape`: what its byte counts depend on). Each of those four
 terms says how it scales with the context: a share of it (``*_frac``, e.g. 1/compression of the
 cache), a fixed number of tokens (``*_tokens``, e.g. a window of 1,020 tokens), or both; the
 simulator charges ``min(n, frac * n + tokens)`` tokens' worth of KV for a sequence of ``n``.
@@ -19,6 +20,26 @@ TERMS = ("resident", "hbm_read", "host_read", "host")  # each a share plus a fix
 
 
 @dataclass(frozen=True)
+class HeadShape:
+    """What a policy's byte counts depend on: the head size and the bytes of one KV-cache
+    element. A :class:`~kvsim.hw.catalog.ModelSpec` has both (``head_dim``, ``kv_elem``); a
+    trace's attention gives its own (16-bit)."""
+    head_dim: int
+    kv_elem: float = 2.0
+
+    @property
+    def kv_token_bytes(self) -> float:
+        """K and V of one token for one KV head and layer."""
+        return 2 * self.head_dim * self.kv_elem
+
+
+def kv_token_bytes(model) -> float:
+    """K and V of one token for one KV head and layer of ``model`` (a ModelSpec or a
+    :class:`HeadShape`)."""
+    return 2 * model.head_dim * model.kv_elem
+
+
+@dataclass(frozen=True)
 class DecodeCost:
     """Per sequence and decode step: shares of that sequence's full KV cache (all layers) plus
     fixed token counts (per KV head and layer, like a context length): :meth:`tokens`."""
@@ -30,7 +51,9 @@ class DecodeCost:
     copies_per_layer: float = 0.0  # link copies per sequence and layer (each pays alpha)
     path: str = "h2d"  # "h2d": contiguous DMA; "gather": scattered rows
     staging_layers: int = 0  # layers of transferred KV buffered in HBM at once
-    decide_bytes_per_token: float = 0.0  # per context token and KV head, if it decides each step
+    # bytes the decide step reads per context token and KV head (its sketch or bounds), on the
+    # model the cost is stated for; 0: the policy does not decide per step
+    decide_bytes_per_token: float = 0.0
     meta_frac: float = 0.0  # of resident_frac: sketch, inclusion probabilities, codec metadata
     decide_kernel: str = ""  # the policy whose decide-cost model an engine applies
     resident_tokens: float = 0.0  # tokens held in HBM whatever the context (a window, sinks)
@@ -107,9 +130,9 @@ class PolicyResult:
 DEFINITION = "by definition (exact attention; no trace statistics needed)"
 
 
-def by_definition(policy) -> PolicyResult:
+def by_definition(policy, model=HeadShape(64)) -> PolicyResult:
     """The result of a policy whose statistics hold by definition (``needs_attention`` false:
-    the dense baselines): no trace and no tensor code."""
+    the dense baselines): no trace and no tensor code; its cost stated for ``model``."""
     stats = policy.definition_stats()
     return PolicyResult(policy.name, dataclasses.asdict(policy.params),
-                        policy.decode_cost(stats), stats, DEFINITION, {})
+                        policy.decode_cost(stats, model), stats, DEFINITION, {})

@@ -51,7 +51,7 @@ class FakeFetch(FetchPolicy):
     name = FAKE
     summary = "a test's fetching policy: an eighth of the cache fetched per step"
 
-    def decode_cost(self, stats):
+    def decode_cost(self, stats, model):
         return DecodeCost(resident_frac=0.1, hbm_read_frac=0.225, host_read_frac=0.125,
                           host_frac=1.0, overlap=False, copies_per_layer=1.0, path="gather",
                           staging_layers=1, decide_bytes_per_token=8.0, decide_kernel=self.name)

@@ -91,6 +91,43 @@ def test_every_policy_replays_and_its_report_flattens_without_loss(name, tmp_pat
     assert row["tpot_ms"] == r["tpot_ms"] and "provenance" not in row
 
 
+@pytest.mark.parametrize("name", sorted(load_all()))
+def test_every_policy_states_its_cost_for_the_model_it_serves(name, trace):
+    """Measured on a head-dim-32 trace and stated for a head-dim-64 model, a policy's byte
+    counts are those it has when measured on a head-dim-64 trace (the same seed): the cost
+    follows the planned model's head size, not the trace's, as it follows the context."""
+    from kvsim.contract import HeadShape
+    wide = synthetic_attention_trace(n_layers=2, n_q=4, n_kv=2, d=64, context=512, question=8,
+                                     decode=3, seed=0)
+    pol = _policy(name)
+    if name == "varrate" or name == "flat":
+        pytest.skip("the codec's basis is calibrated for one head shape")
+    a = analyze(pol, trace if pol.needs_attention else None, seed=1)
+    b = analyze(_policy(name), wide if pol.needs_attention else None, seed=1)
+    restated = pol.decode_cost(a.stats, HeadShape(64))
+    assert restated.decide_bytes_per_token == b.cost.decide_bytes_per_token
+    assert restated.meta_frac == pytest.approx(b.cost.meta_frac, rel=0.05, abs=1e-12)
+    if restated.decide_bytes_per_token:  # a deciding policy reads more per token at d 64
+        assert restated.decide_bytes_per_token > a.cost.decide_bytes_per_token
+    # and an 8-bit cache: the same metadata is a larger share of a smaller cache
+    fp8 = pol.decode_cost(a.stats, HeadShape(64, kv_elem=1.0))
+    assert fp8.meta_frac == pytest.approx(min(fp8.resident_frac, 2 * restated.meta_frac))
+
+
+def test_quest_and_verkv_state_their_decide_bytes_for_the_planned_model():
+    """What the issue asked for, by hand: Quest's page bounds are two fp16 keys per page of 16
+    tokens (2 x d x 2 / 16 bytes per token: 16 at d 64, 32 at d 128); VerKV's 2-bit sketch keeps
+    2 x d/8 channels at 2 bits plus an fp16 scale and zero point per channel and group of 128
+    tokens, and an fp16 inclusion probability (6.5 bytes at d 64, 11 at d 128)."""
+    from kvsim.hw.catalog import model
+    stats = {"resident_frac": 0.07, "meta_frac": 0.025, "kv_read_frac": 0.01, "head_dim": 64}
+    for m, quest, c in (("qwen3-4b", 32.0, 32), ("smollm2-135m", 16.0, 16)):
+        sketch = c * 2 / 8 + c * 2 * 16 / 128 / 8
+        assert make("quest").decode_cost(stats, model(m)).decide_bytes_per_token == quest
+        assert make("verkv").decode_cost(stats, model(m)).decide_bytes_per_token == \
+            pytest.approx(sketch + 2)
+
+
 def test_flatten_refuses_to_drop_a_differing_value():
     with pytest.raises(ValueError, match="kv_read_frac"):
         report.flatten({"kv_read_frac": 0.5, "policy_stats": {"kv_read_frac": 0.4}})
@@ -258,7 +295,7 @@ class _Cheat:
                     return out, {}, Reads(reads)
                 return out, {}
 
-            def decode_cost(self, stats):
+            def decode_cost(self, stats, model):
                 return DecodeCost(stats["resident_frac"], stats["resident_frac"], 0.0, 0.0,
                                   False)
         assert issubclass(Cheat, base.Policy)

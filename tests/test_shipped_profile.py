@@ -87,4 +87,4 @@ def test_a_named_trace_is_exactly_that_trace():
 def test_every_profiled_policy_replays_from_the_profile(policy):
     r = run_replay(ReplayConfig(policy=policy, policy_options={"sink": 4, "local": 4},
                                 context=16384, gpu="h100-sxm"))
-    assert "policy_profile" in r and 0 < r["policy_stats"]["resident_frac"] < 0.2
+    assert "policy_profile" in r and 0 < r["policy_cost"]["resident_frac"] < 0.2

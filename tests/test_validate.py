@@ -191,7 +191,7 @@ def test_prediction_is_the_batch_decoding_alone(cpu_profile):
     for B in (1, 4):
         r = V.predict(cpu_profile, spec, m, 4096, B, 0)  # 4 x 4096 > one chunk budget
         costs, _ = costs_for(None, tr.hardware)
-        steps = StepCosts(m, costs, make("dense-resident").decode_cost({}))
+        steps = StepCosts(m, costs, make("dense-resident").decode_cost({}, m))
         ctx = np.full(B, float(4096 - V.SIM_OUTPUT_LEN // 2 + 1))
         step = steps.decode(ctx, V.SIM_OUTPUT_LEN - 1)[0].mean()
         assert r["tpot_ms"] == pytest.approx(1e3 * step, rel=1e-6)

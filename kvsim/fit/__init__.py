@@ -205,15 +205,17 @@ class Predictor:
         self._on: dict = {}  # id(engine) -> (engine, {(gpu, tp, kernel): costs})
 
     def cost(self, p: Point):
-        """The point's decode cost: the policy's analysis of the trace, with the point's
-        measured fetch fraction in place of the trace's when it has one."""
-        key = (p.spec.label, p.kv_read_frac)
+        """The point's decode cost on its model: the policy's analysis of the trace, with the
+        point's measured fetch fraction in place of the trace's when it has one."""
+        m = self._model(p)
+        key = (p.spec.label, p.kv_read_frac, m.head_dim, m.kv_elem)
         if key not in self._costs:
             from kvsim.replay import analyze, with_kv_read
+            from kvsim.replay.policy_source import for_model
             try:
-                a = analyze(self.trace, p.spec, self.seed)
+                a = for_model(analyze(self.trace, p.spec, self.seed), p.spec, m)
                 if p.kv_read_frac is not None:
-                    a = with_kv_read(p.spec, a, p.kv_read_frac)
+                    a = with_kv_read(p.spec, a, p.kv_read_frac, m)
             except KvsimError as e:
                 raise KvsimError(f"row {p.row}: {e}") from None
             self._costs[key] = a.cost

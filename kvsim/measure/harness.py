@@ -24,7 +24,7 @@ import numpy as np
 from kvsim._torch import F, torch
 from kvsim.attention.dense import dense_attention, expand_kv
 from kvsim.attention.scoring import attention_mass
-from kvsim.contract import PolicyResult, by_definition
+from kvsim.contract import HeadShape, PolicyResult, by_definition
 from kvsim.errors import KvsimError
 from kvsim.measure import traffic
 from kvsim.measure.stats import Calls, kept
@@ -197,7 +197,8 @@ def provenance(trace: Trace, policy, seed: int, timings: dict) -> str:
 
 def analyze(policy, trace: Trace | None, seed: int = 0, progress: bool = False) -> PolicyResult:
     """The policy's statistics (measured on ``trace`` when it needs attention, else by
-    definition) and the decode cost it derives from them."""
+    definition) and the decode cost it derives from them, stated for the trace's own head shape
+    (a replay restates it for the planned model)."""
     if not policy.needs_attention:
         return by_definition(policy)
     stats, timings = run(policy, trace, seed, progress=progress)
@@ -205,4 +206,5 @@ def analyze(policy, trace: Trace | None, seed: int = 0, progress: bool = False) 
     note = policy.provenance(stats)
     prov += f"; {note}" if note else ""
     return PolicyResult(policy.name, dataclasses.asdict(policy.params),
-                        policy.decode_cost(stats), stats, prov, timings)
+                        policy.decode_cost(stats, HeadShape(stats["head_dim"])), stats, prov,
+                        timings)

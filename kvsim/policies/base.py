@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from kvsim._torch import torch
 from kvsim.attention.weighted import weighted_attention_chunked
-from kvsim.contract import DecodeCost, PrefillWork
+from kvsim.contract import DecodeCost, PrefillWork, kv_token_bytes
 
 KV_ELEM_BYTES = 2  # bytes per K or V element of the cache a policy is costed against (16-bit)
 
@@ -51,6 +51,17 @@ class Reads:
     each: tokens whose K and V it read, and tokens whose K alone it read (a second look)."""
     kv: torch.Tensor
     k: torch.Tensor | None = None
+
+
+def restate_share(share: float, bytes_then: float, bytes_now: float, trace_head_dim: int,
+                  model) -> float:
+    """A share of the KV cache measured on a trace (16-bit, ``trace_head_dim``) for metadata of
+    ``bytes_then`` bytes per token and KV head, restated for ``model``, where the same metadata
+    takes ``bytes_now`` bytes: the share scales with the metadata's bytes over the KV's."""
+    if not share or bytes_then <= 0:
+        return share
+    return share * (bytes_now / bytes_then) * (2 * trace_head_dim * KV_ELEM_BYTES
+                                               / kv_token_bytes(model))
 
 
 @dataclass
@@ -129,10 +140,14 @@ class Policy(ABC):
         return {}
 
     @abstractmethod
-    def decode_cost(self, stats: dict) -> DecodeCost:
-        """The cost the simulator charges, from the statistics the harness measured (keys of
-        :mod:`kvsim.measure.stats`, plus ``resident_frac``, ``meta_frac`` and ``head_dim`` for
-        policies that run on attention; an empty dict for those that need none)."""
+    def decode_cost(self, stats: dict, model) -> DecodeCost:
+        """The cost the simulator charges for serving ``model`` (a ModelSpec, or a
+        :class:`~kvsim.contract.HeadShape`: every byte count uses its ``head_dim`` and
+        ``kv_elem``), from the statistics the harness measured (keys of
+        :mod:`kvsim.measure.stats`, plus ``resident_frac``, ``meta_frac`` and ``head_dim`` (the
+        trace's) for policies that run on attention; an empty dict for those that need none).
+        A share measured on the trace's head size that depends on it (metadata bytes per token
+        over the KV bytes per token) is restated for ``model``: :func:`restate_share`."""
 
     def prefill_work(self, model) -> PrefillWork:
         """The policy's own work after a context's prefill on ``model`` (a ModelSpec: layers,

@@ -17,7 +17,7 @@ class DenseResident(MaskPolicy):
     def attend(self, state, q, q_pos, k, v):
         return dense_attention(q, k, v, q_pos)[0], {}
 
-    def decode_cost(self, stats):
+    def decode_cost(self, stats, model):
         return DecodeCost(resident_frac=1.0, hbm_read_frac=1.0, host_read_frac=0.0,
                           host_frac=0.0, overlap=False)
 
@@ -38,7 +38,7 @@ class DenseOffload(FetchPolicy):
         out, _ = dense_attention(q, k, v, q_pos)
         return out, {}, Reads(torch.ones(k.shape[0], n_ctx, dtype=torch.bool, device=k.device))
 
-    def decode_cost(self, stats):
+    def decode_cost(self, stats, model):
         return DecodeCost(resident_frac=0.0, hbm_read_frac=1.0, host_read_frac=1.0,
                           host_frac=1.0, overlap=True, copies_per_layer=2.0, path="h2d",
                           staging_layers=2)

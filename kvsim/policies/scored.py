@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvsim._torch import torch
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.policies import options as O
-from kvsim.policies.base import KV_ELEM_BYTES, Compressed, MaskPolicy
+from kvsim.policies.base import KV_ELEM_BYTES, Compressed, MaskPolicy, restate_share
 from kvsim.policies.scorers import context_scores, scoring_work
 
 
@@ -57,8 +57,12 @@ class ScoredPolicy(MaskPolicy):
         f, f2, b, what = scoring_work(self.params.scorer, model)
         return PrefillWork(f, f2, b, f"modelled: {what}")
 
-    def decode_cost(self, stats: dict) -> DecodeCost:
-        res = stats["resident_frac"]
+    def decode_cost(self, stats: dict, model) -> DecodeCost:
+        """The kept share as measured; the metadata (bytes per kept token that do not depend
+        on the head size, e.g. an fp16 inclusion probability) restated as a share of
+        ``model``'s KV."""
+        meta = restate_share(stats["meta_frac"], 1.0, 1.0, stats["head_dim"], model)
+        res = min(1.0, stats["resident_frac"] - stats["meta_frac"] + meta)
         return DecodeCost(resident_frac=res, hbm_read_frac=res, host_read_frac=0.0,
                           host_frac=0.0, overlap=False, copies_per_layer=0.0,
-                          meta_frac=stats["meta_frac"])
+                          meta_frac=min(res, meta))

@@ -36,7 +36,7 @@ class StreamingLLM(MaskPolicy):
         return ((pos < self.params.sink) | (pos >= k.shape[1] - self.params.local)).expand(
             k.shape[:2])
 
-    def decode_cost(self, stats):
+    def decode_cost(self, stats, model):
         kept = float(self.params.sink + self.params.local)
         return DecodeCost(resident_frac=0.0, hbm_read_frac=0.0, host_read_frac=0.0,
                           host_frac=0.0, overlap=False, resident_tokens=kept,

@@ -155,12 +155,12 @@ def run_replay(cfg: ReplayConfig, progress: bool = False) -> dict:
                                    model.layers)
     costs.set_tp(cfg.tp, cfg.tp_link == "shared")
     n_plan = int(round(float(work.prompt.mean())))  # the profile's context: the mean prompt
-    source = policy_source.choose(cfg, spec, trace_path, n_plan, analyze)
+    source = policy_source.choose(cfg, spec, trace_path, n_plan, analyze, model)
     analysis = source.analysis
     skipped = None
     if cfg.kv_read_frac is not None:
         try:
-            analysis = with_kv_read(spec, analysis, cfg.kv_read_frac)
+            analysis = with_kv_read(spec, analysis, cfg.kv_read_frac, model)
             source = policy_source.Source(analysis, None, warnings=source.warnings)
         except KvsimError as e:
             if cfg.kv_read_everywhere:
@@ -282,14 +282,16 @@ def _analyze(path: str, mtime: float, name: str, options_json: str, seed: int,
     return harness.analyze(policy, tr, seed, progress)
 
 
-def with_kv_read(spec: PolicySpec, analysis: PolicyResult, frac: float) -> PolicyResult:
+def with_kv_read(spec: PolicySpec, analysis: PolicyResult, frac: float,
+                 model) -> PolicyResult:
     """The analysis with the policy's KV read per step replaced by ``frac`` (a measured fetch
-    fraction, or a what-if); the policy derives its decode cost from it as from its own."""
+    fraction, or a what-if); the policy derives its decode cost for ``model`` from it as from
+    its own."""
     import dataclasses
 
     from kvsim.policies import make
     stats = {**analysis.stats, "kv_read_frac": float(frac)}
-    cost = make(spec.name, spec.options).decode_cost(stats)
+    cost = make(spec.name, spec.options).decode_cost(stats, model)
     if abs(cost.host_read_frac - min(1.0, frac)) > 1e-12:
         raise KvsimError(f"--kv-read-frac does not apply to {spec.name}: it reads "
                          f"{cost.host_read_frac:g} of the cache per step by definition")

@@ -56,7 +56,7 @@ def unset_from_profile(prof: pp.Profile, name: str, params: dict) -> dict:
     return out
 
 
-def from_profile(prof: pp.Profile, spec, n_tokens: int) -> Source:
+def from_profile(prof: pp.Profile, spec, n_tokens: int, model) -> Source:
     from kvsim.policies import make
     policy = make(spec.name, spec.options)
     params = dataclasses.asdict(policy.params)
@@ -68,8 +68,8 @@ def from_profile(prof: pp.Profile, spec, n_tokens: int) -> Source:
 
     def result(kv_read: float | None) -> PolicyResult:
         stats = dict(a.stats) if kv_read is None else {**a.stats, "kv_read_frac": kv_read}
-        return PolicyResult(spec.name, params, policy.decode_cost(stats), stats, a.provenance,
-                            {})
+        return PolicyResult(spec.name, params, policy.decode_cost(stats, model), stats,
+                            a.provenance, {})
 
     key = "decode.kv_read_frac" if "decode" in a.stats else "question.kv_read_frac"
     lo, hi = a.intervals.get(key, (None, None))
@@ -82,22 +82,30 @@ def from_profile(prof: pp.Profile, spec, n_tokens: int) -> Source:
     return src
 
 
-def choose(cfg, spec, trace_path: Path, n_tokens: int, analyze) -> Source:
-    """The policy statistics for this replay; ``analyze(path, spec, seed)`` runs the policy on
-    a trace when no profile applies."""
+def for_model(result: PolicyResult, spec, model) -> PolicyResult:
+    """A trace's analysis with its decode cost restated for ``model`` (the trace's head size
+    is not the planned model's)."""
+    from kvsim.policies import make
+    return dataclasses.replace(result, cost=make(spec.name, spec.options).decode_cost(
+        result.stats, model))
+
+
+def choose(cfg, spec, trace_path: Path, n_tokens: int, analyze, model) -> Source:
+    """The policy statistics for this replay, with the decode cost stated for ``model``;
+    ``analyze(path, spec, seed)`` runs the policy on a trace when no profile applies."""
     if not resolve(spec.name).needs_attention:
-        return Source(analyze(trace_path, spec, cfg.seed))
+        return Source(for_model(analyze(trace_path, spec, cfg.seed), spec, model))
     prof, named = profile_for(cfg.policy_profile, cfg.trace is not None)
     if prof is not None and prof.has(spec.name):
         # a context or a setting off the profile's grid is an error naming the nearest
         # settings, never a silent fallback to one trace's statistics at another context
         prof.check_context(n_tokens)
-        return from_profile(prof, spec, n_tokens)
+        return from_profile(prof, spec, n_tokens, model)
     if prof is not None and named:
         raise KvsimError(f"policy profile {prof.where} holds no {spec.name} settings")
     fallback = None if prof is None else \
         f"the shipped policy profile holds no {spec.name} settings; statistics of one trace"
-    src = Source(analyze(trace_path, spec, cfg.seed))
+    src = Source(for_model(analyze(trace_path, spec, cfg.seed), spec, model))
     if fallback:
         src.warnings.append(fallback)
     return src

@@ -230,8 +230,12 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
     prov = provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
                       scheduling, work_at_prefill)
     stats, cost = analysis.stats, analysis.cost
-    if cost.fixed:  # the trace's shares are of its own context, not of the planned one
-        stats = {(f"trace_{k}" if k in TRACE_SHARES else k): v for k, v in stats.items()}
+    # the trace's shares where they are not what is charged: of its own context (a cost with
+    # fixed token counts) or of its own head size (metadata restated for the planned model)
+    charged = {"resident_frac": cost.resident_frac, "meta_frac": cost.meta_frac,
+               "kv_read_frac": cost.host_read_frac}
+    stats = {(f"trace_{k}" if k in TRACE_SHARES and (cost.fixed or v != charged[k]) else k): v
+             for k, v in stats.items()}
     read = float(cost.tokens("host_read", cfg.context)) / cfg.context  # as charged here
     top = {"kv_read_frac": read, **sim, **mem_report}
     return {

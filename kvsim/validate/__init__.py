@@ -126,7 +126,7 @@ def _case(spec, n: int, be: Backend, m: ModelSpec, hw, profile: Path, tmp: Path,
             tracefile.new_meta("kvsim validate", model=m.name, context=n,
                                notes="profile hardware + synthetic attention layer"),
             hardware=hw, attention=attn), trace)
-    cost = analyze(trace, spec, seed).cost
+    cost = analyze(trace, spec, seed).cost  # on the synthetic layer of m's head shape
     if (cost.decide_bytes_per_token > 0) != (kernel is not None) or \
             (kernel is None and cost.host_read_frac > 0 and not cost.overlap):
         raise KvsimError(f"validate has no decode loop for policy {spec.name} (its cost and its "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvsim._torch import torch
 from kvsim.attention.weighted import row_chunks, weighted_attention
-from kvsim.contract import DecodeCost
+from kvsim.contract import DecodeCost, kv_token_bytes
 from kvsim.errors import KvsimError
 from kvsim.policies import options as O
 from kvsim.policies.base import KV_ELEM_BYTES, Compressed, FetchPolicy, Reads
@@ -101,17 +101,19 @@ class Quest(FetchPolicy):
         from kvsim.policies.quest.bench import QuestBench
         return QuestBench(device, model, context, seed, self.params)
 
-    def decode_cost(self, stats):
+    def decode_cost(self, stats, model):
         """The fetch is ``token_budget`` tokens of K and V per KV head and step (fewer where
         the context is shorter: the simulator caps every term at the context); sink and local
-        stay in HBM with the page bounds (a share: two keys per page)."""
+        stay in HBM with the page bounds of ``model``'s keys (two fp16 keys per page: a share
+        of the cache, 1/page_size of a 16-bit one), which the decide step reads each step."""
         p = self.params
-        meta = 1.0 / p.page_size  # 2 fp16 keys per page of page_size K+V pairs
+        bounds = 2 * model.head_dim * META_BYTES / p.page_size  # per context token, KV head
+        meta = bounds / kv_token_bytes(model)
         kept = float(p.sink + p.local)
         return DecodeCost(resident_frac=meta, hbm_read_frac=meta, host_read_frac=0.0,
                           host_frac=1.0, overlap=False, copies_per_layer=1.0, path="gather",
-                          staging_layers=1, decide_bytes_per_token=2 * stats["head_dim"]
-                          * META_BYTES / p.page_size, meta_frac=meta, decide_kernel=self.name,
+                          staging_layers=1, decide_bytes_per_token=bounds, meta_frac=meta,
+                          decide_kernel=self.name,
                           resident_tokens=kept, hbm_read_tokens=kept + p.token_budget,
                           host_read_tokens=float(p.token_budget))
 

@@ -257,7 +257,9 @@ class VarRate(MaskPolicy):
         return (f"footprint measured from the stored bytes; basis: {stats['basis_source']}; "
                 f"decode mode {stats['decode_mode']}")
 
-    def decode_cost(self, stats):
+    def decode_cost(self, stats, model):
+        """Shares of the stored bytes, as measured: the codec's basis is calibrated for one
+        model (``check`` refuses another head shape on a trace), so nothing is restated."""
         if self.params.mode == "reconstruct":  # a full cache is rebuilt: no HBM saving
             return DecodeCost(resident_frac=1.0, hbm_read_frac=1.0, host_read_frac=0.0,
                               host_frac=0.0, overlap=False)

@@ -52,7 +52,7 @@ from kvsim.attention.weighted import logsumexp, row_chunks, weighted_from_logits
 from kvsim.contract import DecodeCost, PrefillWork
 from kvsim.errors import KvsimError
 from kvsim.policies import options as O
-from kvsim.policies.base import KV_ELEM_BYTES, Compressed, FetchPolicy, Reads
+from kvsim.policies.base import KV_ELEM_BYTES, Compressed, FetchPolicy, Reads, restate_share
 from kvsim.policies.registry import register
 from kvsim.policies.scorers import context_scores, scoring_work
 from kvsim.policies.verkv.kvfetch import (
@@ -245,19 +245,28 @@ class VerKV(FetchPolicy):
         from kvsim.policies.verkv.bench import DecideBench
         return DecideBench(device, model, context, seed, dataclasses.asdict(self.params))
 
-    def decode_cost(self, stats):
+    def meta_bytes_per_token(self, head_dim: int) -> float:
+        """The metadata's bytes per context token and KV head at ``head_dim``: the sketch (the
+        perfect sketch reserves the 2-bit one's share) and the fp16 inclusion probability."""
+        return sketch_bits_per_token(head_dim) / 8 + R_BYTES + \
+            (NORM_BYTES if self.params.sketch == "bounded" else 0)
+
+    def decode_cost(self, stats, model):
+        """The resident share as measured (the budget is a share of the cache whatever the
+        head size); the metadata's share and the decide step's bytes per token for ``model``'s
+        head size and KV element: the sketch, or with the perfect sketch every key."""
         p = self.params
         res, read = stats["resident_frac"], stats["kv_read_frac"]
-        if p.sketch != "perfect":
-            decide_bytes = sketch_bits_per_token(stats["head_dim"]) / 8 + R_BYTES \
-                + (NORM_BYTES if p.sketch == "bounded" else 0)
-        else:  # exact weights for every token: as if all keys were read at each step
-            decide_bytes = stats["head_dim"] * KV_ELEM_BYTES + R_BYTES
+        meta = self.meta_bytes_per_token(model.head_dim)
+        decide_bytes = meta if p.sketch != "perfect" else \
+            model.head_dim * model.kv_elem + R_BYTES  # exact weights: every key, each step
+        meta_frac = restate_share(stats["meta_frac"], self.meta_bytes_per_token(
+            stats["head_dim"]), meta, stats["head_dim"], model)
         return DecodeCost(resident_frac=res, hbm_read_frac=min(1.0, res + read),
                           host_read_frac=min(1.0, read), host_frac=1.0, overlap=False,
                           copies_per_layer=2.0 if p.sketch != "perfect" else 1.0, path="gather",
                           staging_layers=1, decide_bytes_per_token=decide_bytes,
-                          meta_frac=stats["meta_frac"], decide_kernel=self.name)
+                          meta_frac=min(res, meta_frac), decide_kernel=self.name)
 
 
 def _range_norm(v_range: tuple, v_extra: torch.Tensor, q_pos: torch.Tensor, n_ctx: int,
