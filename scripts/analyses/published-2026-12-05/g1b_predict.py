@@ -1,7 +1,7 @@
 """Fit kvsim's engine on the Mixtral vLLM rows of PR-3240 and PR-4002 only (one family), then
 predict PR-2542 (held out): can same-engine MoE sources predict it?"""
 import dataclasses
-exec(open('data/published/analysis-2026-12-05/compare.py').read().split("R = []")[0])
+exec(open('scripts/analyses/published-2026-12-05/compare.py').read().split("R = []")[0])
 from kvsim.fit import families as F
 for train, held in ((list(range(288, 300)), list(range(281, 288))), (list(range(281, 288)) + list(range(295, 300)), list(range(288, 295)))):
     pts = [dataclasses.replace(PTS[r], engine='g') for r in train]

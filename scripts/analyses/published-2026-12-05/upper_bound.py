@@ -14,7 +14,7 @@ upper bound = 1 - D/N per category; 'demonstrated' = values within 20% in the st
 source replaced by its best targeted leave-one-source-out run in loso_*.csv."""
 import glob, json
 import pandas as pd
-exec(open('data/published/analysis-2026-12-05/load.py').read())
+exec(open('scripts/analyses/published-2026-12-05/load.py').read())
 V = pd.DataFrame(d['values'])
 V['miss'] = V.err_pct.abs() > 20
 D = {42, 43, 74, 28}                       # ANL vLLM fp8-KV slower than fp16-KV; gpt-fast 70B TP2; MInference 1K
@@ -31,7 +31,7 @@ def cls(r):
 V['cls'] = V.apply(cls, axis=1)
 # demonstrated: best targeted LOSO per source
 best = {}
-for f in glob.glob('data/published/analysis-2026-12-05/loso_*.csv'):
+for f in glob.glob('scripts/analyses/published-2026-12-05/loso_*.csv'):
     x = pd.read_csv(f)
     for case, g in x.groupby('case'):
         if 'baseline' in case: continue
@@ -60,5 +60,5 @@ out = pd.DataFrame(rows)
 print(out.to_string(index=False))
 print('best targeted LOSO per source:', {k: (round(v[0], 2), v[1]) for k, v in best.items()})
 print(V[V.cls != 'ok'].groupby(['source', 'cls']).size().unstack(fill_value=0).to_string())
-out.to_csv('data/published/analysis-2026-12-05/q4_upper_bound.csv', index=False)
-V[['row', 'source', 'engine', 'metric', 'categories', 'err_pct', 'cls', 'err_demo']].to_csv('data/published/analysis-2026-12-05/q4_classified_values.csv', index=False)
+out.to_csv('scripts/analyses/published-2026-12-05/q4_upper_bound.csv', index=False)
+V[['row', 'source', 'engine', 'metric', 'categories', 'err_pct', 'cls', 'err_demo']].to_csv('scripts/analyses/published-2026-12-05/q4_classified_values.csv', index=False)

@@ -1,5 +1,5 @@
 """Q3: the held-out MoE errors (data/published-cv.json) by source, GPU, TP, dtype, batch."""
-exec(open('data/published/analysis-2026-12-05/load.py').read())
+exec(open('scripts/analyses/published-2026-12-05/load.py').read())
 import numpy as np
 m = M[M.categories.apply(lambda c: 'moe' in c)].copy()
 m['w'] = m.weight_dtype

@@ -2,7 +2,7 @@
 with one legitimate change each, to see what a configuration field would buy on the held-out
 source. Usage: python loso.py NAME"""
 import dataclasses, sys, time, json
-exec(open('data/published/analysis-2026-12-05/compare.py').read().split("R = []")[0])  # helpers (PTS, PRED, anl_row, mk)
+exec(open('scripts/analyses/published-2026-12-05/compare.py').read().split("R = []")[0])  # helpers (PTS, PRED, anl_row, mk)
 from kvsim.fit import families as F, Predictor
 import pandas as pd
 
@@ -88,6 +88,6 @@ CASES.update({
 if __name__ == '__main__':
     res = [CASES[c]() for c in sys.argv[1:]]
     df = pd.concat(res)
-    df.to_csv('data/published/analysis-2026-12-05/loso_' + '_'.join(sys.argv[1:]) + '.csv', index=False)
+    df.to_csv('scripts/analyses/published-2026-12-05/loso_' + '_'.join(sys.argv[1:]) + '.csv', index=False)
     pd.set_option('display.width', 200); pd.set_option('display.max_rows', 500)
     print(df.to_string(index=False))

@@ -4,7 +4,7 @@
 source-agnostic kvsim engine can do on those rows: a row still off by >20% here cannot be
 brought within 20% together with the rest of its group without a new configuration field."""
 import dataclasses, time
-exec(open('data/published/analysis-2026-12-05/compare.py').read().split("R = []")[0])  # helpers only
+exec(open('scripts/analyses/published-2026-12-05/compare.py').read().split("R = []")[0])  # helpers only
 from kvsim.fit import families as F
 import pandas as pd
 
@@ -43,4 +43,4 @@ if __name__ == '__main__':
         if any(g.startswith(s) for s in sel):
             rows, extra = groups[g]
             res.append(group_fit(g, rows, extra=extra))
-    pd.concat(res).to_csv('data/published/analysis-2026-12-05/groupfit_' + '_'.join(s.replace(' ', '') for s in sel) + '.csv', index=False)
+    pd.concat(res).to_csv('scripts/analyses/published-2026-12-05/groupfit_' + '_'.join(s.replace(' ', '') for s in sel) + '.csv', index=False)

@@ -1,6 +1,6 @@
 """Full-fit (built-in kvsim/hw/engines/*.json, in-sample) what-ifs quoted in report.md."""
 import dataclasses
-exec(open('data/published/analysis-2026-12-05/pred.py').read())
+exec(open('scripts/analyses/published-2026-12-05/pred.py').read())
 def show(label, rows, ctx=None, rowfix=lambda p: p, **over):
     n0 = n1 = 0
     for r in rows:

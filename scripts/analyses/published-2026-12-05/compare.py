@@ -8,7 +8,7 @@ For rows A (a missing source) and B (another source) at (nearly) the same config
 Rows not in data/published.csv (ANL's untranscribed TP2/TP4 batch-1 rows) are built from
 Plots/All_results.csv of argonne-lcf/LLM-Inference-Bench@4211f5d (throughput = B*out/latency)."""
 import dataclasses, sys
-exec(open('data/published/analysis-2026-12-05/pred.py').read())
+exec(open('scripts/analyses/published-2026-12-05/pred.py').read())
 ROOF = load('roofline')
 
 def roof(p, metric):
@@ -56,7 +56,7 @@ def compare(label, A, B, note=''):
                 mA_ms=round(mA,3), mB_ms=round(mB,3), raw=round(raw,3), roof_scale=round(scale,3), D=round(D,3), verdict=verdict, note=note)
 
 import pandas as pd
-ANL = pd.read_csv('data/published/analysis-2026-12-05/anl_all_results.csv'); ANL.columns = ['hw','n','fw','model','io','b','lat','thr']
+ANL = pd.read_csv('scripts/analyses/published-2026-12-05/anl_all_results.csv'); ANL.columns = ['hw','n','fw','model','io','b','lat','thr']
 def anl_row(fw, model, n, io, b, base):
     x = ANL[(ANL.hw.str.contains('H100')) & (ANL.fw == fw) & (ANL.model == model) & (ANL.n == n) & (ANL.io == io) & (ANL.b == b)]
     lat = float(x.lat.iloc[0])
@@ -122,4 +122,4 @@ R.append(compare('C9 ANL TTFT vLLM 8B 16x1024 H100 vs TRT doc llama-2-7b A100 1x
 df = pd.DataFrame(R)
 pd.set_option('display.width', 300); pd.set_option('display.max_colwidth', 80); pd.set_option('display.max_rows', 200)
 print(df.drop(columns=['A_cfg','B_cfg']).to_string(index=False))
-df.to_csv('data/published/analysis-2026-12-05/q1_comparisons.csv', index=False)
+df.to_csv('scripts/analyses/published-2026-12-05/q1_comparisons.csv', index=False)
