@@ -19,6 +19,7 @@ import traceback
 from kvsim._torch import torch
 from kvsim.attention.scoring import attention_mass
 from kvsim.errors import KvsimError
+from kvsim.measure import traffic
 from kvsim.measure.stats import Calls, kept
 from kvsim.model.hooks import Controller
 from kvsim.model.runner import KVZIP_PROMPT, cache_kv, generate, prefill
@@ -85,7 +86,7 @@ def evaluate(lm, prompts: list[Prompt], specs: list[PolicySpec], seed: int = 0,
             for j, (s, pol) in enumerate(policies):
                 t3 = time.perf_counter()
                 g = generate(model, codec, pre, q_ids, max_new, policy=pol,
-                             seed=seed * 100003 + i * 101 + j)
+                             attend=traffic.attend, seed=seed * 100003 + i * 101 + j)
                 outs.append((s, pol, g, time.perf_counter() - t3))
                 bar.update(1)
                 done += 1

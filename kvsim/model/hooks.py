@@ -4,7 +4,9 @@ The model computes its own projections, RoPE and cache; this function receives p
 keys and values (the whole cache so far) for each layer and, depending on the active
 :class:`Controller`, runs the stock SDPA attention (recording queries), a KVzip reconstruction
 pass (recording per-token attention maxima), or a policy's ``attend``. With no controller active
-it is exactly SDPA. The mask function is registered under the same name, or no mask would reach
+it is exactly SDPA. The model only routes attention: what a policy read is counted by the call its
+caller hands the controller (``kvsim.measure.traffic.attend``), so the model imports no measuring
+code. The mask function is registered under the same name, or no mask would reach
 SDPA for multi-token passes.
 
 Batch size 1, one sequence, no padding: a query row's position is ``keys - rows + i``.
@@ -13,12 +15,12 @@ Batch size 1, one sequence, no padding: a query row's position is ``keys - rows 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kvsim.attention.dense import logits
-from kvsim.measure import traffic
 
 ATTN_NAME = "kvsim"
 _active: Controller | None = None
@@ -36,6 +38,9 @@ class Controller:
     policy: object = None
     states: dict = field(default_factory=dict)  # layer -> what the policy kept (Compressed)
     stats: list = field(default_factory=list)  # (layer, m, stats dict) per policy call
+    # policy mode: attend(policy, compressed, q, q_pos, k, v) -> (output, stats), the caller's
+    # counting call (kvsim.measure.traffic.attend); None: the policy's own attend, uncounted
+    attend: Callable | None = None
     calls: int = 0
 
     def __call__(self, module, query, key, value, attention_mask, dropout, scaling, kwargs):
@@ -69,12 +74,19 @@ class Controller:
             return sdpa_attention_forward(module, query, key, value, attention_mask,
                                           dropout=dropout, scaling=scaling, **kwargs)
         if self.mode == "policy":
-            out, stats = traffic.attend(self.policy, self.states[layer], q, q_pos, key[0],
-                                        value[0])
+            call = self.attend or policy_attend
+            out, stats = call(self.policy, self.states[layer], q, q_pos, key[0], value[0])
             self.stats.append((layer, m, stats))
         else:
             raise ValueError(f"unknown controller mode {self.mode!r}")
         return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+def policy_attend(policy, compressed, q, q_pos, k, v) -> tuple[torch.Tensor, dict]:
+    """``policy.attend`` on what it kept of the layer (its ``Compressed``): the output and the
+    policy's own statistics, with nothing counted (a fetching policy's reads are dropped)."""
+    got = policy.attend(compressed.state, q, q_pos, k, v)
+    return got[0], got[1]
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -139,18 +139,20 @@ class Generation:
 def generate(model, codec, pre: Prefilled, q_ids: list[int], max_new_tokens: int,
              policy=None, seed: int = 0, stop: bool = True, return_logits: bool = False,
              record_layers: set[int] | None = None, crop: bool = True,
-             controller: Controller | None = None) -> Generation:
+             controller: Controller | None = None, attend=None) -> Generation:
     """Question pass then greedy decoding, through ``policy`` (None: stock attention).
 
     With a policy, ``compress`` runs per layer on the context first; the question pass and every
-    decode step then go through ``attend``. ``stop``: end at an end-of-sequence token or at a
+    decode step then go through ``attend``: the caller's call that runs it and counts what it read
+    (``kvsim.measure.traffic.attend``; None: the policy's own, uncounted; see
+    :class:`~kvsim.model.hooks.Controller`). ``stop``: end at an end-of-sequence token or at a
     newline after some text. ``record_layers``: keep those layers' queries (stock mode only).
     """
     dev = next(model.parameters()).device
     compressed = []
     if policy is not None:
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        ctl = Controller(mode="policy", policy=policy)
+        ctl = Controller(mode="policy", policy=policy, attend=attend)
         for l in range(n_layers(model)):
             k, v = cache_kv(pre.cache, l)
             c = policy.compress(k[:, :pre.n_ctx], v[:, :pre.n_ctx], pre.scores[l],
