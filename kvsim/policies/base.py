@@ -13,17 +13,25 @@ real model) go through :func:`kvsim.measure.traffic.attend`, which counts what w
 them; they compare every output with dense attention, aggregate the statistics
 (``kvsim.measure.stats``) and ask the policy for its cost.
 
-To add a policy: one file in ``kvsim/policies/`` with one subclass of :class:`MaskPolicy` or
-:class:`FetchPolicy` decorated with :func:`kvsim.policies.register`; options are fields of its
-``Params`` dataclass (the CLI builds flags from them: ``field(default=..., metadata={"help": ...,
-"choices": [...]})``). A mask policy that keeps exact tokens need only say which (``keep``).
+To add a policy: one file in ``kvsim/policies/`` with one subclass decorated with
+:func:`kvsim.policies.register`; options are fields of its ``Params`` dataclass (the CLI builds
+flags from them: ``field(default=..., metadata={"help": ..., "choices": [...]})``). Four kinds to
+start from, the most specific that fits:
+
+* :class:`MaskPolicy` keeping exact tokens: say which (``keep``);
+* :class:`kvsim.policies.scored.ScoredPolicy`: keep the best-scored share (``score``, and the
+  budget rule and selection of ``topk`` or ``poissoncomp`` by subclassing them);
+* :class:`kvsim.policies.blocks.BlockFetchPolicy`: fetch whole blocks of the context ranked by a
+  small index held in HBM (``block_bytes``, ``index``, ``select``; Quest);
+* :class:`FetchPolicy` for anything else (VerKV): ``compress``, ``attend``, ``decode_cost`` and a
+  ``decide_kernel`` that returns a :class:`DecideKernel`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 from kvsim._torch import torch
 from kvsim.attention.weighted import weighted_attention_chunked
@@ -190,6 +198,41 @@ class MaskPolicy(Policy):
         return out, {"log_denominator": log_d}
 
 
+@runtime_checkable
+class DecideStep(Protocol):
+    """What ``kvsim profile`` times (``profiler.kernels.sweep_decide``): one policy's decide
+    step for one layer of one request (or of ``B`` requests stacked along the head axis)."""
+    fetched_frac: float  # mean share of the context fetched per (stacked) KV head
+
+    def plan(self) -> object:
+        """The timed call: one real decision for the decode query."""
+        ...
+
+
+@runtime_checkable
+class DecideKernel(DecideStep, Protocol):
+    """What :meth:`FetchPolicy.decide_kernel` returns: the step the profiler times, and what
+    ``kvsim validate`` (``kvsim.validate``) needs to run it inside real decode steps and to
+    analyse the policy on the same layer. The compact layout is per (stacked) KV head: its
+    ``resident`` tokens first (filled once), then the rows each decision fetches, ``t_max`` slots
+    in all. :class:`kvsim.policies.bench_requests.CompactBench` implements all of it from a
+    policy's decision (:class:`kvsim.policies.blocks.BlockBench` for a block policy)."""
+    trace: object  # a kvsim.trace.Trace holding the one (stacked) layer decided on
+    t_max: int  # slots of the compact layout per KV head
+    resident: torch.Tensor  # (kv_heads,) resident tokens per KV head, at the layout's head
+
+    def plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fetch set as host row indices ``h * n + t`` (sorted by KV head), their slots
+        ``h * t_max + s`` in the compact layout, an additive logit bias (kv_heads, group,
+        t_max) over the layout (-inf on unused slots) and the rows fetched per KV head."""
+        ...
+
+    def stack(self, batch: int) -> DecideKernel:
+        """The same step for ``batch`` requests decided in one call (this one is request 0);
+        ``stack(1)`` is this kernel."""
+        ...
+
+
 class FetchPolicy(Policy):
     """Keeps the full cache in host memory and decides per step what to fetch; ``attend``
     returns ``(output, stats, Reads)``. A policy whose fetch is decided by a kernel (not "all of
@@ -197,12 +240,9 @@ class FetchPolicy(Policy):
     the policy's name, and :meth:`decide_kernel` builds it for the profiler."""
     fetches = True
 
-    def decide_kernel(self, device, model, context: int, seed: int = 0):
+    def decide_kernel(self, device, model, context: int, seed: int = 0) -> DecideKernel | None:
         """The policy's decide step for one layer and sequence on a synthetic layer of
-        ``model``'s head shape: an object with ``plan()`` (the timed call, returning the fetch
-        set as host row indices, their slots in a compact layout, an additive logit bias over
-        that layout and the rows fetched per KV head), ``fetched_frac`` and optionally
-        ``stack(B)`` (``B`` requests in one call), as ``kvsim.policies.verkv.bench``;
-        ``kvsim profile`` times it and ``kvsim validate`` runs it inside real decode steps.
-        None for a policy that fetches without deciding (dense offload)."""
+        ``model``'s head shape (a :class:`DecideKernel`): ``kvsim profile`` times its ``plan()``
+        and ``kvsim validate`` runs it inside real decode steps. None for a policy that fetches
+        without deciding (dense offload)."""
         return None

@@ -1,8 +1,10 @@
 """Synthetic requests for a fetching policy's decide bench (``kvsim profile`` times the bench,
 ``kvsim validate`` runs it inside decode steps): one request's synthetic attention layer of a
 model's head shape, more requests generated in worker processes when they are large, requests
-stacked along the head axis (a batch decided in one call), and :class:`Stacking`, the
-``stack(B)`` every bench shares."""
+stacked along the head axis (a batch decided in one call), :class:`Stacking`, the ``stack(B)``
+every bench shares, and :class:`CompactBench`, the compact layout (resident tokens first, then
+the fetched rows) that turns a policy's decision into what a decode step gathers: a bench is a
+:class:`~kvsim.policies.base.DecideKernel` once it says what it decides (``_decision``)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsim import trace as T
+from kvsim._torch import torch
 from kvsim.model.synthetic import synthetic_attention_trace
 
 QUESTION_ROWS = 4  # observation window for SnapKV scores, replayed by the analysis too
@@ -158,3 +161,74 @@ class Stacking(ABC):
                                                              for b in range(have, batch)],
                                             workers, self._kvzip())
         return self._of(stack_requests(self._requests[:batch]))
+
+
+def on_device(x, device):
+    """A trace array as float32 on ``device`` (half-precision values travel as such, and widen
+    on the device)."""
+    return torch.from_numpy(np.ascontiguousarray(x)).to(device).to(torch.float32)
+
+
+class CompactBench(Stacking):
+    """A decide bench on one (stacked) synthetic layer with the compact layout a decode step
+    gathers into: per KV head its resident tokens first (filled once, ``res_cols``), then the
+    rows the decision fetches, ``t_max`` slots in all. A subclass calls :meth:`_request` and
+    :meth:`_layout` from its constructor and says what it decides (:meth:`_decision`);
+    :meth:`plan` is the rest."""
+
+    def _request(self, device, m, n: int, seed: int, attention: T.Attention | None,
+                 kvzip: bool = False) -> T.LayerAttention:
+        """Take the layer to decide on (default: one request's synthetic layer of ``seed``;
+        :meth:`stack` passes a stack of requests) and its head shape; return the layer."""
+        if attention is None:
+            attention = synthetic_attention_trace(**request_kwargs(m, n, seed, kvzip)).attention
+        self.trace = T.Trace(T.new_meta(type(self).__module__, model="synthetic", context=n,
+                                        notes=attention.provenance), None, attention)
+        la = attention.layers[0]
+        self.kv_heads, self.q_heads = la.k.shape[0], la.q_question.shape[0]
+        self.batch = self.kv_heads // m.kv_heads  # requests in the stack
+        self.device, self.seed, self.m, self.n = device, seed, m, n
+        self._requests = [attention] if self.batch == 1 else None
+        return la
+
+    def _layout(self, resident: torch.Tensor, fetched: torch.Tensor) -> None:
+        """The layout of the resident tokens (n_kv, n) bool and room for the rows ``fetched``
+        (n_kv, n) bool by the first decision; its mean share is ``fetched_frac``."""
+        self.resident = resident.sum(-1)  # (n_kv,)
+        self.t_max = int((self.resident + fetched.sum(-1)).max())
+        self.fetched_frac = float(fetched.float().mean())  # mean over the (stacked) KV heads
+        res_idx = torch.sort((~resident).to(torch.int8), dim=-1, stable=True).indices
+        self.res_cols = res_idx[:, :int(self.resident.max())]
+
+    @abstractmethod
+    def _decision(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One real decision for the decode query: the fetched rows (n_kv, n) bool, beyond the
+        resident ones, and the policy's reweighting as additive log-weights (n_kv, g, n) on the
+        context's logits, or None where it does not reweight."""
+
+    def plan(self):
+        """One layer and the whole stack: the fetch set as host row indices (sorted by KV head),
+        their slots in the compact layout, the decision's reweighting as an additive logit
+        bias (n_kv, g, t_max) over that layout (-inf on unused slots) and the rows fetched per
+        KV head."""
+        fetched, log_w = self._decision()
+        n_kv, t_max = self.kv_heads, self.t_max
+        h, t = fetched.nonzero(as_tuple=True)
+        counts = fetched.sum(-1)
+        start = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(h.numel(), device=h.device) - start[h]
+        slot = h * t_max + self.resident[h] + rank
+        valid = torch.zeros(n_kv, t_max, dtype=torch.bool, device=h.device)
+        r = self.res_cols.shape[1]
+        valid[:, :r] = torch.arange(r, device=h.device)[None, :] < self.resident[:, None]
+        valid.view(-1)[slot] = True
+        g = self.q_heads // n_kv
+        if log_w is None:
+            bias = torch.zeros(n_kv, g, t_max, device=h.device)
+        else:  # each slot's token: the resident columns, then the fetched rows
+            cols = torch.zeros(n_kv, t_max, dtype=torch.long, device=h.device)
+            cols[:, :r] = self.res_cols
+            cols.view(-1)[slot] = t
+            bias = log_w.gather(-1, cols[:, None, :].expand(n_kv, g, t_max))
+        bias = bias.masked_fill(~valid[:, None, :], float("-inf"))
+        return h * self.n + t, slot, bias, counts

@@ -1,5 +1,6 @@
-"""Quest's page maths: the channel-wise key bounds of each page and the selection of the pages
-with the highest upper bound on a query's logit (the policy and its decide bench share them)."""
+"""Quest's page maths: the channel-wise key bounds of each page and the upper bound they give on a
+query's logit, by which :func:`select` ranks the pages (the policy and its decide bench share
+it through :class:`kvsim.policies.blocks.BlockFetchPolicy`)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,14 @@ import math
 from dataclasses import dataclass
 
 from kvsim._torch import torch
+from kvsim.policies.blocks import BlockState, top_blocks
 
 
 @dataclass
 class Pages:
-    """What Quest keeps of one layer: per KV head the pages' key bounds, and the resident
-    tokens (sink and local)."""
+    """Quest's index of one layer: per KV head and page the channel-wise key bounds."""
     k_min: torch.Tensor  # (n_kv, pages, d)
     k_max: torch.Tensor
-    resident: torch.Tensor  # (n_kv, n_ctx) bool
-    page_size: int
-    n_ctx: int
 
 
 def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,21 +30,22 @@ def page_bounds(k: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Te
             torch.nan_to_num(kp, nan=float("-inf")).amax(2))
 
 
-def select(q: torch.Tensor, q_pos: torch.Tensor, state: Pages, budget_pages: int) -> torch.Tensor:
+def upper_bounds(q: torch.Tensor, pages: Pages) -> torch.Tensor:
+    """(n_kv, m, pages): the upper bound on the logit of any key of each page, the largest over
+    the query heads (``q``: (n_q, m, d)) of each KV head (the bound for any of them)."""
+    n_q, m, d = q.shape
+    n_kv, n_pages, _ = pages.k_min.shape
+    g = n_q // n_kv
+    kmin = pages.k_min.repeat_interleave(g, 0).to(q.dtype)
+    kmax = pages.k_max.repeat_interleave(g, 0).to(q.dtype)
+    bound = (torch.einsum("hmd,hpd->hmp", q.clamp_min(0), kmax)
+             + torch.einsum("hmd,hpd->hmp", q.clamp_max(0), kmin)) / math.sqrt(d)
+    return bound.view(n_kv, g, m, n_pages).amax(1)
+
+
+def select(q: torch.Tensor, q_pos: torch.Tensor, state: BlockState,
+           budget_pages: int) -> torch.Tensor:
     """(n_kv, m, n_ctx) bool: the tokens of the pages each row of each KV head reads: the
     ``budget_pages`` pages with the highest upper bound on the logit over the group's query
     heads, among the pages that start at or before the row's position."""
-    n_q, m, d = q.shape
-    n_kv, pages, _ = state.k_min.shape
-    g = n_q // n_kv
-    kmin = state.k_min.repeat_interleave(g, 0).to(q.dtype)
-    kmax = state.k_max.repeat_interleave(g, 0).to(q.dtype)
-    bound = (torch.einsum("hmd,hpd->hmp", q.clamp_min(0), kmax)
-             + torch.einsum("hmd,hpd->hmp", q.clamp_max(0), kmin)) / math.sqrt(d)
-    bound = bound.view(n_kv, g, m, pages).amax(1)  # (n_kv, m, pages)
-    start = torch.arange(pages, device=q.device) * state.page_size
-    bound = bound.masked_fill(start[None, None, :] > q_pos[None, :, None], float("-inf"))
-    top = bound.topk(min(budget_pages, pages), dim=-1)
-    chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(
-        -1, top.indices, top.values > float("-inf"))
-    return chosen.repeat_interleave(state.page_size, -1)[..., :state.n_ctx]
+    return top_blocks(upper_bounds(q, state.index), q_pos, state, budget_pages)
