@@ -14,13 +14,14 @@ from kvsim.plan import cost
 
 
 def test_every_catalog_gpu_has_a_price_with_its_source_or_says_none_was_found():
-    assert set(catalog.PRICES) == set(catalog.GPUS)
-    for p in catalog.PRICES.values():
-        assert p.source
-        if p.usd_per_hour is None:
-            assert p.source == "no public price found"
+    for g in catalog.GPUS.values():  # (every record: a price is a field of it)
+        assert g.price_source
+        if g.usd_per_hour is None:
+            assert "no public price found" in g.price_source
+            assert cost.resolve([g.name], {})[g.name][0] is None
         else:
-            assert p.usd_per_hour > 0 and "20" in p.source  # a dated public listing
+            assert g.usd_per_hour > 0 and "20" in g.price_source  # a dated public listing
+            assert cost.resolve([g.name], {})[g.name] == (g.usd_per_hour, g.price_source)
 
 
 def test_prices_parse_and_refuse_nonsense(tmp_path):
@@ -52,7 +53,7 @@ def test_cost_is_replicas_times_tp_times_price(tmp_path):
     assert code == 0, err
     df = pd.read_csv(out / "results.csv")
     assert list(df.gpu) == ["h100-sxm", "l40s"]
-    price = {"h100-sxm": catalog.PRICES["h100-sxm"].usd_per_hour, "l40s": 1.25}
+    price = {"h100-sxm": catalog.gpu("h100-sxm").usd_per_hour, "l40s": 1.25}
     for r in df.itertuples():
         assert r.usd_per_hour == pytest.approx(3 * 2 * price[r.gpu])
         assert r.slo_max_qps > 0  # priced at the sustained rate the SLO search found
@@ -62,4 +63,4 @@ def test_cost_is_replicas_times_tp_times_price(tmp_path):
         assert math.isclose(tokens, 32, rel_tol=1e-6)
         assert r.usd_per_m_tokens == pytest.approx(per_request / tokens * 1e6)
     report = (out / "report.md").read_text()
-    assert "user override" in report and catalog.PRICES["h100-sxm"].source in report
+    assert "user override" in report and catalog.gpu("h100-sxm").price_source in report

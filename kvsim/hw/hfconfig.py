@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvsim.checks import real, whole
 from kvsim.errors import KvsimError
-
-if TYPE_CHECKING:  # catalog imports this module: a runtime import would be circular
-    from kvsim.hw.catalog import ModelSpec
+from kvsim.hw.model_spec import ModelSpec
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float": 4, "half": 2}
 MAX_SIZE = 2**40  # any layer count, width or vocabulary beyond this is a broken config
@@ -81,7 +78,6 @@ def _name(cfg: dict) -> str:
 def parse(cfg: dict, where: str) -> ModelSpec:
     """The shape a config's fields describe; an ``_kvsim`` entry (the catalog's own configs)
     names it and its source."""
-    from kvsim.hw.catalog import ModelSpec
     own = cfg.get("_kvsim") if isinstance(cfg.get("_kvsim"), dict) else {}
     top = cfg
     if isinstance(cfg.get("text_config"), dict):

@@ -63,10 +63,10 @@ def resolve(gpus: list[str], overrides: dict[str, float]) -> dict[str, tuple[flo
     for g in gpus:
         if g in overrides:
             out[g] = (overrides[g], "user override (--price/--prices)")
-        elif g in catalog.PRICES:
-            p = catalog.PRICES[g]
-            out[g] = (p.usd_per_hour, p.source if p.usd_per_hour is not None else
-                      f"{p.source}; give one with --price {g}=USD")
+        elif g in catalog.GPUS:
+            p = catalog.GPUS[g]
+            out[g] = (p.usd_per_hour, p.price_source if p.usd_per_hour is not None else
+                      f"{p.price_source}; give one with --price {g}=USD")
         else:
             out[g] = (None, f"no price for {g}; give one with --price {g}=USD")
     return out
