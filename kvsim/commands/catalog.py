@@ -1,4 +1,5 @@
-"""kvsim catalog: the GPUs, model shapes and engine profiles kvsim knows, with their sources."""
+"""kvsim catalog: the GPUs (with an example price per GPU-hour), model shapes and engine
+profiles kvsim knows, with their sources."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import dataclasses
 from kvsim.commands._out import print_json, table
 from kvsim.hw import catalog
 
-HELP = ("list catalog GPUs, model shapes, built-in engine profiles and the shipped policy "
-        "profile with their sources")
+HELP = ("list catalog GPUs (with example prices), model shapes, built-in engine profiles and "
+        "the shipped policy profile with their sources")
 
 
 def add_parser(sub) -> None:
@@ -36,9 +37,11 @@ def run(args) -> int:
         return 0
     table([{k: g[k] or "-" for k in ("name", "hbm_gib", "hbm_gbps", "bf16_tflops", "fp8_tflops",
                                      "int8_tops", "int4_tops", "mma_rows", "link", "h2d_gbps",
-                                     "peer", "peer_gbps")} for g in gpus])
+                                     "peer", "peer_gbps", "usd_per_hour")} for g in gpus])
     print("(dense tensor-core peak rates; '-': no published rate in the catalog: that type "
-          "computes at the bf16 rate; mma_rows: the tokens a decode matmul computes at least)")
+          "computes at the bf16 rate; mma_rows: the tokens a decode matmul computes at least; "
+          "usd_per_hour: an example on-demand price per GPU-hour, '-': none found (kvsim plan "
+          "--price GPU=USD))")
     print()
     table([{k: m[k] for k in ("name", "params_b", "layers", "q_heads", "kv_heads", "head_dim",
                               "hidden", "intermediate", "vocab", "kv_kib_per_token")}
@@ -51,6 +54,7 @@ def run(args) -> int:
         print(f"  {g.name}: {g.source}")
         print(f"    rates by type: {g.rates_source}")
         print(f"    tensor-core rows: {g.mma_source}")
+        print(f"    example price: {_price(g.usd_per_hour)} ({g.price_source})")
     for m in catalog.MODELS.values():
         print(f"  {m.name}: {m.source}")
     for e in engines:
@@ -60,6 +64,10 @@ def run(args) -> int:
         for name, grid in p["policies"].items():
             print(f"    {name}: {grid}")
     return 0
+
+
+def _price(usd: float | None) -> str:
+    return "none" if usd is None else f"${usd:g} per GPU-hour"
 
 
 def _fitted(on: dict) -> str:
