@@ -48,7 +48,7 @@ def test_admission_orders():
     assert finish_order("shortest-prompt-first") == [2, 4, 3, 1]
     with pytest.raises(KvsimError, match="--admission-order must be one of arrival, "):
         Scheduling(admission_order="longest").check()
-    assert set(RULES["order"]) == {"arrival", "shortest-prompt-first"}
+    assert {"arrival", "shortest-prompt-first"} <= set(RULES["order"])  # (more may be added)
 
 
 def test_shortest_prompt_first_serves_the_same_work_sooner():
