@@ -81,3 +81,20 @@ def test_the_selection_never_takes_a_page_after_the_row():
     state = pol.compress(k[:, :n], k[:, :n], {}, None, None, None, layer=0).state
     chosen = select(q[:, :1], torch.tensor([20]), state, 8)
     assert not bool(chosen[..., 24:].any())  # pages from 24 on start after position 20
+
+
+def test_quests_decide_bench_is_the_block_bench_and_decides_as_the_policy():
+    """Quest's decide step is the block policies' bench: the policy's own page selection for the
+    decode query on the bench's layer, laid out behind the resident tokens, no reweighting."""
+    from kvsim.hw.catalog import model
+    from kvsim.policies.base import DecideKernel
+    from kvsim.policies.blocks import BlockBench
+    n = 1024
+    pol = make("quest", {"page_size": 8, "token_budget": 128})
+    bench = pol.decide_kernel(torch.device("cpu"), model("smollm2-135m"), n, 0)
+    assert isinstance(bench, BlockBench) and isinstance(bench, DecideKernel)
+    idx, slot, bias, counts = bench.plan()
+    want = select(bench.q, bench.q_pos, bench.state, 128 // 8)[:, 0] & ~bench.state.resident
+    assert torch.equal(torch.stack([idx // n, idx % n]), torch.stack(want.nonzero(as_tuple=True)))
+    assert torch.equal(counts, want.sum(-1)) and int(counts.max()) <= 128
+    assert bool((bias[torch.isfinite(bias)] == 0).all())
