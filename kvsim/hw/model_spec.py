@@ -180,4 +180,3 @@ class ModelSpec:
         return (f"{self.name}: {self.params / 1e9:.2f}B params{moe}, {self.layers} layers, "
                 f"{self.q_heads}q/{self.kv_heads}kv heads x {self.head_dim}, "
                 f"{self.kv_bytes_per_token / 1024:.0f} KiB KV per token")
-
