@@ -27,6 +27,7 @@ WORKFLOW = """a typical session:
   kvsim replay --policy dense-offload --gpu h100-sxm --model qwen3-4b --context 32768
   kvsim plan --gpu h100-sxm,h200 --model qwen3-4b --context 8192,32768 \\
       --policy dense-offload,verkv --sink 4 --local 4 --batch 1,4,16 --out plan/
+  kvsim policies verkv                             VerKV's options (kvsim policies: every policy)
   kvsim profile --gpu 0 --out traces/mygpu.npz     then: kvsim replay traces/mygpu.npz ...
 
 'kvsim COMMAND --help' explains each command."""
@@ -36,6 +37,17 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, like every other user error
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse's; in a command that takes policy specs, a policy's own option given as
+        a flag (``--sketch perfect``) is refused first, naming the spec that says it."""
+        if getattr(self, "policy_spec_flags", False):
+            from kvsim.commands._policy_flags import moved_flag
+            argv = sys.argv[1:] if args is None else list(args)
+            moved = moved_flag(argv, self._option_string_actions)
+            if moved:
+                self.error(moved)
+        return super().parse_known_args(args, namespace)
 
 
 def commands() -> list[str]:

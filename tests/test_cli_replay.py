@@ -75,15 +75,15 @@ def test_bad_trace_files_one_line_exit_2(attn_trace, tmp_path):
 def test_help_teaches():
     code, out, _ = run_cli("replay", "--help")
     assert code == 0 and "examples:" in out and "provenance" in out
-    assert "dense-offload:" in out  # each policy explains itself
+    assert "'kvsim policies" in out  # where each policy explains itself
 
 
 def test_flags_of_other_policies_are_ignored_with_a_warning(attn_trace):
     code, out, err = run_cli("replay", attn_trace, "--policy", "dense-offload", "--context", 4096,
-                             "--eps", "0.1", "--sketch", "perfect", "--json")
+                             "--eps", "0.1", "--delta", "0.2", "--json")
     assert code == 0
     r = json.loads(out)
-    assert "--eps, --sketch ignored: not options of dense-offload" in r["warnings"][0]
+    assert "--delta, --eps ignored: not options of dense-offload" in r["warnings"][0]
     assert "ignored" in err and r["policy_options"] == {}
 
 

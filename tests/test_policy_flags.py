@@ -1,36 +1,35 @@
-"""Policy options as flags: one meaning per option name across every registered policy (a clash
-is caught, shown here on made-up policies), help grouped by the policies that take each option,
-and one check per shared option, the same for every policy."""
+"""Policy options on a command line: a policy's own options live in its spec
+(``--policy quest:token_budget=2048``); the shared ones (compression, eps, delta, scorer, sink,
+local) are also flags, documented in every command's help, with one check for every policy. A
+policy-specific option given as a flag is refused in one line naming the spec form. Two policies
+may use one option name for different things; a shared option has one definition."""
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
+from conftest import run_cli
 
-from kvsim.commands._policy_flags import add_policy_flags
+from kvsim.cli import build_parser
 from kvsim.errors import KvsimError
-from kvsim.policies import load_all, make
+from kvsim.policies import REGISTRY, load_all, make, parse
 from kvsim.policies import options as O
 from kvsim.policies.spec import clashes, flag
 
-# every policy flag kvsim has shipped: none may disappear
-FLAGS = {"--compression", "--eps", "--delta", "--scorer", "--sink", "--local", "--sketch",
-         "--shrinkage", "--shortlist", "--pass-plan", "--eps-output", "--variant", "--coef-bits",
-         "--group-size", "--quant-axis", "--basis", "--setting", "--mode", "--r-min",
-         "--rank-cap", "--stride", "--anchors-c", "--window", "--obs-window"}
+SHARED_FLAGS = {flag(n) for n in O.SHARED}
+# the policy-specific flags kvsim shipped before they moved into the spec (flag -> a policy that
+# takes it): each is refused, naming the spec form
+MOVED = {"--sketch": "verkv", "--shrinkage": "verkv", "--shortlist": "verkv",
+         "--pass-plan": "verkv", "--eps-output": "verkv", "--variant": "verkv",
+         "--coef-bits": "varrate", "--group-size": "varrate", "--quant-axis": "flat",
+         "--basis": "varrate", "--setting": "flat", "--mode": "varrate", "--r-min": "varrate",
+         "--rank-cap": "varrate", "--stride": "varrate", "--anchors-c": "varrate",
+         "--window": "varrate", "--obs-window": "flat", "--page-size": "quest",
+         "--token-budget": "quest"}
 
 
 def _policy(name: str, params: type) -> type:
-    return type(name, (), {"name": name, "Params": params})
-
-
-def _groups(policies=None, lists=False) -> dict[str, dict[str, str]]:
-    """{group title: {flag: help}} of the policy flags."""
-    p = argparse.ArgumentParser()
-    add_policy_flags(p, lists=lists, policies=policies)
-    return {g.title: {a.option_strings[0]: a.help for a in g._group_actions}
-            for g in p._action_groups if g.title not in ("positional arguments", "options")}
+    return type(name, (), {"name": name, "Params": params, "summary": ""})
 
 
 def _takers(policies: dict) -> dict[str, dict[str, dataclasses.Field]]:
@@ -42,7 +41,13 @@ def _takers(policies: dict) -> dict[str, dict[str, dataclasses.Field]]:
     return out
 
 
-def test_registered_policies_give_each_option_one_meaning():
+def _shared_group(command: str) -> set[str]:
+    sub = build_parser([command])._subparsers._group_actions[0].choices[command]
+    (group,) = [g for g in sub._action_groups if g.title == "shared policy options"]
+    return {a.option_strings[0] for a in group._group_actions}
+
+
+def test_registered_policies_declare_each_shared_option_with_its_one_definition():
     assert clashes(load_all()) == []
 
 
@@ -53,7 +58,7 @@ class _Window:
 
 @dataclass
 class _OtherWindow:
-    window: int = field(default=64, metadata={"help": "recent tokens kept"})
+    window: str = field(default="hann", metadata={"help": "a taper", "choices": ("hann", "flat")})
 
 
 @dataclass
@@ -61,60 +66,87 @@ class _OwnCompression:
     compression: float = field(default=8.0, metadata={"help": "cache is this much smaller"})
 
 
-@dataclass
-class _SharedCompression:
-    compression: float = O.compression_field(4.0)
-    pages: int = field(default=16, metadata={"help": "tokens per page"})
+def test_two_policies_may_give_one_option_name_two_meanings(monkeypatch):
+    """No clash rule for a policy's own options: each spec reads its policy's definition."""
+    monkeypatch.setitem(REGISTRY, "a-win", _policy("a-win", _Window))
+    monkeypatch.setitem(REGISTRY, "b-win", _policy("b-win", _OtherWindow))
+    assert clashes({"a": REGISTRY["a-win"], "b": REGISTRY["b-win"]}) == []
+    specs, unused = parse("a-win:window=32,b-win:window=flat")
+    assert [s.options for s in specs] == [{"window": 32}, {"window": "flat"}] and unused == []
+    with pytest.raises(KvsimError, match="a-win:window=flat: expected int"):
+        parse("a-win:window=flat")
+    with pytest.raises(KvsimError, match="--window must be one of hann, flat; got 'tri'"):
+        parse("b-win:window=tri")
 
 
-@dataclass
-class _OnlyCompression:
-    compression: float = O.compression_field()
-
-
-def test_a_name_defined_twice_or_a_shared_option_redefined_is_a_clash():
-    two = {"a": _policy("a", _Window), "b": _policy("b", _OtherWindow)}
-    assert clashes(two) == [("--window is defined by both a and b: give one a distinct name, or "
-                             "make it one shared option (kvsim.policies.options.SHARED)")]
-    own = {"a": _policy("a", _OwnCompression), "b": _policy("b", _SharedCompression)}
+def test_a_shared_option_redefined_by_a_policy_is_a_clash():
+    own = {"a": _policy("a", _OwnCompression)}
     assert clashes(own) == [("--compression of a is not the shared definition: declare it with "
                              "kvsim.policies.options.shared")]
-    with pytest.raises(RuntimeError, match="--window is defined by both"):
-        _groups(two)
-    # one definition used by two policies (one Params class, or a subclass) is no clash
-    assert clashes({"a": _policy("a", _Window), "b": _policy("b", _Window)}) == []
 
 
-def test_help_shows_each_option_under_the_policies_that_take_it():
-    policies = load_all()
-    takers = _takers(policies)
-    groups = _groups()
-    shown = {f for g in groups.values() for f in g}
-    assert shown == {flag(n) for n in takers} and FLAGS <= shown
-    assert sum(len(g) for g in groups.values()) == len(shown)  # each flag once
-    for title, flags in groups.items():
-        for fl, text in flags.items():
-            by_policy = takers[fl[2:].replace("-", "_")]
-            f = next(iter(by_policy.values()))
-            assert text.startswith(f.metadata["help"] + " ["), fl
-            if title == "shared policy options":  # names every policy that takes it
-                assert len({policies[p].Params for p in by_policy}) > 1, fl
-                named = {p for part in text.rsplit("[", 1)[1].split(";")
-                         for p in part.split(":")[0].split(", ")}
-                assert {p.strip() for p in named} == set(by_policy), fl
-            else:  # shown only under exactly the policies that take it
-                assert title == f"{', '.join(sorted(by_policy))} options", fl
-    assert groups["poissoncomp, topk options"] == {}  # listed, taking only shared options
+@pytest.mark.parametrize("command", ["replay", "plan", "eval", "policy-profile"])
+def test_only_the_shared_options_are_flags_and_each_is_documented(command):
+    assert _shared_group(command) == SHARED_FLAGS
+    sub = build_parser([command])._subparsers._group_actions[0].choices[command]
+    text = sub.format_help()
+    assert all(f in text for f in SHARED_FLAGS)
+    assert not set(MOVED) & set(sub._option_string_actions)
+    assert "kvsim policies" in text  # where each policy's own options are listed
 
 
-def test_made_up_policies_get_their_own_groups_and_a_shared_one():
-    groups = _groups({"a": _policy("a", _Window), "b": _policy("b", _SharedCompression),
-                      "c": _policy("c", _OnlyCompression)}, lists=True)
-    assert set(groups) == {"shared policy options", "a options", "b options", "c options"}
-    assert groups["shared policy options"]["--compression"].endswith(
-        "[b: default 4.0; c: default 16.0]")
-    assert set(groups["a options"]) == {"--window"} and set(groups["b options"]) == {"--pages"}
-    assert groups["c options"] == {}
+def test_every_option_of_a_registered_policy_not_shared_is_refused_as_a_flag():
+    from kvsim.commands._policy_flags import moved_flag
+    sub = build_parser(["replay"])._subparsers._group_actions[0].choices["replay"]
+    known = sub._option_string_actions
+    own = {(p, n) for n, by in _takers(load_all()).items() if n not in O.SHARED for p in by}
+    assert {flag(n) for _, n in own} >= set(MOVED)
+    for policy, name in sorted(own):
+        said = moved_flag(["--policy", policy, flag(name), "7"], known)
+        assert said.startswith(f"{flag(name)} is an option of ") and policy in said.split(":")[0]
+        assert f"write --policy {policy}:{name}=7; kvsim policies {policy} lists" in said
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_policy_specific_flag_is_refused_naming_its_spec(old):
+    owner = MOVED[old]
+    code, out, err = run_cli("replay", "--policy", owner, old, "7")
+    assert code == 2 and out == ""
+    key = old[2:].replace("-", "_")
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"kvsim replay: error: {old} is an option of ")
+    assert line.endswith(f": write --policy {owner}:{key}=7; kvsim policies {owner} lists its "
+                         f"options")
+
+
+def test_the_refusal_names_the_policy_given_and_every_value():
+    code, _, err = run_cli("replay", "--policy", "varrate:compression=4", "--window=32")
+    assert code == 2 and "write --policy varrate:compression=4:window=32;" in err
+    code, _, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context",
+                           "4096", "--policy", "dense-offload,verkv", "--sketch", "2bit,perfect",
+                           "--out", "unused")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "write --policy verkv:sketch=2bit,verkv:sketch=perfect;" in err
+    code, _, err = run_cli("eval", "--policy", "quest", "--token-budget", "2048")
+    assert code == 2 and "write --policy quest:token_budget=2048;" in err
+    # an abbreviation argparse would take for another flag (--mode for --model) is refused too
+    code, _, err = run_cli("replay", "--mode", "fused")
+    assert code == 2 and "--mode is an option of " in err and ":mode=fused;" in err
+
+
+def test_the_spec_form_sets_and_sweeps_a_policy_specific_option():
+    specs, _ = parse("verkv:sketch=2bit,verkv:sketch=perfect", {"eps": [0.05, 0.1]}, grid=True)
+    assert sorted((s.label, s.options["sketch"], s.options["eps"]) for s in specs) == [
+        ("verkv:sketch=2bit", "2bit", 0.05), ("verkv:sketch=2bit", "2bit", 0.1),
+        ("verkv:sketch=perfect", "perfect", 0.05), ("verkv:sketch=perfect", "perfect", 0.1)]
+    specs, unused = parse("quest:token_budget=2048", {"sink": 4, "eps": 0.1})
+    assert specs[0].options == {"token_budget": 2048, "sink": 4} and unused == ["--eps"]
+
+
+def test_unknown_key_in_a_spec_points_to_kvsim_policies():
+    with pytest.raises(KvsimError, match="policy quest has no option 'sketch' .*kvsim policies "
+                                         "quest describes them"):
+        parse("quest:sketch=perfect")
 
 
 @pytest.mark.parametrize("name,bad", [("compression", 0.99), ("compression", float("inf")),

@@ -1,86 +1,24 @@
-"""Policy options as command-line flags, generated from every policy's ``Params`` dataclass.
-What the flags mean for the policies named is decided by :mod:`kvsim.policies.spec`.
+"""The policy options on a command line: ``--policy NAME[:KEY=VALUE...]`` carries a policy and its
+own options; the options every policy shares (:data:`kvsim.policies.options.SHARED`: compression,
+eps, delta, scorer, sink, local) are also flags, read by every named policy that takes them.
+What they mean for the policies named is decided by :mod:`kvsim.policies.spec`.
 
-Building a parser loads no policy module (they import torch): the flags come from
-:mod:`kvsim.policies._flag_table`, a torch-free copy of every policy's name, summary and
-``Params`` fields, written by ``python scripts/gen_docs.py`` from the real classes
-(``tests/test_docs.py`` fails when it is stale)."""
+Building a parser loads no policy module (they import torch): the shared options are defined in
+a torch-free module. A policy-specific option written as a flag (``--sketch perfect``, which
+older versions took) is refused in one line naming the spec form; only then are the policies
+loaded, to say whose option it is (:func:`moved_flag`)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import textwrap
 
-from kvsim.policies import ALIASES
-from kvsim.policies.spec import clashes, convert, flag, kind
+from kvsim.policies.options import EDGE_DEFAULT, EDGE_NOTE, SHARED
+from kvsim.policies.registry import ALIASES
+from kvsim.policies.spec import convert, flag
 
-KINDS = {"int": int, "float": float, "bool": bool, "str": str}
-
-
-def flag_table(policies: dict[str, type]) -> dict:
-    """The torch-free table of ``policies``: name -> summary, the key of its Params class,
-    and per Params class its fields (name, default, metadata with the field's kind)."""
-    classes, pols = {}, {}
-    for name, cls in sorted(policies.items()):
-        key = f"{cls.Params.__module__}.{cls.Params.__qualname__}"
-        pols[name] = {"summary": cls.summary, "params": key}
-        classes[key] = [
-            {"name": f.name,
-             "default": "<missing>" if f.default is dataclasses.MISSING else f.default,
-             "metadata": {**{k: (list(v) if isinstance(v, tuple) else v)
-                             for k, v in f.metadata.items() if k != "kind"},
-                          "kind": kind(f).__name__}}
-            for f in dataclasses.fields(cls.Params)]
-    return {"policies": pols, "params": classes}
-
-
-def table_policies(table: dict | None = None) -> dict[str, type]:
-    """Stand-ins for the registered policies, built from the table: each has ``summary`` and a
-    ``Params`` dataclass with the real one's fields (one class per real Params class)."""
-    if table is None:
-        from kvsim.policies._flag_table import TABLE as table
-    params = {}
-    for key, fields in table["params"].items():
-        specs = []
-        for f in fields:
-            meta = {**f["metadata"], "kind": KINDS[f["metadata"]["kind"]]}
-            if "choices" in meta:
-                meta["choices"] = tuple(meta["choices"])
-            default = dataclasses.MISSING if f["default"] == "<missing>" else f["default"]
-            specs.append((f["name"], meta["kind"], dataclasses.field(default=default,
-                                                                      metadata=meta)))
-        params[key] = dataclasses.make_dataclass(key.rsplit(".", 1)[-1], specs)
-    return {name: type(name, (), {"name": name, "summary": p["summary"],
-                                  "Params": params[p["params"]]})
-            for name, p in table["policies"].items()}
-
-
-def _options(policies: dict[str, type]) -> dict[str, tuple[dataclasses.Field, dict]]:
-    """name -> (its field, {policy: its default}) for every option of ``policies``; a name that
-    means two things among them is a RuntimeError (a policy's bug, caught by the tests)."""
-    bad = clashes(policies)
-    if bad:
-        raise RuntimeError("; ".join(bad))
-    seen: dict[str, tuple[dataclasses.Field, dict]] = {}
-    for name, cls in sorted(policies.items()):
-        for f in dataclasses.fields(cls.Params):
-            seen.setdefault(f.name, (f, {}))[1][name] = f.default
-    return seen
-
-
-def _default_text(default) -> str:
-    return "no default" if default is dataclasses.MISSING else \
-        "default: see above" if default is None else f"default {default!r}" if default == "" \
-        else f"default {default}"
-
-
-def _defaults_text(owners: dict) -> str:
-    """``[verkv, topk: default 16]`` or ``[varrate: default 5; verkv: default 16]``."""
-    by_default: dict[str, list[str]] = {}
-    for policy, default in owners.items():
-        by_default.setdefault(_default_text(default), []).append(policy)
-    return "[" + "; ".join(f"{', '.join(ps)}: {d}" for d, ps in by_default.items()) + "]"
+METAVARS = {int: "N", float: "X"}
+WHERE = "'kvsim policies [NAME]' lists the policies or one's options"
 
 
 def parse_list(kind_, text: str) -> list:
@@ -95,70 +33,105 @@ def parse_list(kind_, text: str) -> list:
 
 
 def policy_help() -> str:
-    """What ``--policy`` accepts: the spec syntax and every policy's summary."""
-    names = "; ".join(f"{n}: {c.summary}" for n, c in sorted(table_policies().items())
-                      if c.summary)
+    """What ``--policy`` accepts: the spec syntax, and where each policy's options are listed."""
     aliases = ", ".join(f"{a} = {b}" for a, b in ALIASES.items())
-    return (f"NAME[:KEY=VALUE...], e.g. verkv:eps=0.05:sketch=perfect (options written here "
-            f"override the flags below; {aliases}). {names}")
+    return (f"NAME[:KEY=VALUE...]: a policy and its own options, e.g. quest:token_budget=2048 "
+            f"(they override the shared flags; {aliases}); {WHERE}")
 
 
-def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False,
-                     policies: dict[str, type] | None = None) -> None:
-    """One flag per policy option (``policies``: every registered one); with ``lists`` each
-    takes comma-separated values to sweep. Options that policies of more than one ``Params``
-    take form the shared group, each naming who takes it with their defaults; the others sit
-    in one group per ``Params`` class, titled with the policies that use it."""
-    policies = table_policies() if policies is None else policies
-    options = _options(policies)
-    classes: dict[type, list[str]] = {}
-    for name, cls in sorted(policies.items()):
-        classes.setdefault(cls.Params, []).append(name)
-    where = {n: {policies[p].Params for p in owners} for n, (_, owners) in options.items()}
-    shared = [n for n in options if len(where[n]) > 1]
-    if shared:
-        _add(parser.add_argument_group("shared policy options", _wrap(
-            "one meaning and one check in every policy that takes one; each names the "
-            "policies that take it, with their defaults" +
-            ("; give comma-separated values to sweep" if lists else ""))),
-             options, shared, True, lists)
-    for cls, owners in classes.items():
-        own = [n for n in options if where[n] == {cls}]
-        also = [flag(n) for n in shared if cls in where[n]]
-        if own or also:
-            who, takes = ", ".join(owners), "take" if len(owners) > 1 else "takes"
-            desc = f"{who} {takes} {'these and' if own else 'only'} the shared " \
-                   f"{', '.join(also)}" if also else ""
-            _add(parser.add_argument_group(f"{who} options", _wrap(desc)), options, own, False,
-                 lists)
-
-
-def _wrap(text: str) -> str:
-    return textwrap.fill(text, 90)
-
-
-def _add(group, options: dict, names: list[str], shared: bool, lists: bool) -> None:
-    for name in names:
-        f, owners = options[name]
-        k = kind(f)
-        defaults = _defaults_text(owners) if shared else \
-            f"[{_default_text(next(iter(owners.values())))}]"
-        kw = {"default": None, "dest": f"opt_{name}",
-              "help": f"{f.metadata.get('help', '')} {defaults}"}
+def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> None:
+    """The shared policy options as flags, in one group; with ``lists`` each takes
+    comma-separated values to sweep. Marks ``parser`` so that :func:`moved_flag` refuses a
+    policy-specific option given as a flag (``kvsim.cli`` calls it before parsing)."""
+    about = ("one meaning in every policy, read by each named policy that takes them (with its "
+             "own default: 'kvsim policies NAME'; its other options go in its spec)"
+             f"{'; comma-separated values to sweep' if lists else ''}. --sink, --local not "
+             f"given: {EDGE_DEFAULT} each, or a quarter of the budget where that does not fit "
+             "(warned)")
+    group = parser.add_argument_group("shared policy options", textwrap.fill(about, 94))
+    for name, s in SHARED.items():
+        kw = {"default": None, "dest": f"opt_{name}", "help": s.help.replace(f" {EDGE_NOTE}", "")}
         if lists:
-            kw["type"] = lambda text, k=k: parse_list(k, text)
+            kw["type"] = lambda text, k=s.kind: parse_list(k, text)
             kw["metavar"] = "V[,V...]"
-        elif k is bool:
-            kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = k
-            if "choices" in f.metadata:
-                kw["choices"] = f.metadata["choices"]
-            else:
-                kw["metavar"] = name.upper()
+            kw["type"], kw["metavar"] = s.kind, METAVARS.get(s.kind, "X")
+            if s.choices:
+                kw["choices"], kw["metavar"] = s.choices, "NAME"
         group.add_argument(flag(name), **kw)
+    parser.policy_spec_flags = True  # kvsim.cli: refuse policy-specific flags before parsing
 
 
 def policy_options(args: argparse.Namespace) -> dict:
     """The policy flags the user gave (only those), as Params keyword arguments."""
     return {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+
+
+def _unknown(argv: list[str], known: dict) -> list[tuple[str, str | None]]:
+    """(option name, its value or None) of each ``--name`` in ``argv`` that is no option of the
+    parser as written (abbreviations included, which argparse would take as another flag)."""
+    out = []
+    for i, tok in enumerate(argv):
+        if tok == "--":
+            break
+        if not tok.startswith("--") or len(tok) < 3 or tok.split("=", 1)[0] in known:
+            continue
+        name, eq, value = tok[2:].partition("=")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            value = nxt if nxt is not None and not nxt.startswith("--") else None
+        out.append((name, value if eq or value is not None else None))
+    return out
+
+
+def _named_items(argv: list[str]) -> list[str]:
+    """The items of ``--policy`` as written in ``argv`` (the last one given)."""
+    items: list[str] = []
+    for i, tok in enumerate(argv):
+        text = tok.split("=", 1)[1] if tok.startswith("--policy=") else \
+            argv[i + 1] if tok == "--policy" and i + 1 < len(argv) else None
+        if text is not None:
+            items = [t.strip() for t in text.split(",") if t.strip()]
+    return items
+
+
+def moved_flag(argv: list[str], known: dict) -> str | None:
+    """One line refusing the first policy-specific option that ``argv`` gives as a flag, naming
+    the spec that says it (``--sketch is an option of verkv: write --policy
+    verkv:sketch=perfect; ...``); None where there is none. ``known``: the parser's option
+    strings. The policies are loaded only when some flag is not one of them."""
+    unknown = _unknown(argv, known)
+    if not unknown:
+        return None
+    from kvsim.policies.registry import load_all
+    from kvsim.policies.spec import fields, kind
+    registry = load_all()
+    for name, value in unknown:
+        key, negated = name.replace("-", "_"), False
+        owners = sorted(p for p, cls in registry.items() if key in fields(cls))
+        if not owners and key.startswith("no_"):
+            key, negated = key[3:], True
+            owners = sorted(p for p, cls in registry.items() if key in fields(cls))
+        if not owners or key in SHARED:
+            continue
+        items = [item for item in _named_items(argv) if _name(item) in owners] or owners[:1]
+        if negated or value is None and kind(fields(registry[owners[0]])[key]) is bool:
+            values = ["false" if negated else "true"]
+        else:
+            values = [v for v in (value or "VALUE").split(",") if v.strip()]
+        spec = ",".join(f"{item}:{key}={v}" for item in items for v in values)
+        whose = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} and {owners[-1]}"
+        return (f"--{name} is an option of {whose}: write --policy {spec}; kvsim policies "
+                f"{items[0].split(':')[0]} lists its options")
+    return None
+
+
+def _name(item: str) -> str | None:
+    """The registered name of a ``--policy`` item; None for one that names no policy (refused
+    later, with the rest of the spec)."""
+    from kvsim.errors import KvsimError
+    from kvsim.policies.registry import resolve
+    try:
+        return resolve(item.split(":")[0].strip()).name
+    except KvsimError:
+        return None

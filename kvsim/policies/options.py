@@ -3,7 +3,12 @@
 A shared option has one name, help, kind and check in every policy that takes it (each policy
 gives its own default): a policy declares it with :func:`shared` (or one of the ``*_field``
 helpers), never with a field of its own. :func:`check_common` runs those checks, and the choices
-check of every option, for every policy (``kvsim.policies.spec.params`` calls it)."""
+check of every option, for every policy (``kvsim.policies.spec.params`` calls it).
+
+The shared options are the policy options a command line takes as flags (``--eps 0.05``); every
+other option is a policy's own, written in its spec (``--policy verkv:sketch=perfect``), and two
+policies may each have one of the same name. This module stays torch-free: a command's parser
+reads :data:`SHARED` without loading any policy."""
 
 from __future__ import annotations
 
@@ -36,8 +41,8 @@ class Shared(NamedTuple):
     choices: tuple = ()
 
 
-_EDGE = (f"(a policy with a budget and no value given: {EDGE_DEFAULT}, or a quarter of the "
-         f"budget where that does not fit, with a warning)")
+EDGE_NOTE = (f"(a policy with a budget and no value given: {EDGE_DEFAULT}, or a quarter of the "
+             f"budget where that does not fit, with a warning)")
 SHARED = {
     "compression": Shared(
         "budget: 1/compression of the full 16-bit KV cache (8, 16, 32 = 8x..32x smaller; 1 = "
@@ -55,9 +60,9 @@ SHARED = {
         "token scores: snapkv (last 64 question queries, pooled), kvzip (the trace's scores), "
         "oracle (the future attention: an upper bound)", str, lambda v: v in SCORERS,
         f"be one of {', '.join(SCORERS)}", SCORERS),
-    "sink": Shared(f"first tokens always kept (attention sinks) {_EDGE}", int, _whole,
+    "sink": Shared(f"first tokens always kept (attention sinks) {EDGE_NOTE}", int, _whole,
                    "be a whole number >= 0"),
-    "local": Shared(f"last context tokens always kept {_EDGE}", int, _whole,
+    "local": Shared(f"last context tokens always kept {EDGE_NOTE}", int, _whole,
                     "be a whole number >= 0"),
 }
 

@@ -1,10 +1,13 @@
 """Policy specs: the one place that turns what a user wrote into validated policy options.
 
-One syntax everywhere (``kvsim replay``, ``plan``, ``eval``): ``NAME[:KEY=VALUE...]`` items,
-comma-separated where a command takes several (``dense,verkv:sketch=perfect:eps=0.05``), plus
-option flags (``--eps 0.05``) that go to every named policy that takes them. Options written in an
-item override the flags. Values are converted to the type of the option's default and the whole
-``Params`` is validated here, before any work starts.
+One syntax everywhere (``kvsim replay``, ``plan``, ``eval``, ``policy-profile``):
+``NAME[:KEY=VALUE...]`` items, comma-separated where a command takes several
+(``dense,verkv:sketch=perfect:eps=0.05``); a policy's own options are written in its item. The
+options every policy shares (:data:`~kvsim.policies.options.SHARED`) are also flags
+(``--eps 0.05``) that go to every named policy that takes them; options written in an item
+override the flags. Two policies may each have an option of the same name with its own
+meaning; a shared option has one. Values are converted to the type of the option's default and
+the whole ``Params`` is validated here, before any work starts.
 """
 
 from __future__ import annotations
@@ -44,22 +47,18 @@ def kind(f: dataclasses.Field) -> type:
 
 
 def clashes(policies: dict[str, type]) -> list[str]:
-    """Every option name that means two things among ``policies``' Params: a shared option
-    (:data:`~kvsim.policies.options.SHARED`) whose help, kind or choices are not the shared
-    definition's, or a name that two policies define each with a field of its own."""
-    out, first = [], {}
+    """Every shared option (:data:`~kvsim.policies.options.SHARED`) that one of ``policies``
+    declares with a help, kind or choices of its own instead of the shared definition. Other
+    option names are each policy's own: two policies may use one name for different things."""
+    out = []
     for name, cls in sorted(policies.items()):
         for f in dataclasses.fields(cls.Params):
             s = SHARED.get(f.name)
-            if s is not None:
-                if (f.metadata.get("help"), kind(f), tuple(f.metadata.get("choices", ()))) != \
-                        (s.help, s.kind, s.choices):
-                    out.append(f"{flag(f.name)} of {name} is not the shared definition: "
-                               f"declare it with kvsim.policies.options.shared")
-            elif first.setdefault(f.name, (name, f))[1] is not f:
-                out.append(f"{flag(f.name)} is defined by both {first[f.name][0]} and {name}: "
-                           f"give one a distinct name, or make it one shared option "
-                           f"(kvsim.policies.options.SHARED)")
+            if s is not None and (f.metadata.get("help"), kind(f),
+                                  tuple(f.metadata.get("choices", ()))) != \
+                    (s.help, s.kind, s.choices):
+                out.append(f"{flag(f.name)} of {name} is not the shared definition: "
+                           f"declare it with kvsim.policies.options.shared")
     return out
 
 
@@ -114,7 +113,8 @@ def _item(item: str, flags: dict, grid: bool) -> tuple[PolicySpec, set[str]]:
         key = key.replace("-", "_")
         if key not in taken:
             accepted = ", ".join(sorted(taken)) or "none"
-            raise KvsimError(f"policy {cls.name} has no option {key!r} (it takes {accepted})")
+            raise KvsimError(f"policy {cls.name} has no option {key!r} (it takes {accepted}; "
+                             f"kvsim policies {cls.name} describes them)")
         try:
             opts[key] = convert(kind(taken[key]), text)
         except ValueError as e:
