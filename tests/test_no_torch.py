@@ -47,3 +47,19 @@ def test_a_command_that_needs_torch_says_so_in_one_line():
     last = r.stderr.strip().splitlines()[-1]
     assert "needs torch" in last and 'pip install torch==2.13.0 -e ".[model]"' in last
     assert "Traceback" not in r.stderr
+
+
+def test_eval_help_and_a_bad_eval_option_need_no_torch():
+    """`kvsim eval --help` builds its parser without torch or transformers, and a bad policy
+    option is refused (one line, exit 2) before either is needed."""
+    r = _run("eval", "--help")
+    assert r.returncode == 0 and "--policy" in r.stdout, r.stderr
+    r = _run("eval", "--policy", "verkv:sketch=nope", "--sink", "4")
+    assert r.returncode == 2 and "needs torch" not in r.stderr
+    assert r.stderr.strip().splitlines() == ["kvsim eval: error: --sketch must be one of 2bit, "
+                                             "bounded, perfect; got 'nope'"]
+
+
+def test_policies_lists_every_policy_without_torch():
+    r = _run("policies", "verkv")
+    assert r.returncode == 0 and "sketch" in r.stdout, r.stderr

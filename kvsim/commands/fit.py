@@ -98,11 +98,20 @@ def _short(row: dict, rows: list[dict]) -> str:
 
 
 def _check(args) -> None:
+    """The options, before any point is read or policy analysed: the output, the numbers, the
+    base engine and the trace named."""
+    from pathlib import Path
+
     from kvsim.errors import KvsimError
+    from kvsim.hw.engine import load
     from kvsim.io import check_destination
     check_destination(args.out, args.force)
     if args.jobs < 1:
         raise KvsimError(f"--jobs must be >= 1, got {args.jobs}")
+    _fixed(args.fix)
+    load(args.base)
+    if args.trace is not None and not Path(args.trace).is_file():
+        raise KvsimError(f"{args.trace}: no such trace file")
 
 
 def run(args) -> int:

@@ -11,9 +11,10 @@ from kvsim.errors import KvsimError
 HELP = "measure policy statistics across lengths, layers and settings; show or back-test them"
 
 EPILOG = """examples:
-  kvsim policy-profile traces/captures/*.npz --policy verkv,topk,poissoncomp \\
-      --compression 8,16,32 --eps 0.01,0.05,0.1,0.3 --sketch 2bit,perfect --sink 4 --local 4 \\
-      --out my-profile.json                 (resumable: rerun the same command after a stop)
+  kvsim policy-profile traces/captures/*.npz --policy \\
+      verkv:sketch=2bit,verkv:sketch=perfect,topk,poissoncomp --compression 8,16,32 \\
+      --eps 0.01,0.05,0.1,0.3 --sink 4 --local 4 --out my-profile.json
+                                            (resumable: rerun the same command after a stop)
   kvsim policy-profile --show                 (the shipped profile's grid: every policy setting
                                             it holds; or --show FILE for another profile)
   kvsim policy-profile --show traces/policy-profile-smollm2.json --policy verkv --sink 4 \\
@@ -30,7 +31,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("policy-profile", help=HELP, description=__doc__, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("captures", nargs="*", help="capture sets (kvsim capture --lengths)")
-    p.add_argument("--policy", help="policies, comma-separated, each " + policy_help())
+    p.add_argument("--policy", metavar="SPEC[,SPEC...]",
+                   help="policies, comma-separated, each " + policy_help() + "; a grid of a "
+                        "policy's own option is one item per value: verkv:sketch=2bit,"
+                        "verkv:sketch=perfect")
     p.add_argument("--out", help="profile to write (.json)")
     p.add_argument("--show", metavar="PROFILE", nargs="?", const=True,
                    help="print PROFILE's statistics at --context (without --policy: the grid of "
@@ -71,6 +75,10 @@ def run(args) -> int:
     if args.out:
         if not args.captures:
             raise KvsimError("name the capture sets to measure (kvsim capture --lengths)")
+        from pathlib import Path
+        missing = [c for c in args.captures if not Path(c).is_file()]
+        if missing:  # before the first capture set is measured
+            raise KvsimError(f"{missing[0]}: no such capture set")
         if not args.out.endswith(".json"):
             raise KvsimError(f"{args.out}: a policy profile file must end in .json")
         from kvsim.policy_profile.build import build

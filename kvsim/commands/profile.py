@@ -61,11 +61,28 @@ def _decide_kernels(text: str | None) -> dict:
     return decide_kernels(names)
 
 
+def _check(args) -> None:
+    """The options, before torch or any measuring: the output file, the model shape."""
+    from pathlib import Path
+
+    from kvsim.errors import KvsimError
+    from kvsim.io import check_destination
+    if Path(args.out).suffix != ".npz":
+        raise KvsimError(f"{args.out}: a trace file must end in .npz")
+    check_destination(args.out, args.force)
+    if args.model is not None:
+        from kvsim.hw import catalog
+        catalog.model(args.model)
+    if args.rounds is not None and args.rounds < 1:
+        raise KvsimError(f"--rounds must be positive, got {args.rounds}")
+
+
 def run(args) -> int:
-    from profiler.run import decide_lines, profile
+    _check(args)
     if args.gpu is None and args.device is None:
         args.gpu = 0
     decide = _decide_kernels(args.policies)  # refused before any measuring
+    from profiler.run import decide_lines, profile
     tr = profile(args.out, gpu=args.gpu, device=args.device, model=args.model, quick=args.quick,
                  force=args.force, nvml=not args.no_nvml, threads=args.threads, seed=args.seed,
                  progress=not args.no_progress, rounds=args.rounds,

@@ -65,12 +65,27 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def _check(args) -> None:
+    """The options, before torch, the profile or any measuring: counts, the files named."""
+    from pathlib import Path
+    for flag, v in (("--layers", args.layers), ("--steps", args.steps),
+                    ("--rounds", args.rounds), ("--threads", args.threads)):
+        if v is not None and v < 1:
+            raise KvsimError(f"{flag} must be positive, got {v}")
+    if args.profile is not None and not Path(args.profile).is_file():
+        raise KvsimError(f"{args.profile}: no such profile (kvsim profile writes one)")
+    if args.save_profile is not None and args.profile is None:  # profiled into it, first
+        from kvsim.io import check_destination
+        if Path(args.save_profile).suffix != ".npz":
+            raise KvsimError(f"{args.save_profile}: a trace file must end in .npz")
+        check_destination(args.save_profile)
+
+
 def run(args) -> int:
+    _check(args)
     from kvsim.validate import validate
     if args.gpu is None and args.device is None:
         args.gpu = 0
-    if args.layers is not None and args.layers < 1:
-        raise KvsimError(f"--layers must be positive, got {args.layers}")
     res = validate(profile=args.profile, gpu=args.gpu, device=args.device,
                    contexts=args.contexts, batches=args.batches, layers=args.layers,
                    policies=tuple(p.strip() for p in args.policies.split(",") if p.strip())
