@@ -31,34 +31,43 @@ configuration is journaled as it completes, so a plan stopped by Ctrl-C, SIGTERM
 resumes where it stopped; re-running with the same DIR skips configurations already done
 (failed ones are retried). Files in DIR that kvsim plan did not write are never overwritten
 without --force. Exit status: 0, 1 when some configurations failed (what succeeded is written),
-2 when all failed or the input is bad. --gpu also takes profiled traces
-(.npz from kvsim profile) in place of catalog names.
+2 when all failed or the input is bad.
 """
+
+
+USAGE = ("%(prog)s --gpu GPU[,...] --model MODEL[,...] (--context N[,...] | --workload FILE)\n"
+         "                  --policy SPEC[,...] [--batch N[,...]] [--qps R[,...]] --out DIR "
+         "[OPTION ...]")
 
 
 def add_parser(sub) -> None:
     from kvsim.commands._policy_flags import add_policy_flags, parse_list, policy_help
-    p = sub.add_parser("plan", help=HELP,
+    p = sub.add_parser("plan", help=HELP, usage=USAGE,
                        description=__doc__, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     lst = lambda kind: (lambda text: parse_list(kind, text))  # noqa: E731
-    p.add_argument("--gpu", type=lst(str), required=True, help="catalog GPUs or profiled traces")
-    p.add_argument("--model", type=lst(str), required=True,
+    p.add_argument("--gpu", type=lst(str), required=True, metavar="GPU[,...]",
+                   help="catalog GPUs or profiled traces (.npz from kvsim profile)")
+    p.add_argument("--model", type=lst(str), required=True, metavar="MODEL[,...]",
                    help="model shapes: catalog names or Hugging Face config.json paths")
-    p.add_argument("--context", type=lst(int),
+    p.add_argument("--context", type=lst(int), metavar="N[,...]",
                    help="prompt lengths (tokens); required unless --workload")
-    p.add_argument("--policy", type=lst(str), required=True, metavar="SPEC[,SPEC...]",
-                   help="policies to sweep, comma-separated, each " + policy_help())
-    p.add_argument("--batch", type=lst(int), default=[1], help="max batch sizes (default 1)")
-    p.add_argument("--qps", type=lst(float),
+    p.add_argument("--policy", type=lst(str), required=True, metavar="SPEC[,...]",
+                   help="policies to sweep, each " + policy_help() + "; to sweep a policy's "
+                        "own option, list one item per value: verkv:sketch=2bit,"
+                        "verkv:sketch=perfect")
+    p.add_argument("--batch", type=lst(int), default=[1], metavar="N[,...]",
+                   help="max batch sizes [default: 1]")
+    p.add_argument("--qps", type=lst(float), metavar="R[,...]",
                    help="Poisson rates instead of closed loops (max batch: largest --batch)")
-    p.add_argument("--output-len", type=int, default=128,
+    p.add_argument("--output-len", type=int, default=128, metavar="N",
                    help="output tokens per request [default: 128]")
     p.add_argument("--workload", metavar="FILE",
                    help="replay this workload file (as kvsim replay --workload: kvsim's CSV or "
                         "a public trace) in every configuration, instead of --context; the SLO "
                         "search scales its arrival times to each rate it tries")
-    p.add_argument("--requests", type=int, help="requests per run (default as kvsim replay)")
+    p.add_argument("--requests", type=int, metavar="N",
+                   help="requests per run (default as kvsim replay)")
     p.add_argument("--trace", help="trace with attention (for policies that need one) and/or "
                                    "hardware; default: the shipped default trace")
     slo_group = p.add_argument_group(
@@ -75,7 +84,7 @@ def add_parser(sub) -> None:
                                 "that carry R req/s within the SLO (ceil(R / its sustained "
                                 "rate)), rank them by usd_per_hour and write DIR/answer.json "
                                 "with the cheapest, the runner-up and why the rest lost")
-    slo_group.add_argument("--slo-requests", type=int, default=1000,
+    slo_group.add_argument("--slo-requests", type=int, default=1000, metavar="N",
                            help="requests per SLO probe; a rate that passes is run again twice "
                                 "as long and must pass there too [default: 1000]")
     from kvsim.commands.replay import add_deployment_flags, add_engine_flags, add_scheduling_flags
@@ -85,10 +94,8 @@ def add_parser(sub) -> None:
     kinds = {"kv_dtype": str, "host_gib": float}
     for action in p._actions:  # plan sweeps these: comma-separated values
         if action.dest in DEPLOYMENT_AXES + SCHEDULING_AXES:
-            if action.choices:
-                action.help += f" ({', '.join(action.choices)})"
             action.type, action.choices = lst(kinds.get(action.dest, int)), None
-            action.help += "; plan: comma-separated values to sweep"
+            action.metavar = f"{action.metavar or action.dest.upper()}[,...]"
     add_engine_flags(p)
     cost_group = p.add_argument_group(
         "cost", "each GPU's hourly price: the catalog's examples (public on-demand list prices, "
@@ -108,9 +115,10 @@ def add_parser(sub) -> None:
                         "plan with other settings there (otherwise refused; the same plan "
                         "resumes, and more GPUs, models, contexts, policies, batches, TP sizes, "
                         "KV dtypes, host memories or tokens per step extend it)")
-    p.add_argument("--executor", choices=["local", "ray"], default="local")
-    p.add_argument("--jobs", type=int, help="parallel workers (default: all cores)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--executor", choices=["local", "ray"], default="local", metavar="NAME",
+                   help="local (processes) or ray [default: local]")
+    p.add_argument("--jobs", type=int, metavar="N", help="parallel workers [default: all cores]")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="[default: 0]")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     add_policy_flags(p, lists=True)
     p.set_defaults(run=run)

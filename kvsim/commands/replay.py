@@ -14,72 +14,76 @@ EPILOG = """examples:
   kvsim replay --policy verkv:sketch=perfect:eps=0.1 --sink 4 --local 4
   kvsim replay --policy dense --batch 16 --qps 2 --requests 200
 
-TRACE is a kvsim trace (.npz): its hardware section (kvsim profile) supplies measured costs,
-its attention section (kvsim capture) the tensors the policy runs on, and then the policy's
-statistics are exactly that trace's. Without TRACE, policies that need attention take their
-statistics from the shipped policy profile (measured at 1K-8K tokens on SmolLM2, fitted and
-extrapolated to --context with a 90% interval: kv_read_frac_lo/_hi, tpot_ms_lo/_hi); policies it
-does not hold use the shipped default trace. Every report names the source of each figure under
-"provenance"; --json groups the figures (sim, memory, policy_cost, policy_stats, policy_timings)
-and keeps the headline ones at the top level.
+TRACE is a kvsim trace (.npz): its hardware section (kvsim profile) gives measured costs, its
+attention section (kvsim capture) the tensors the policy runs on. Without TRACE, policies that
+need attention take their statistics from the shipped policy profile (SmolLM2 at 1K-8K tokens,
+fitted and extrapolated to --context with a 90% interval: the _lo/_hi figures), the others from
+the shipped default trace. Each figure's source is under "provenance"; --json groups figures
+(sim, memory, policy_cost, policy_stats, policy_timings) beside the headline ones.
 """
+
+
+USAGE = ("%(prog)s [TRACE] [--policy SPEC] [--gpu GPU] [--model MODEL] [--context N]\n"
+         "                    [--batch N] [--qps R | --concurrency N | --workload FILE] "
+         "[OPTION ...]")
 
 
 def add_parser(sub) -> None:
     from kvsim.commands._policy_flags import add_policy_flags, policy_help
-    from kvsim.hw import catalog
     from kvsim.hw.costs import DEFAULT_GPU
-    p = sub.add_parser("replay", help=HELP, description=__doc__, epilog=EPILOG,
+    p = sub.add_parser("replay", help=HELP, description=__doc__, epilog=EPILOG, usage=USAGE,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", nargs="?", help="trace file (default: the shipped default trace)")
+    p.add_argument("trace", nargs="?", metavar="TRACE",
+                   help="trace file (default: the shipped default trace)")
     p.add_argument("--policy", default="dense-offload", metavar="SPEC",
                    help=policy_help() + " [default: dense-offload]")
-    p.add_argument("--gpu", help=f"catalog GPU ({', '.join(catalog.GPUS)}); default: the "
-                                 f"trace's profiled hardware if any, else {DEFAULT_GPU}")
+    p.add_argument("--gpu", help=f"a catalog GPU (kvsim catalog lists them) [default: the "
+                                 f"trace's profiled hardware if any, else {DEFAULT_GPU}]")
     p.add_argument("--model", default="qwen3-4b",
-                   help=f"model shape: a catalog name ({', '.join(catalog.MODELS)}) or a Hugging "
-                        f"Face config.json (file or directory; dense or MoE) [default: qwen3-4b]")
+                   help="a catalog model or a Hugging Face config.json (file or directory; "
+                        "dense or MoE) [default: qwen3-4b]")
     add_deployment_flags(p)
-    p.add_argument("--context", type=int, default=32768,
+    p.add_argument("--context", type=int, default=32768, metavar="N",
                    help="prompt tokens per request [default: 32768]")
-    p.add_argument("--output-len", type=int, default=128,
+    p.add_argument("--output-len", type=int, default=128, metavar="N",
                    help="output tokens per request [default: 128]")
-    p.add_argument("--batch", type=int, default=1,
+    p.add_argument("--batch", type=int, default=1, metavar="N",
                    help="max sequences in the decode batch [default: 1]")
     load = p.add_mutually_exclusive_group()
-    load.add_argument("--qps", type=float, help="Poisson arrivals at this rate (open loop)")
-    load.add_argument("--concurrency", type=int,
-                      help="closed loop with this many requests in flight (default: --batch)")
+    load.add_argument("--qps", type=float, metavar="R",
+                      help="Poisson arrivals at this rate (open loop)")
+    load.add_argument("--concurrency", type=int, metavar="N",
+                      help="closed loop, N requests in flight [default: --batch]")
     load.add_argument("--workload", metavar="FILE",
-                      help="requests from a file: kvsim's CSV (arrival s, prompt, output tokens) "
-                           "or a public trace (Azure LLM inference CSV, BurstGPT CSV, Mooncake "
-                           "JSONL; see --workload-format)")
-    p.add_argument("--workload-format", default="auto",
+                      help="requests from a file, in a format of --workload-format")
+    p.add_argument("--workload-format", default="auto", metavar="F",
                    choices=["auto", "kvsim", "azure", "burstgpt", "mooncake"],
-                   help="the --workload file's format; auto: told by its header or first line "
-                        "[default: auto]")
+                   help="the --workload file's format: kvsim (CSV: arrival s, prompt, output "
+                        "tokens), azure (Azure LLM inference CSV), burstgpt (CSV), mooncake "
+                        "(JSONL) or auto (told by its header or first line) [default: auto]")
     p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="multiply the --workload file's arrival times by X (0.5: twice the "
                         "rate) [default: 1]")
     p.add_argument("--limit", type=int, metavar="N",
                    help="only the --workload file's first N requests by arrival")
-    p.add_argument("--requests", type=int,
+    p.add_argument("--requests", type=int, metavar="N",
                    help="requests to simulate (default: 2 x concurrency, or 64 with --qps)")
     add_scheduling_flags(p)
     add_engine_flags(p)
-    p.add_argument("--slo-tpot-ms", type=float, help="per-request TPOT limit for goodput")
-    p.add_argument("--slo-ttft-ms", type=float, help="per-request TTFT limit for goodput")
-    p.add_argument("--slo-e2e-s", type=float, help="per-request end-to-end limit for goodput")
+    for metric, what, unit in (("tpot-ms", "TPOT", "MS"), ("ttft-ms", "TTFT", "MS"),
+                               ("e2e-s", "end-to-end", "S")):
+        p.add_argument(f"--slo-{metric}", type=float, metavar=unit,
+                       help=f"per-request {what} limit for goodput")
     p.add_argument("--timeline", metavar="JSON",
                    help="write a Chrome/Perfetto trace of the first decode steps, layer by layer")
-    p.add_argument("--timeline-steps", type=int, default=16,
+    p.add_argument("--timeline-steps", type=int, default=16, metavar="N",
                    help="decode steps in the timeline [default: 16]")
     p.add_argument("--force", action="store_true", help="overwrite an existing --timeline file")
-    p.add_argument("--seed", type=int, default=0, help="[default: 0]")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="[default: 0]")
     p.add_argument("--jobs", type=int, metavar="N",
-                   help="processes for an open loop of 100,000 requests or more, simulated in "
-                        "pieces cut where the server was empty, with the serial run's result "
-                        "[default: the CPUs]")
+                   help="processes for an open loop of 100,000 requests or more (in pieces "
+                        "cut where the server was empty; the serial run's result) [default: "
+                        "the CPUs]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_policy_flags(p)
     p.set_defaults(run=run)
@@ -91,6 +95,7 @@ def add_scheduling_flags(p) -> None:
     from kvsim.sim.rules import Scheduling
     add_option_flags(p, Scheduling, "scheduling", "how the simulated engine batches (vLLM's "
                                                   "defaults)")
+    _compact(p._action_groups[-1])
 
 
 def add_deployment_flags(p) -> None:
@@ -100,6 +105,24 @@ def add_deployment_flags(p) -> None:
     from kvsim.sim.records import Deployment
     add_option_flags(p, Deployment, "deployment", "element types, memory and how many GPUs "
                                                   "serve")
+    _compact(p._action_groups[-1])
+
+
+def _compact(group) -> None:
+    """Short metavars (``--kv-dtype TYPE``, not ``--kv-dtype {bf16,fp16,fp8}``) so that each
+    flag's help starts on its own line; the choices are named in the help, once."""
+    for action in group._group_actions:
+        if action.metavar is not None:
+            continue
+        last = action.dest.rsplit("_", 1)[-1].upper()
+        if not action.choices:
+            action.metavar = last
+            continue
+        action.metavar = "TYPE" if last == "DTYPE" else "NAME"
+        text = action.help or ""
+        if not all(str(c) in text for c in action.choices):
+            head, sep, tail = text.partition(" [default")
+            action.help = f"{head}: {', '.join(map(str, action.choices))}{sep}{tail}"
 
 
 def add_engine_flags(p) -> None:
