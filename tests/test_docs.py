@@ -168,12 +168,16 @@ def test_generated_reference_pages_are_fresh():
         "docs/reference/metrics.md is stale: run python scripts/gen_docs.py"
 
 
-def test_policy_flag_table_is_fresh():
-    """kvsim/policies/_flag_table.py (the torch-free source of the policy flags) matches the
-    registered policies' classes."""
-    assert gen_docs.FLAG_TABLE.read_text() == gen_docs.flag_table_module(), \
-        "kvsim/policies/_flag_table.py is stale: run python scripts/gen_docs.py"
-
+def test_policy_options_have_no_copy_in_the_source_tree():
+    """A policy's options live in its Params only (no generated table beside them); the docs'
+    policies page is made from them (and is fresh: test_generated_reference_pages_are_fresh)."""
+    assert not (ROOT / "kvsim" / "policies" / "_flag_table.py").exists()
+    from kvsim.policies import load_all
+    page = (gen_docs.CLI_DIR / "policies.md").read_text()
+    for name, cls in load_all().items():
+        assert f"$ kvsim policies {name}" in page
+        for f in __import__("dataclasses").fields(cls.Params):
+            assert f.name in page, (name, f.name)
 
 
 def script_output(name: str, *args: str) -> str:
@@ -192,13 +196,31 @@ def script_output(name: str, *args: str) -> str:
 
 
 def test_help_loads_no_torch():
-    """Building the replay and plan parsers (their --help) imports no torch."""
-    code = ("import sys; from kvsim.cli import build_parser\n"
-            "for c in ('replay', 'plan'): build_parser([c]).format_help()\n"
-            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    """Building every command's parser (its --help) imports no torch, no transformers and no
+    policy module: the parsers know the shared policy options only."""
+    code = ("import sys; from kvsim.cli import build_parser, commands\n"
+            "for c in commands(): build_parser([c]).format_help()\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') or "
+            "m.startswith('kvsim.policies.') and m.split('.')[2] not in "
+            "('options', 'registry', 'spec')]\n"
+            "print(bad, file=sys.stderr); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=1800,  # a hang guard
+                       capture_output=True, text=True,
                        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
-    assert r.returncode == 0, "building the replay/plan parser imported torch"
+    assert r.returncode == 0, f"building the parsers imported {r.stderr}"
+
+
+def test_replay_help_is_short_and_documents_every_shared_option():
+    """`kvsim replay --help` at 80 columns: at most 150 lines, every shared policy option."""
+    import os
+
+    from kvsim.policies.options import SHARED
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "kvsim.cli", "replay", "--help"], cwd=ROOT,
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and len(r.stdout.splitlines()) <= 150, len(r.stdout.splitlines())
+    for name in SHARED:
+        assert f"--{name} " in r.stdout
 
 
 def test_every_metric_name_has_a_meaning():
