@@ -84,3 +84,14 @@ def run_cli(*args):
             traceback.print_exc()
             code = 1
     return code, out.getvalue(), err.getvalue()
+
+
+RUN_OPTIONS = ("timeline", "timeline_steps", "force", "jobs")
+
+
+def replay_json(**kw) -> dict:
+    """``kvsim replay --json``'s report of the configuration ``kw`` names (configure's keyword
+    names; ``timeline``, ``timeline_steps``, ``force`` and ``jobs`` go to run_replay)."""
+    from kvsim.replay import configure, run_replay
+    run = {k: kw.pop(k) for k in RUN_OPTIONS if k in kw}
+    return run_replay(configure(**kw), **run).to_json()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import replay_json
 
 from kvsim import trace as tracefile
 from kvsim.cli import main
@@ -17,7 +18,6 @@ from kvsim.hw.engine import DecideModel
 from kvsim.policies import load_all, registry
 from kvsim.policies.base import FetchPolicy
 from kvsim.policies.registry import deciding
-from kvsim.replay import ReplayConfig, run_replay
 from kvsim.validate import decide_kernels, default_policies
 from profiler import run as prun
 from profiler.link import KiB, MiB
@@ -147,19 +147,19 @@ def test_an_older_profiles_single_table_is_verkvs_and_says_so(two_tables):
 
 def test_replay_reports_the_planned_policys_decide_source(fake, two_tables):
     kw = dict(policy=FAKE, model="qwen3-4b", context=8192, batch=2, output_len=8)
-    measured = run_replay(ReplayConfig(trace=two_tables[0], **kw))
+    measured = replay_json(trace=two_tables[0], **kw)
     prov = measured["provenance"]
     assert prov["hw.decide"] == prov[f"hw.decide.{FAKE}"]
     assert f"kernel_decide_{FAKE}" in prov["hw.decide"]
-    catalog = run_replay(ReplayConfig(gpu="h100-sxm", **kw))  # a published family: VerKV's only
+    catalog = replay_json(gpu="h100-sxm", **kw)  # a published family: VerKV's only
     prov = catalog["provenance"]
     assert prov["hw.decide"].startswith("estimate: four passes")
     assert f"no profiled kernel_decide_{FAKE} table" in prov["hw.decide"]
     assert prov["hw.decide.verkv"].startswith("engine trtllm")
     assert "from engine vllm-paper" in prov["hw.decide.verkv"]
     # --decide-ms replaces the planned policy's decide, whichever it is
-    d0, d10 = (run_replay(ReplayConfig(gpu="h100-sxm", engine="roofline", decide_ms=d,
-                                       **(kw | {"batch": 1}))) for d in (0.0, 10.0))
+    d0, d10 = (replay_json(gpu="h100-sxm", engine="roofline", decide_ms=d,
+                           **(kw | {"batch": 1})) for d in (0.0, 10.0))
     assert d10["tpot_ms"] - d0["tpot_ms"] == pytest.approx(10.0, rel=1e-6)
     assert "--decide-ms 10" in d10["provenance"][f"hw.decide.{FAKE}"]
 

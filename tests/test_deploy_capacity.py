@@ -10,13 +10,13 @@ import pytest
 from kvsim.plan import slo
 from kvsim.plan.executors import LocalExecutor
 from kvsim.plan.sweep import SweepSpec, sweep
-from kvsim.replay import ReplayConfig, run_replay
+from kvsim.replay import configure, run_replay
 
 
-def _replay(policy: str, qps: float, tpot: float) -> dict:
-    return run_replay(ReplayConfig(policy=policy, gpu="h100-sxm", model="qwen3-4b",
-                                   context=8192, batch=16, qps=qps, requests=2000,
-                                   slo={"tpot_ms": tpot}))
+def _replay(policy: str, qps: float, tpot: float):
+    return run_replay(configure(policy=policy, gpu="h100-sxm", model="qwen3-4b",
+                             context=8192, batch=16, qps=qps, requests=2000,
+                             slo={"tpot_ms": tpot}))
 
 
 @pytest.mark.parametrize("policy,tpot_ms", [
@@ -31,8 +31,8 @@ def test_the_answer_is_sustained_and_ten_percent_more_is_not(policy, tpot_ms):
     assert q > 0 and row.slo_qps_fails / q <= 1.02 + 1e-9
     assert "TPOT" in row.slo_fails_because  # the limit binds, not the queue
     at = _replay(policy, q, tpot_ms)
-    s = at["sim"]
-    assert s["served_frac_window"] >= 0.95 and s["requests_per_s"] >= 0.9 * q
+    s = at.serving
+    assert s.served_frac_window >= 0.95 and s.requests_per_s >= 0.9 * q
     assert slo.check(at, limits)[0]
     assert not slo.check(_replay(policy, 1.1 * q, tpot_ms), limits)[0]
 
@@ -44,8 +44,8 @@ def test_a_queue_too_slow_to_show_in_a_short_run_fails_the_search():
                      policies=["dense-resident"], batches=[16], slo=[slo.Limit("tpot_ms", 50)])
     q = sweep(spec, LocalExecutor(1), progress=False).iloc[0].slo_max_qps
     assert q < 5.0
-    s = _replay("dense-resident", q, 50)["sim"]
-    assert s["served_frac_window"] >= 0.95 and s["requests_per_s"] >= 0.9 * q
+    s = _replay("dense-resident", q, 50).serving
+    assert s.served_frac_window >= 0.95 and s.requests_per_s >= 0.9 * q
     over = _replay("dense-resident", 1.1 * q, 50)
     assert not slo.sustained(over)[0]
     assert not slo.sustained(_replay("dense-resident", 5.35, 50))[0]

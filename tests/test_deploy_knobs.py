@@ -8,7 +8,7 @@ import pandas as pd
 from conftest import run_cli
 
 from kvsim.plan.decide import decided_by
-from kvsim.plan.sweep import SweepSpec, config_key, expand
+from kvsim.plan.sweep import SweepSpec, expand
 
 
 def _spec(**kw):
@@ -20,23 +20,21 @@ def test_lists_of_tokens_per_step_and_host_memory_are_swept_and_single_values_ke
     spec = _spec(scheduling={"scheduler": "chunked", "max_batched_tokens": [256, 8192]},
                  deployment={"host_gib": [8.0, 64.0]})
     configs = expand(spec)
-    assert sorted((json.loads(c["scheduling"])["max_batched_tokens"],
-                   json.loads(c["deployment"])["host_gib"]) for c in configs) == \
-        [(256, 8.0), (256, 64.0), (8192, 8.0), (8192, 64.0)]
+    assert sorted((c.scheduling.max_batched_tokens, c.deployment.host_gib)
+                  for c in configs) == [(256, 8.0), (256, 64.0), (8192, 8.0), (8192, 64.0)]
     single = expand(_spec(scheduling={"scheduler": "chunked", "max_batched_tokens": [256]},
                           deployment={"host_gib": [8.0]}))
     scalar = expand(_spec(scheduling={"scheduler": "chunked", "max_batched_tokens": 256},
                           deployment={"host_gib": 8.0}))
-    assert [config_key(c) for c in single] == [config_key(c) for c in scalar]
+    assert [c.key() for c in single] == [c.key() for c in scalar]
     # the swept values are axes, not settings: a plan with more of them extends the same DIR
     assert spec.settings() == _spec(scheduling={"scheduler": "chunked"}).settings()
 
 
 def _row(mbt, host, usd, why):
-    sched, dep = json.dumps({"max_batched_tokens": mbt}), json.dumps({"host_gib": host})
-    return {"key": json.dumps({"gpu": "g", "scheduling": sched, "deployment": dep}),
-            "scheduling": sched, "deployment": dep, "status": "ok", "usd_per_hour": usd,
-            "why_lost": why}
+    key = {"gpu": "g", "scheduling": {"max_batched_tokens": mbt},
+           "deployment": {"host_gib": host}}
+    return {"key": json.dumps(key), "status": "ok", "usd_per_hour": usd, "why_lost": why}
 
 
 def test_a_knob_decides_the_answer_only_where_another_value_costs_more_or_fails():

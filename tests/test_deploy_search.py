@@ -12,8 +12,8 @@ from kvsim.hw import catalog
 from kvsim.plan import slo
 from kvsim.plan.executors import LocalExecutor
 from kvsim.plan.planner import plan
-from kvsim.plan.sweep import SweepSpec, _replay_config, expand
-from kvsim.replay import run_replay
+from kvsim.plan.sweep import SweepSpec, expand
+from kvsim.replay import configure, run_replay
 
 TARGET, TPOT = 20.0, 30.0
 ANSWER_KEYS = {"gpu", "tp", "replicas", "policy", "batch", "kv_dtype", "usd_per_hour",
@@ -27,7 +27,7 @@ def searched(tmp_path_factory):
                      batches=[4, 8, 16], output_len=32, slo=[slo.Limit("tpot_ms", TPOT)],
                      slo_requests=200, deployment={"tp": [1, 2]}, target_qps=TARGET)
     out = tmp_path_factory.mktemp("search")
-    summary = plan(spec, out, LocalExecutor(1), progress=False)
+    summary = plan(spec, out, LocalExecutor(1), progress=False).summary
     return spec, out, summary
 
 
@@ -61,15 +61,14 @@ def test_no_cheaper_configuration_meets_the_slo_at_the_target_rate(searched):
     answer = json.loads((out / "answer.json").read_text())
     cheaper = 0
     for c in expand(spec):
-        tp = json.loads(c["deployment"]).get("tp", 1)
-        per_replica = tp * catalog.PRICES[c["gpu"]].usd_per_hour
+        tp = c.deployment.tp
+        per_replica = tp * catalog.PRICES[c.gpu].usd_per_hour
         replicas = math.ceil(answer["usd_per_hour"] / per_replica - 1e-9) - 1
         if replicas < 1:
             continue
         cheaper += 1
-        r = run_replay(_replay_config(c, qps=TARGET, requests=2 * spec.slo_requests,
-                                      replicas=replicas, slo={"tpot_ms": TPOT}))
-        assert not slo.check(r, spec.slo)[0], (c["gpu"], tp, c["policy"], c["batch"], replicas)
+        r = run_replay(c.at_rate(TARGET, 2 * spec.slo_requests, replicas=replicas))
+        assert not slo.check(r, spec.slo)[0], (c.gpu, tp, c.policy.name, c.batch, replicas)
     assert cheaper >= 6  # the test compares against something
 
 
@@ -90,10 +89,16 @@ def test_configurations_whose_weights_do_not_fit_are_pruned_before_simulation(tm
 
 
 def test_a_cheapest_candidate_that_fails_its_check_gets_a_replica_and_is_ranked_again():
+    from types import SimpleNamespace
+
     from kvsim.plan.decide import decide
+    configs = {}
 
     def row(gpu, usd, qps):
-        return {"gpu": gpu, "status": "ok", "slo_max_qps": qps, "replicas_needed": 1.0,
+        cfg = configure(policy="dense-resident", gpu=gpu, batch=8)
+        configs[cfg.key()] = cfg
+        return {"gpu": gpu, "key": cfg.key(), "status": "ok", "slo_max_qps": qps,
+                "replicas_needed": 1.0,
                 "usd_per_hour": usd, "usd_per_m_tokens": usd, "usd_per_request": usd,
                 "gpus": 1.0, "deployment": "{}", "label": "dense-resident", "batch": 8,
                 "policy": "dense-resident", "options": "{}", "price_usd_per_gpu_hour": usd,
@@ -103,13 +108,14 @@ def test_a_cheapest_candidate_that_fails_its_check_gets_a_replica_and_is_ranked_
     def check_run(r, replicas):  # l40s needs two replicas, whatever its search said
         ok = r["gpu"] != "l40s" or replicas >= 2
         lat = dict.fromkeys(("tpot_p50_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_s"), 1.0)
-        return {"sim": {"served_frac_window": 1.0, "queue_growth_window": 0,
-                        "arrivals_window": 100, "tpot_p99_ms": 10.0 if ok else 30.0, **lat,
-                        "requests": 200, "requests_per_s": 5.0}}
+        serving = SimpleNamespace(served_frac_window=1.0, queue_growth_window=0,
+                                  arrivals_window=100, tpot_p99_ms=10.0 if ok else 30.0, **lat,
+                                  requests=200, requests_per_s=5.0)
+        return SimpleNamespace(serving=serving, bounds={}, interval={})
 
     df = pd.DataFrame([row("l40s", 1.0, 6.0), row("h100-sxm", 1.5, 6.0),
                        row("h200", 3.0, 6.0)])
-    out, answer = decide(df, 5.0, [slo.Limit("tpot_ms", 20)], check_run)
+    out, answer = decide(df, 5.0, [slo.Limit("tpot_ms", 20)], check_run, configs)
     assert (answer["gpu"], answer["replicas"]) == ("h100-sxm", 1)  # 2 x l40s: $2.00/h
     assert answer["runner_up"]["gpu"] == "l40s" and answer["runner_up"]["replicas"] == 2
     assert answer["runner_up"]["usd_per_hour"] == pytest.approx(2.0)

@@ -8,7 +8,6 @@ import pandas as pd
 from conftest import run_cli
 
 from kvsim.plan import slo
-from kvsim.plan.sweep import at_rate
 
 
 def _workload(path, n=400):
@@ -20,7 +19,7 @@ def _workload(path, n=400):
 
 
 def test_a_workload_plan_answers_a_rate_the_scaled_file_sustains(tmp_path):
-    from kvsim.replay import ReplayConfig, run_replay
+    from kvsim.replay import configure, run_replay
     wl = _workload(tmp_path / "wl.csv")
     out = tmp_path / "plan"
     code, _, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--workload", wl,
@@ -31,16 +30,14 @@ def test_a_workload_plan_answers_a_rate_the_scaled_file_sustains(tmp_path):
     assert row.context == 4089  # the file's mean prompt
     q = row.slo_max_qps
     limits = [slo.Limit("tpot_ms", 20)]
-    c = {"workload": str(wl)}
+    cfg = configure(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b", batch=8,
+                    workload_csv=wl, slo={"tpot_ms": 20})
 
-    def replay(rate):
-        return run_replay(ReplayConfig(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
-                                       batch=8, workload_csv=wl, slo={"tpot_ms": 20},
-                                       **{k: v for k, v in at_rate(c, rate, 400).items()
-                                          if k != "qps"}))
+    def replay(rate):  # the file's first 400 requests, their times scaled to the rate
+        return run_replay(cfg.at_rate(rate, 400))
     at = replay(q)
-    assert at["sim"]["requests"] == 400 and slo.check(at, limits)[0]
-    assert at["sim"]["requests_per_s"] >= 0.9 * q * 0.9  # 400 requests: the drain counts
+    assert at.serving.requests == 400 and slo.check(at, limits)[0]
+    assert at.serving.requests_per_s >= 0.9 * q * 0.9  # 400 requests: the drain counts
     assert not slo.check(replay(1.1 * q), limits)[0]
     answer = json.loads((out / "answer.json").read_text())
     assert answer["replicas"] == int(np.ceil(10 / q)) and answer["check"]["meets_slo"]

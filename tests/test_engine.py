@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import replay_json, run_cli
 
 from kvsim.errors import KvsimError
 from kvsim.fit import Point, Predictor, read_points
@@ -15,13 +15,12 @@ from kvsim.fit.solve import fit, make_engine
 from kvsim.hw import engine as E
 from kvsim.hw.engine import DecideModel, Engine, Value
 from kvsim.policies.spec import parse
-from kvsim.replay import ReplayConfig, run_replay
 
 HEADER = "gpu,model,policy,context,batch,tpot_ms"
 
 
 def _replay(trace, **kw):
-    return run_replay(ReplayConfig(trace=trace, **kw))
+    return replay_json(trace=trace, **kw)
 
 
 def test_decide_model_batches_and_fits_a_table_exactly():

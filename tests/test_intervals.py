@@ -6,12 +6,13 @@ import dataclasses
 import math
 
 import pytest
+from conftest import replay_json
 from test_policy_contract import FIT
 
 from kvsim.hw import engine as E
 from kvsim.model.synthetic import synthetic_attention_trace
 from kvsim.policies import load_all, make
-from kvsim.replay import ReplayConfig, report, run_replay
+from kvsim.replay import report
 
 KEYS = ("tpot_ms", "ttft_ms", "throughput_tok_s")
 
@@ -28,9 +29,9 @@ def trace(tmp_path_factory):
 def _replay(trace, name="dense-resident", **kw):
     taken = {f.name for f in dataclasses.fields(load_all()[name].Params)}
     opts = dataclasses.asdict(make(name, {k: v for k, v in FIT.items() if k in taken}).params)
-    return run_replay(ReplayConfig(**{"trace": trace, "policy": name, "policy_options": opts,
-                                      "gpu": "h100-sxm", "model": "qwen3-4b", "context": 8192,
-                                      "batch": 2, "output_len": 4, **kw}))
+    return replay_json(**{"trace": trace, "policy": name, "policy_options": opts,
+                          "gpu": "h100-sxm", "model": "qwen3-4b", "context": 8192,
+                          "batch": 2, "output_len": 4, **kw})
 
 
 @pytest.mark.parametrize("name", sorted(load_all()))
@@ -83,8 +84,8 @@ def test_outside_the_checked_regime_the_interval_widens_and_says_why(trace):
 
 
 def test_a_policy_profile_interval_is_widened_by_the_engine():
-    r = run_replay(ReplayConfig(policy="verkv", policy_options={"sink": 4, "local": 4},
-                                context=32768, gpu="h100-sxm", output_len=16))
+    r = replay_json(policy="verkv", policy_options={"sink": 4, "local": 4},
+                    context=32768, gpu="h100-sxm", output_len=16)
     lo, hi = r["interval"]["before_engine"]["tpot_ms"]
     assert lo < hi  # the profile's own interval
     s = r["interval"]["spread"]

@@ -5,12 +5,11 @@ weight dtypes change bytes everywhere, and a config kvsim cannot read gets one l
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import replay_json, run_cli
 
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog, hfconfig
 from kvsim.hw.costs import CostModel
-from kvsim.replay import ReplayConfig, run_replay
 
 QWEN3_4B = {  # config.json of Qwen/Qwen3-4B as published (fields kvsim does not read kept)
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "head_dim": 128,
@@ -42,8 +41,8 @@ def _write(tmp_path, cfg, name="m"):
 
 
 def _replay(trace, **kw):
-    return run_replay(ReplayConfig(trace=trace, gpu="h100-sxm", context=16384, batch=4,
-                                   output_len=16, **kw))
+    return replay_json(trace=trace, gpu="h100-sxm", context=16384, batch=4,
+                       output_len=16, **kw)
 
 
 @pytest.mark.parametrize("policy", ["dense-resident", "dense-offload"])

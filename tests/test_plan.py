@@ -11,7 +11,7 @@ from kvsim.plan import axes, plots, slo
 from kvsim.plan.executors import LocalExecutor
 from kvsim.plan.planner import plan
 from kvsim.plan.sweep import SweepSpec, sweep
-from kvsim.replay import ReplayConfig, run_replay
+from kvsim.replay import configure, run_replay
 
 
 def spec(trace, **kw):
@@ -24,7 +24,7 @@ def spec(trace, **kw):
 
 def test_plan_writes_one_row_per_configuration_and_resumes(attn_trace, tmp_path):
     out = tmp_path / "plan"
-    s = plan(spec(attn_trace), out, LocalExecutor(1), progress=False)
+    s = plan(spec(attn_trace), out, LocalExecutor(1), progress=False).summary
     df = pd.read_csv(out / "results.csv")
     assert len(df) == 2 * 2 * 2 * 2 == s["rows"] and df.key.is_unique
     assert pd.read_parquet(out / "results.parquet").shape[0] == len(df)
@@ -38,9 +38,10 @@ def test_plan_writes_one_row_per_configuration_and_resumes(attn_trace, tmp_path)
         assert (out / f"{name}.png").stat().st_size > 1000 and (out / f"{name}.svg").exists()
     report = (out / "report.md").read_text()
     assert "![tpot_vs_context](tpot_vs_context.png)" in report and "infeasible" in report
-    again = plan(spec(attn_trace), out, LocalExecutor(1), progress=False)
+    again = plan(spec(attn_trace), out, LocalExecutor(1), progress=False).summary
     assert again["new_runs"] == 0 and again["rows"] == len(df)
-    more = plan(spec(attn_trace, batches=[1, 4, 8]), out, LocalExecutor(1), progress=False)
+    more = plan(spec(attn_trace, batches=[1, 4, 8]), out, LocalExecutor(1),
+                progress=False).summary
     assert more["new_runs"] == 8 and more["rows"] == 24
 
 
@@ -99,7 +100,7 @@ def test_the_cost_frontier_is_exactly_the_non_dominated_configurations(tmp_path)
     pts = {"A": (10, 5.0), "B": (20, 6.0), "C": (30, 2.0), "D": (40, 2.5), "E": (50, 1.0),
            "F": (10, 7.0)}
     d = pd.DataFrame([dict(status="ok", gpu="h100-sxm", model="m", context=4096, label=k,
-                           policy=k, batch=4, deployment='{"tp": 1}', slo_max_qps=1.0,
+                           policy=k, batch=4, tp=1, slo_max_qps=1.0,
                            usd_per_hour=1.0, usd_per_m_tokens=c, slo_at_tpot_p99_ms=t,
                            why_lost="the answer" if k == "E" else "dearer")
                       for k, (t, c) in pts.items()], index=list(pts))
@@ -111,9 +112,9 @@ def test_the_cost_frontier_is_exactly_the_non_dominated_configurations(tmp_path)
 
 
 def _probe(q, requests=80):
-    return run_replay(ReplayConfig(trace=None, policy="dense-resident", gpu="h100-sxm",
-                                   model="qwen3-4b", context=4096, output_len=32, batch=16,
-                                   qps=q, requests=requests, seed=3))
+    return run_replay(configure(trace=None, policy="dense-resident", gpu="h100-sxm",
+                                model="qwen3-4b", context=4096, output_len=32, batch=16,
+                                qps=q, requests=requests, seed=3))
 
 
 @pytest.fixture
@@ -162,9 +163,9 @@ def test_ray_and_local_give_the_same_answer(tmp_path):
     s = SweepSpec(gpus=["l40s"], models=["qwen3-4b"], contexts=[4096],
                   policies=["dense-resident"], batches=[4, 8], output_len=16,
                   slo=[slo.Limit("tpot_ms", 60)], slo_requests=50, target_qps=2)
-    local = plan(s, tmp_path / "local", LocalExecutor(1), progress=False)
+    local = plan(s, tmp_path / "local", LocalExecutor(1), progress=False).summary
     try:
-        remote = plan(s, tmp_path / "ray", RayExecutor(jobs=2), progress=False)
+        remote = plan(s, tmp_path / "ray", RayExecutor(jobs=2), progress=False).summary
     finally:
         ray.shutdown()
     assert local["answer"]["gpu"] == "l40s" and remote["rows"] == local["rows"] == 2

@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+from conftest import replay_json
 
 from kvsim.contract import SHARES, DecodeCost
 from kvsim.errors import KvsimError
@@ -16,7 +17,7 @@ from kvsim.measure.harness import analyze
 from kvsim.model.synthetic import synthetic_attention_trace
 from kvsim.policies import REGISTRY, PolicySpec, load_all, make, parse
 from kvsim.policies.spec import expand
-from kvsim.replay import ReplayConfig, report, run_replay
+from kvsim.replay import report
 
 # options that make every policy fit a 512-token synthetic context (each takes those it has)
 FIT = {"sink": 4, "local": 4, "r_min": 2, "window": 16, "obs_window": 16, "compression": 4.0,
@@ -81,8 +82,8 @@ def test_every_policy_replays_and_its_report_flattens_without_loss(name, tmp_pat
     path = tmp_path / "t.npz"
     T.save(trace, path)
     pol = _policy(name)
-    r = run_replay(ReplayConfig(trace=path, policy=name, policy_options=dataclasses.asdict(
-        pol.params), gpu="h100-sxm", model="qwen3-4b", context=8192, batch=2, output_len=4))
+    r = replay_json(trace=path, policy=name, policy_options=dataclasses.asdict(
+        pol.params), gpu="h100-sxm", model="qwen3-4b", context=8192, batch=2, output_len=4)
     for key in report.HEADLINE:
         assert key in r, key
     assert r["memory"]["hbm_meta_gib"] >= 0
@@ -324,9 +325,9 @@ def test_streamingllm_is_planned_at_32k_as_its_window(tmp_path, trace):
     from kvsim.hw.catalog import GiB, model
     path = tmp_path / "t.npz"
     T.save(trace, path)
-    r = run_replay(ReplayConfig(trace=path, policy="streamingllm",
-                                policy_options={"sink": 4, "local": 252}, gpu="h100-sxm",
-                                model="qwen3-4b", context=32768, batch=1, output_len=4))
+    r = replay_json(trace=path, policy="streamingllm",
+                    policy_options={"sink": 4, "local": 252}, gpu="h100-sxm",
+                    model="qwen3-4b", context=32768, batch=1, output_len=4)
     kv = model("qwen3-4b").kv_bytes_per_token
     assert r["memory"]["hbm_kv_gib"] == pytest.approx(256 * kv / GiB)
     assert r["policy_cost"]["resident_tokens"] == 256 and r["kv_read_frac"] == 0

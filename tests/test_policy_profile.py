@@ -235,10 +235,10 @@ def test_a_build_killed_by_signal_resumes_to_the_same_profile(sets, profile, tmp
 
 
 def test_replay_with_a_profile_reports_intervals_and_where_they_came_from(profile):
-    from kvsim.replay import ReplayConfig, run_replay
-    r = run_replay(ReplayConfig(policy="verkv", policy_options={"sink": 4, "local": 4,
-                                                                "eps": 0.05},
-                                policy_profile=str(profile), context=2048, gpu="h100-sxm"))
+    from conftest import replay_json
+    r = replay_json(policy="verkv", policy_options={"sink": 4, "local": 4,
+                                                    "eps": 0.05},
+                    policy_profile=str(profile), context=2048, gpu="h100-sxm")
     assert r["kv_read_frac_lo"] <= r["kv_read_frac"] <= r["kv_read_frac_hi"]
     assert r["tpot_ms_lo"] <= r["tpot_ms"] <= r["tpot_ms_hi"]
     assert r["throughput_tok_s_lo"] <= r["throughput_tok_s"] <= r["throughput_tok_s_hi"]
@@ -248,8 +248,8 @@ def test_replay_with_a_profile_reports_intervals_and_where_they_came_from(profil
     assert any("extrapolated" in w for w in r["warnings"])
     # a trace named on its own means exactly that trace: no profile
     from kvsim.replay import DEFAULT_TRACE
-    t = run_replay(ReplayConfig(trace=DEFAULT_TRACE, policy="verkv",
-                                policy_options={"sink": 4, "local": 4}, gpu="h100-sxm"))
+    t = replay_json(trace=DEFAULT_TRACE, policy="verkv",
+                    policy_options={"sink": 4, "local": 4}, gpu="h100-sxm")
     assert "policy_profile" not in t and "kv_read_frac_lo" not in t
 
 

@@ -57,7 +57,7 @@ def planned(tmp_path_factory):
     try:
         summary = plan(SweepSpec(gpus=GPUS, models=["qwen3-4b"], contexts=[8192, 32768],
                                  policies=["dense-resident", "dense-offload"], batches=[1, 4]),
-                       out, LocalExecutor(2), progress=False, command="kvsim plan (test)")
+                       out, LocalExecutor(2), progress=False, command="kvsim plan (test)").summary
     finally:
         plots.FIGURE_HOOK = None
     return out, summary, seen, pd.read_csv(out / "results.csv")

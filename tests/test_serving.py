@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import run_cli
+from conftest import replay_json, run_cli
 from torch.utils.flop_counter import FlopCounterMode
 
 from kvsim.hw import catalog
@@ -17,7 +17,6 @@ from kvsim.plan import slo
 from kvsim.plan.executors import LocalExecutor
 from kvsim.plan.sweep import SweepSpec, sweep
 from kvsim.policies import make
-from kvsim.replay import ReplayConfig, run_replay
 
 TINY = ModelSpec("tiny", "none", layers=2, q_heads=4, kv_heads=2, head_dim=8, hidden=24,
                  intermediate=40, vocab=50, tied_embeddings=True, rope_theta=1e4,
@@ -60,17 +59,17 @@ def test_qwen3_4b_prefill_from_the_hand_count():
     flops = m.prefill_flops(32768)
     causal = 4 * m.layers * m.q_heads * m.head_dim * 32768 * 32769 / 2  # QK^T + PV, causal
     assert flops == pytest.approx(2 * m.layers * m.layer_params * 32768 + causal, rel=1e-12)
-    r = run_replay(ReplayConfig(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
-                                context=32768, batch=1, output_len=2, engine="vllm-paper"))
+    r = replay_json(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
+                    context=32768, batch=1, output_len=2, engine="vllm-paper")
     seconds = flops / (g.bf16_tflops * 1e12 * 0.6)  # achievable compute, the catalog default
     assert r["ttft_ms"] / 1e3 == pytest.approx(seconds, rel=0.01)  # + the LM head of 1 token
     assert 0.9 < seconds < 1.0  # 935 ms, not the 711 ms that counted half the attention
 
 
 def _poisson(**kw):
-    return run_replay(ReplayConfig(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
-                                   context=4096, output_len=256, batch=32, qps=6, requests=300,
-                                   seed=0, engine="vllm-paper", **kw))["sim"]
+    return replay_json(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
+                       context=4096, output_len=256, batch=32, qps=6, requests=300,
+                       seed=0, engine="vllm-paper", **kw)["sim"]
 
 
 def test_chunked_prefill_trades_ttft_for_tpot_as_the_budget_shrinks():
@@ -89,9 +88,9 @@ def test_chunked_prefill_trades_ttft_for_tpot_as_the_budget_shrinks():
 def test_policy_prefill_work_is_charged_to_ttft(attn_trace):
     kw = dict(trace=attn_trace, gpu="h100-sxm", model="qwen3-4b", context=32768, batch=1,
               output_len=2, engine="vllm-paper")  # the roofline's compute: 60% of peak
-    base = run_replay(ReplayConfig(policy="dense-resident", **kw))
+    base = replay_json(policy="dense-resident", **kw)
     opts = {"compression": 2.0, "r_min": 2, "window": 16, "obs_window": 16}
-    vr = run_replay(ReplayConfig(policy="varrate", policy_options=opts, **kw))
+    vr = replay_json(policy="varrate", policy_options=opts, **kw)
     work = make("varrate", opts).prefill_work(catalog.model("qwen3-4b"))
     flops = 0.6 * catalog.gpu("h100-sxm").bf16_tflops * 1e12
     assert (vr["ttft_ms"] - base["ttft_ms"]) / 1e3 == pytest.approx(
@@ -103,10 +102,10 @@ def test_policy_prefill_work_is_charged_to_ttft(attn_trace):
 def test_grow_admission_preempts_and_every_request_still_finishes():
     kw = dict(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b", context=16384,
               output_len=8192, batch=64, concurrency=64, requests=64)
-    reserve = run_replay(ReplayConfig(**kw))
+    reserve = replay_json(**kw)
     assert reserve["sim"]["preemptions"] == 0
     for mode in ("recompute", "swap"):
-        r = run_replay(ReplayConfig(admission="grow", preemption=mode, **kw))
+        r = replay_json(admission="grow", preemption=mode, **kw)
         s, m = r["sim"], r["memory"]
         assert s["preemptions"] > 0 and s["requests"] == 64 and math.isfinite(r["e2e_s"])
         assert r["hbm_gib"] <= m["hbm_capacity_gib"] + 1e-9
@@ -133,13 +132,14 @@ def test_the_slo_answer_is_a_rate_a_replay_sustains(tmp_path):
     q = row.slo_max_qps
     assert 1 < q < 20 and row.slo_qps_fails / q <= 1.03
     assert "not sustained" in row.slo_fails_because and "GPU busy" in row.slo_binding
-    at = run_replay(ReplayConfig(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
-                                 context=8192, batch=16, qps=q, requests=200))
+    at = replay_json(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
+                     context=8192, batch=16, qps=q, requests=200)
     s = at["sim"]
     assert s["served_frac_window"] >= 0.95 and s["tpot_p99_ms"] <= 50
     assert s["queue_growth_window"] <= max(0.05 * s["arrivals_window"], 2)
-    over = run_replay(ReplayConfig(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
-                                   context=8192, batch=16, qps=5243, requests=200))
+    from kvsim.replay import configure, run_replay
+    over = run_replay(configure(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
+                             context=8192, batch=16, qps=5243, requests=200))
     assert not slo.sustained(over)[0]  # the old answer: a tenth of its arrivals served
 
 

@@ -5,12 +5,12 @@ import json
 import pathlib
 
 import pytest
+from conftest import replay_json
 
 from kvsim import captureset as cs
 from kvsim import policy_profile as pp
 from kvsim.policies import make
 from kvsim.policy_profile.build import _digest
-from kvsim.replay import ReplayConfig, run_replay
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CAPTURES = sorted((ROOT / "traces" / "captures").glob("*.npz"))
@@ -45,8 +45,8 @@ def test_the_shipped_profile_was_built_from_the_shipped_captures():
 def test_kv_read_falls_with_context_and_the_extrapolation_says_so():
     """The issue's check: 32K reads less than 2K, with an interval, named as extrapolated from
     the measured lengths."""
-    at = {n: run_replay(ReplayConfig(policy="verkv", policy_options={"sink": 4, "local": 4},
-                                     context=n, gpu="h100-sxm")) for n in (2048, 32768)}
+    at = {n: replay_json(policy="verkv", policy_options={"sink": 4, "local": 4},
+                         context=n, gpu="h100-sxm") for n in (2048, 32768)}
     short, long_ = at[2048], at[32768]
     assert long_["kv_read_frac"] < short["kv_read_frac"]
     assert long_["kv_read_frac_lo"] < long_["kv_read_frac"] < long_["kv_read_frac_hi"]
@@ -76,15 +76,15 @@ def test_the_profile_at_4k_agrees_with_every_layer_of_the_same_prompts():
 
 def test_a_named_trace_is_exactly_that_trace():
     from kvsim.replay import DEFAULT_TRACE
-    r = run_replay(ReplayConfig(trace=DEFAULT_TRACE, policy="verkv",
-                                policy_options={"sink": 4, "local": 4}, gpu="h100-sxm"))
-    d = run_replay(ReplayConfig(policy="verkv", policy_options={"sink": 4, "local": 4},
-                                policy_profile="none", gpu="h100-sxm"))
+    r = replay_json(trace=DEFAULT_TRACE, policy="verkv",
+                    policy_options={"sink": 4, "local": 4}, gpu="h100-sxm")
+    d = replay_json(policy="verkv", policy_options={"sink": 4, "local": 4},
+                    policy_profile="none", gpu="h100-sxm")
     assert r["kv_read_frac"] == d["kv_read_frac"] and "policy_profile" not in r
 
 
 @pytest.mark.parametrize("policy", ["topk", "poissoncomp"])
 def test_every_profiled_policy_replays_from_the_profile(policy):
-    r = run_replay(ReplayConfig(policy=policy, policy_options={"sink": 4, "local": 4},
-                                context=16384, gpu="h100-sxm"))
+    r = replay_json(policy=policy, policy_options={"sink": 4, "local": 4},
+                    context=16384, gpu="h100-sxm")
     assert "policy_profile" in r and 0 < r["policy_cost"]["resident_frac"] < 0.2

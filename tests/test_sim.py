@@ -4,15 +4,15 @@ import json
 
 import numpy as np
 import pytest
+from conftest import replay_json
 
 from kvsim.errors import Infeasible, KvsimError
 from kvsim.hw import catalog
-from kvsim.replay import ReplayConfig, run_replay
 
 
 def replay(trace, **kw):
     """The physics of the bare hardware: the roofline engine (no engine overheads)."""
-    return run_replay(ReplayConfig(trace=trace, **{"engine": "roofline", **kw}))
+    return replay_json(trace=trace, **{"engine": "roofline", **kw})
 
 
 def test_dense_offload_is_link_bound(attn_trace):

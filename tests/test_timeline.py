@@ -6,11 +6,10 @@ import json
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import replay_json, run_cli
 
 from kvsim.policies import load_all
 from kvsim.policies.registry import deciding
-from kvsim.replay import ReplayConfig, run_replay
 
 FETCHING = deciding()  # those with a decide kernel: a decide span in every layer
 
@@ -18,9 +17,9 @@ FETCHING = deciding()  # those with a decide kernel: a decide span in every laye
 @pytest.mark.parametrize("policy", ["dense-offload", "dense-resident"])
 def test_timeline_is_valid_and_resources_never_overlap(attn_trace, tmp_path, policy):
     out = tmp_path / "tl.json"
-    r = run_replay(ReplayConfig(trace=attn_trace, policy=policy, gpu="h100-sxm", model="qwen3-4b",
-                                context=8192, batch=4, output_len=6, timeline=out,
-                                timeline_steps=5, scheduler="prefill-first"))
+    r = replay_json(trace=attn_trace, policy=policy, gpu="h100-sxm", model="qwen3-4b",
+                    context=8192, batch=4, output_len=6, timeline=out,
+                    timeline_steps=5, scheduler="prefill-first")
     d = json.loads(out.read_text())
     ev = [e for e in d["traceEvents"] if e["ph"] == "X"]
     assert d["otherData"]["decode_steps"] == 5
@@ -136,11 +135,11 @@ def test_every_policy_timeline_matches_the_engine(synthetic_path, tmp_path, poli
     monkeypatch.setattr(harness, "TIMING_REPEATS", 1)
     taken = {f.name for f in dataclasses.fields(load_all()[policy].Params)}
     out = tmp_path / "tl.json"
-    r = run_replay(ReplayConfig(trace=synthetic_path, policy=policy,
-                                policy_options={k: v for k, v in FIT.items() if k in taken},
-                                gpu="h100-sxm", model="qwen3-4b", context=8192, batch=2,
-                                output_len=4, timeline=out, timeline_steps=3,
-                                scheduler="prefill-first"))
+    r = replay_json(trace=synthetic_path, policy=policy,
+                    policy_options={k: v for k, v in FIT.items() if k in taken},
+                    gpu="h100-sxm", model="qwen3-4b", context=8192, batch=2,
+                    output_len=4, timeline=out, timeline_steps=3,
+                    scheduler="prefill-first")
     ev = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
     for tid in {e["tid"] for e in ev}:
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["tid"] == tid)
@@ -155,9 +154,9 @@ def test_every_policy_timeline_matches_the_engine(synthetic_path, tmp_path, poli
 
 def test_chunked_prefill_timeline_shows_mixed_steps_without_overlap(attn_trace, tmp_path):
     out = tmp_path / "tl.json"
-    run_replay(ReplayConfig(trace=attn_trace, policy="dense-offload", gpu="h100-sxm",
-                            model="qwen3-4b", context=8192, batch=4, output_len=8, timeline=out,
-                            timeline_steps=12, max_batched_tokens=2048))
+    replay_json(trace=attn_trace, policy="dense-offload", gpu="h100-sxm",
+                model="qwen3-4b", context=8192, batch=4, output_len=8, timeline=out,
+                timeline_steps=12, max_batched_tokens=2048)
     ev = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
     for tid in {e["tid"] for e in ev}:
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["tid"] == tid)

@@ -210,12 +210,14 @@ class Predictor:
         m = self._model(p)
         key = (p.spec.label, p.kv_read_frac, m.head_dim, m.kv_elem)
         if key not in self._costs:
+            from kvsim.policies import make
             from kvsim.replay import analyze, with_kv_read
             from kvsim.replay.policy_source import for_model
             try:
-                a = for_model(analyze(self.trace, p.spec, self.seed), p.spec, m)
+                policy = make(p.spec.name, p.spec.options)
+                a = for_model(analyze(self.trace, policy, self.seed), policy, m)
                 if p.kv_read_frac is not None:
-                    a = with_kv_read(p.spec, a, p.kv_read_frac, m)
+                    a = with_kv_read(policy, a, p.kv_read_frac, m)
             except KvsimError as e:
                 raise KvsimError(f"row {p.row}: {e}") from None
             self._costs[key] = a.cost

@@ -9,7 +9,6 @@ for it), else the rate the run measured.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -81,8 +80,7 @@ def add_costs(df: pd.DataFrame, prices: dict[str, tuple[float | None, str]],
     price = df["gpu"].map(lambda g: prices.get(g, (None, ""))[0]).astype(float)
     df["price_usd_per_gpu_hour"] = price
     df["price_source"] = df["gpu"].map(lambda g: prices.get(g, (None, "no price"))[1])
-    deployment = df["deployment"].map(lambda d: json.loads(d) if isinstance(d, str) else {})
-    tp = deployment.map(lambda d: d.get("tp", 1)).astype(float)
+    tp = _num(df, "tp", 1.0)
     measured = _num(df, "requests_per_s", np.nan)
     tokens_per_request = _num(df, "throughput_tok_s", np.nan) / measured
     sustained = _num(df, "slo_max_qps", np.nan)
@@ -93,8 +91,7 @@ def add_costs(df: pd.DataFrame, prices: dict[str, tuple[float | None, str]],
         rate = pd.Series(np.where(sustained > 0, target_qps, np.nan), index=df.index)
     else:
         rate = sustained.where(sustained.notna(), measured)
-    replicas = df["replicas_needed"] if target_qps is not None else \
-        deployment.map(lambda d: d.get("replicas", 1)).astype(float)
+    replicas = df["replicas_needed"] if target_qps is not None else _num(df, "replicas", 1.0)
     df["gpus"] = replicas * tp
     df["usd_per_hour"] = df["gpus"] * price
     ok = (df["status"] == "ok") & (rate > 0) if "status" in df else rate > 0

@@ -16,9 +16,9 @@ import math
 import pandas as pd
 
 from kvsim.plan import slo
+from kvsim.plan.sweep import KNOBS, knobs
 
 CHECK_TRIES = 3  # replicas added to a configuration whose check fails, at most
-KNOBS = (("scheduling", "max_batched_tokens"), ("deployment", "host_gib"))  # swept settings
 LATENCY = ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_s")
 
 
@@ -43,34 +43,21 @@ def binding(r) -> str:
     return "the link" if link >= gpu and link > 0 else "GPU"
 
 
-def kv_dtype(r) -> str:
-    d = json.loads(r["deployment"]) if isinstance(r.get("deployment"), str) else {}
-    return d.get("kv_dtype") or "bf16"
-
-
-def tp(r) -> int:
-    d = json.loads(r["deployment"]) if isinstance(r.get("deployment"), str) else {}
-    return int(d.get("tp", 1))
-
-
-def knobs(r) -> dict:
-    """The scheduling and memory settings a plan sweeps that this configuration sets."""
-    return {knob: v for group, knob in KNOBS
-            if (v := json.loads(r.get(group) or "{}").get(knob)) is not None}
-
-
 def describe(r) -> str:
-    """A configuration in a few words: ``h100-sxm TP1 dense-resident batch 16 KV bf16`` (and
-    ``max_batched_tokens 2048``, ``host_gib 64`` where set)."""
-    return " ".join([f"{r['gpu']} TP{tp(r)} {r['label']} batch {int(r['batch'])} KV "
-                     f"{kv_dtype(r)}", *(f"{k} {v:g}" for k, v in knobs(r).items())])
+    """A configuration (its table row) in a few words: ``h100-sxm TP1 dense-resident batch 16
+    KV bf16`` (and ``max_batched_tokens 2048``, ``host_gib 64`` where set)."""
+    knobs = r.get("knobs")
+    return (f"{r['gpu']} TP{int(r.get('tp', 1))} {r['label']} batch {int(r['batch'])} KV "
+            f"{r.get('kv_dtype') or 'bf16'}" + (f" {knobs}" if isinstance(knobs, str) and knobs
+                                              else ""))
 
 
-def decide(df: pd.DataFrame, target_qps: float, limits: list, check_run) -> tuple[pd.DataFrame,
-                                                                                  dict]:
+def decide(df: pd.DataFrame, target_qps: float, limits: list, check_run,
+           configs: dict) -> tuple[pd.DataFrame, dict]:
     """``df`` with ``binding``, ``rank`` and ``why_lost`` columns, and the answer (the contents
     of answer.json). ``check_run(row, replicas)``: a replay of that configuration and count of
-    replicas at the target rate (a report)."""
+    replicas at the target rate (a ReplayResult); ``configs``: each row's configuration by its
+    key."""
     df = df.copy()
     df["binding"] = [binding(r) for r in df.to_dict("records")]
     checks: dict[int, list] = {}
@@ -110,13 +97,15 @@ def decide(df: pd.DataFrame, target_qps: float, limits: list, check_run) -> tupl
         rows[i]["rank"] = rank + 1
         role = ("the answer", "runner-up")[order.index(i)] if i in order else ""
         rows[i]["why_lost"] = role if role == "the answer" else \
-            _why_lost(rows[i], role, answer_cost, checks.get(i, []))
+            _why_lost(rows[i], configs[rows[i]["key"]], role, answer_cost, checks.get(i, []))
     out = pd.DataFrame(rows, index=df.index)
     answer = {"target_qps": target_qps, "slo": slo.describe(limits)}
+    def entry(i):
+        return _entry(rows[i], configs[rows[i]["key"]], checks[i][-1])
+
     if order:
-        answer |= _entry(rows[order[0]], checks[order[0]][-1])
-        answer["runner_up"] = _entry(rows[order[1]], checks[order[1]][-1]) \
-            if len(order) > 1 else None
+        answer |= entry(order[0])
+        answer["runner_up"] = entry(order[1]) if len(order) > 1 else None
     else:
         answer |= {"gpu": None, "why": "no configuration carries the target rate within the SLO "
                                        "at a known price"}
@@ -135,10 +124,9 @@ def decided_by(rows: list[dict], answer: int) -> list[dict]:
     the target within the SLO. Each: the knob, the answer's value and what the other values
     give."""
     def without(r, group, knob):  # the configuration's key but for the knob, and its value
-        key = json.loads(r.get("key") or "{}")
-        fields = json.loads(key.get(group) or "{}")
-        value = fields.pop(knob, None)
-        return json.dumps({**key, group: fields}, sort_keys=True), value
+        key = json.loads(r["key"])  # (Configuration.key: JSON of its typed fields)
+        value = key[group].pop(knob, None)
+        return json.dumps(key, sort_keys=True), value
 
     a = rows[answer]
     out = []
@@ -166,7 +154,7 @@ def _finite(v) -> bool:
         return False
 
 
-def _why_lost(r, role: str, answer_cost, checks: list) -> str:
+def _why_lost(r, cfg, role: str, answer_cost, checks: list) -> str:
     """Why a configuration is not the answer, in words (``role``: "runner-up" or "")."""
     if r.get("status") != "ok":
         return f"does not run: {r.get('error')}"
@@ -181,20 +169,19 @@ def _why_lost(r, role: str, answer_cost, checks: list) -> str:
     more = r["usd_per_hour"] - answer_cost if answer_cost is not None else math.nan
     words = (f"${r['usd_per_hour']:.2f}/h, ${more:.2f}/h more than the answer: "
              f"{r['binding']} limits it to {r['slo_max_qps']:.3g} req/s per replica, so it "
-             f"needs {int(r['replicas_needed'])} replica(s) of {tp(r)} GPU(s)")
+             f"needs {int(r['replicas_needed'])} replica(s) of {cfg.deployment.tp} GPU(s)")
     if failed:
         words += f" ({failed[0][0]} replica(s) failed the check at the target rate)"
     return (f"{role}: " if role else "") + words
 
 
-def _entry(r, check) -> dict:
+def _entry(r, cfg, check) -> dict:
     replicas, good, why, report = check
-    s = report["sim"]
-    d = json.loads(r["deployment"])
-    return {"gpu": r["gpu"], "tp": tp(r), "replicas": replicas, "gpus": replicas * tp(r),
-            "policy": r["policy"], "options": json.loads(r["options"]), "label": r["label"],
-            "batch": int(r["batch"]), "kv_dtype": kv_dtype(r), **knobs(r),
-            "weight_dtype": d.get("weight_dtype") or "bf16",
+    s, d = report.serving, cfg.deployment
+    return {"gpu": r["gpu"], "tp": d.tp, "replicas": replicas, "gpus": replicas * d.tp,
+            "policy": cfg.policy.name, "options": dict(cfg.options), "label": r["label"],
+            "batch": cfg.batch, "kv_dtype": d.kv_dtype or "bf16", **knobs(cfg),
+            "weight_dtype": d.weight_dtype or "bf16",
             "usd_per_hour": r["usd_per_hour"], "usd_per_m_tokens": r["usd_per_m_tokens"],
             "usd_per_request": r["usd_per_request"],
             "price_usd_per_gpu_hour": r["price_usd_per_gpu_hour"],
@@ -203,22 +190,22 @@ def _entry(r, check) -> dict:
             "qps_capacity_per_replica_interval": [r.get("slo_max_qps_lo"),
                                                   r.get("slo_max_qps_hi")],
             "binding": r["binding"],
-            "latency_at_target": {k: s[k] for k in LATENCY},
+            "latency_at_target": {k: getattr(s, k) for k in LATENCY},
             "uncertainty": _uncertainty(report),
-            "check": {"requests": s["requests"], "replicas": replicas,
-                      "served_frac_window": s["served_frac_window"],
-                      "requests_per_s": s["requests_per_s"], "meets_slo": good, "why": why}}
+            "check": {"requests": s.requests, "replicas": replicas,
+                      "served_frac_window": s.served_frac_window,
+                      "requests_per_s": s.requests_per_s, "meets_slo": good, "why": why}}
 
 
-def _uncertainty(report: dict) -> dict:
-    """How sure the check's figures are: the prediction interval every report carries (the
+def _uncertainty(result) -> dict:
+    """How sure the check's figures are: the prediction interval every result carries (the
     engine's checked error, around the policy profile's 90% interval on the KV read where one
     applies) on TPOT, TTFT and throughput, and the profile's KV-read interval."""
-    out = {f"{k}_interval": [report[f"{k}_lo"], report[f"{k}_hi"]]
-           for k in ("tpot_ms", "ttft_ms", "throughput_tok_s") if f"{k}_lo" in report}
-    if "kv_read_frac_lo" in report:
-        out["kv_read_frac_interval"] = [report["kv_read_frac_lo"], report["kv_read_frac_hi"]]
-    interval = report.get("interval") or {}
-    out["engine_check"] = interval.get("engine_check")
-    out["rule"] = interval.get("rule")
+    b = result.bounds
+    out = {f"{k}_interval": list(b[k]) for k in ("tpot_ms", "ttft_ms", "throughput_tok_s")
+           if k in b}
+    if "kv_read_frac" in b:
+        out["kv_read_frac_interval"] = list(b["kv_read_frac"])
+    out["engine_check"] = result.interval.get("engine_check")
+    out["rule"] = result.interval.get("rule")
     return out

@@ -9,6 +9,7 @@ import io
 import json
 import platform
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,6 @@ import pandas as pd
 from kvsim import __version__
 from kvsim.errors import KvsimError
 from kvsim.io import atomic_write
-from kvsim.plan.decide import KNOBS
 from kvsim.plan.outputs import (
     JOURNAL,
     check_outputs,
@@ -28,7 +28,7 @@ from kvsim.plan.outputs import (
     only_plan,
     record,
 )
-from kvsim.plan.sweep import SweepSpec, label, sweep
+from kvsim.plan.sweep import KNOBS, SweepSpec, expand, label, sweep
 
 DONE = ("ok", "infeasible")  # statuses a re-run does not repeat (failed runs are retried)
 SUMMARY = ["gpu", "model", "context", "label", "tp", "replicas_needed", "batch", "qps",
@@ -97,9 +97,17 @@ def _write_table(df: pd.DataFrame, out: Path) -> None:
     atomic_write(out / "results.parquet", lambda f: f.write(buf.getvalue()), force=True)
 
 
+@dataclass
+class Outcome:
+    """What a plan wrote: the summary ``kvsim plan --json`` prints, and the table of
+    ``results.csv`` (one row per configuration, in the sweep's order)."""
+    summary: dict
+    table: pd.DataFrame
+
+
 def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None = None,
          progress: bool = True, command: str = "", force: bool = False,
-         prices: dict[str, float] | None = None) -> dict:
+         prices: dict[str, float] | None = None) -> Outcome:
     """Run the sweep into ``out``: each finished group of configurations is appended to a
     journal (flushed, fsynced) so a killed plan resumes; results.csv, the plots and the report
     are written at the end, in the sweep's order whatever the order of running. ``prices``:
@@ -119,23 +127,26 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
         return _plan(spec, out, executor, quality, progress, command, force, gpu_prices)
 
 
-def _plan(spec, out: Path, executor, quality, progress, command, force, gpu_prices) -> dict:
+def _plan(spec, out: Path, executor, quality, progress, command, force,
+          gpu_prices) -> Outcome:
     from kvsim.plan import cost
     written, settings, old = _previous_rows(out, spec, force)
+    configs = {c.key(): c for c in expand(spec)}
     jpath = out / JOURNAL
     journal, on_rows = journal_writer(jpath)
     with journal:
-        new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress, on_rows)
+        new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress, on_rows,
+                    configs=list(configs.values()))
     df = pd.concat([old, new], ignore_index=True) if len(old) else new
     if df.empty:
         raise KvsimError("the sweep has no configurations")
-    df = _in_sweep_order(df, spec)
+    df = _in_sweep_order(df, configs)
     df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
     df = cost.add_costs(df.drop(columns=[c for c in cost.COLUMNS if c in df]), gpu_prices,
                         spec.target_qps)
     answer = None
     if spec.target_qps is not None and df.status.isin(DONE).any():
-        df, answer = _decide(df, spec)
+        df, answer = _decide(df, spec, configs)
         text = json.dumps(answer, indent=1, default=jsonable) + "\n"
         atomic_write(out / "answer.json", lambda f: f.write(text.encode()), force=True)
     _write_table(df, out)
@@ -153,13 +164,14 @@ def _plan(spec, out: Path, executor, quality, progress, command, force, gpu_pric
         first = df.error.dropna().iloc[0] if df.error.notna().any() else "no reason recorded"
         raise KvsimError(f"every configuration failed ({len(df)}; first: {first}); "
                          f"{out / 'results.csv'} and report.md have each one's error")
-    return {"out": str(out), "rows": len(df), "new_runs": len(new), "skipped": len(old),
-            "failed": int((df.status == "failed").sum()),
-            "infeasible": int((df.status == "infeasible").sum()),
-            "plots": sorted(p.name for p in out.glob("*.png")), "answer": answer,
-            "pruned": int(df.get("error", pd.Series(dtype=str)).astype(str)
-                          .str.startswith("pruned before").sum()),
-            "crossings": series.get("crossover", {}).get("_crossings", {})}
+    return Outcome({
+        "out": str(out), "rows": len(df), "new_runs": len(new), "skipped": len(old),
+        "failed": int((df.status == "failed").sum()),
+        "infeasible": int((df.status == "infeasible").sum()),
+        "plots": sorted(p.name for p in out.glob("*.png")), "answer": answer,
+        "pruned": int(df.get("error", pd.Series(dtype=str)).astype(str)
+                      .str.startswith("pruned before").sum()),
+        "crossings": series.get("crossover", {}).get("_crossings", {})}, df)
 
 
 def _previous_rows(out: Path, spec: SweepSpec, force: bool) -> tuple[set, dict, pd.DataFrame]:
@@ -213,30 +225,26 @@ def _input_hashes(spec: SweepSpec) -> dict[str, str]:
     return out
 
 
-def _decide(df: pd.DataFrame, spec: SweepSpec) -> tuple[pd.DataFrame, dict]:
-    """The answer for ``spec.target_qps`` among this plan's configurations, each candidate
-    checked by a replay at the target rate (:mod:`kvsim.plan.decide`)."""
+def _decide(df: pd.DataFrame, spec: SweepSpec, configs: dict) -> tuple[pd.DataFrame, dict]:
+    """The answer for ``spec.target_qps`` among this plan's configurations (``configs``, by
+    key), each candidate checked by a replay at the target rate (:mod:`kvsim.plan.decide`)."""
     from kvsim.plan.decide import decide
-    from kvsim.plan.sweep import _replay_config, at_rate, config_key, expand
     from kvsim.replay import run_replay
-    configs = {config_key(c): c for c in expand(spec)}
-    goodput_slo = {lim.metric: lim.value for lim in spec.slo}
 
-    def check_run(row: dict, replicas: int) -> dict:
-        c = configs[row["key"]]
-        return run_replay(_replay_config(c, **at_rate(c, spec.target_qps, 2 * spec.slo_requests),
-                                         replicas=replicas, slo=goodput_slo))
+    def check_run(row: dict, replicas: int):
+        return run_replay(configs[row["key"]].at_rate(spec.target_qps, 2 * spec.slo_requests,
+                                                      replicas=replicas))
 
     mine = df["key"].isin(configs)
-    decided, answer = decide(df[mine], spec.target_qps, spec.slo, check_run)
+    decided, answer = decide(df[mine], spec.target_qps, spec.slo, check_run, configs)
     return pd.concat([decided, df[~mine]]), answer
 
 
-def _in_sweep_order(df: pd.DataFrame, spec: SweepSpec) -> pd.DataFrame:
-    """Rows in the order the spec lists its configurations (rows of earlier plans in the same
-    DIR after them, as they were): a resumed plan writes the same table as an uninterrupted."""
-    from kvsim.plan.sweep import config_key, expand
-    rank = {config_key(c): i for i, c in enumerate(expand(spec))}
+def _in_sweep_order(df: pd.DataFrame, configs: dict) -> pd.DataFrame:
+    """Rows in the order the spec lists its configurations (``configs``, by key; rows of
+    earlier plans in the same DIR after them, as they were): a resumed plan writes the same
+    table as an uninterrupted."""
+    rank = {key: i for i, key in enumerate(configs)}
     pos = df["key"].map(rank).fillna(len(rank)).to_numpy()
     return df.iloc[np.lexsort((np.arange(len(df)), pos))].reset_index(drop=True)
 

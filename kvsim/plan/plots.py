@@ -472,12 +472,11 @@ def capacity_per_gpu(df: pd.DataFrame, out: Path) -> dict:
     """Sustained requests / s per GPU (the SLO search's rate of one replica over its TP size)
     of each configuration, sorted, the answer highlighted. Series: {"capacity": (names,
     req/s per GPU)}."""
-    from kvsim.plan.decide import tp
     d = _ok(df)
     if "slo_max_qps" not in d or "usd_per_hour" not in d or d.slo_max_qps.isna().all():
         return {}
     d = d[d.slo_max_qps.notna()].copy()
-    d["per_gpu"] = [r["slo_max_qps"] / tp(r) for r in d.to_dict("records")]
+    d["per_gpu"] = d.slo_max_qps / d.tp
     none = d[d.per_gpu <= 0]
     d = d[d.per_gpu > 0].sort_values("per_gpu")
     if d.empty:

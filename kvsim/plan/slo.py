@@ -72,27 +72,28 @@ class SLOResult:
     at_qps: dict = field(default_factory=dict)  # the probe report's figures at ``qps``
 
 
-def sustained(report: dict) -> tuple[bool, str]:
-    """Whether an open-loop run kept up with its arrivals; and why not, in words."""
-    s = report["sim"]
-    if s.get("served_frac_window") is None:
+def sustained(result) -> tuple[bool, str]:
+    """Whether an open-loop run (a :class:`~kvsim.replay.result.ReplayResult`) kept up with
+    its arrivals; and why not, in words."""
+    s = result.serving
+    if s.served_frac_window is None:
         return True, ""
-    if s["served_frac_window"] < SERVED_MIN:
-        return False, (f"not sustained: {100 * s['served_frac_window']:.0f}% of the arrivals "
+    if s.served_frac_window < SERVED_MIN:
+        return False, (f"not sustained: {100 * s.served_frac_window:.0f}% of the arrivals "
                        f"served over the measured window")
-    if s["queue_growth_window"] > max(GROWTH_MAX * s["arrivals_window"], 2):
-        return False, (f"not sustained: the queue grew by {s['queue_growth_window']:.0f} "
+    if s.queue_growth_window > max(GROWTH_MAX * s.arrivals_window, 2):
+        return False, (f"not sustained: the queue grew by {s.queue_growth_window:.0f} "
                        f"requests over the measured window")
     return True, ""
 
 
-def check(report: dict, limits: list[Limit]) -> tuple[bool, str]:
-    ok, why = sustained(report)
+def check(result, limits: list[Limit]) -> tuple[bool, str]:
+    """Whether a run was :func:`sustained` and met every limit; and why not, in words."""
+    ok, why = sustained(result)
     if not ok:
         return ok, why
-    s = report["sim"]
     for lim in limits:
-        got = s[lim.key]
+        got = getattr(result.serving, lim.key)
         if not got <= lim.value:  # NaN fails too
             return False, f"{lim.words()} missed: {got:.4g}"
     return True, ""
@@ -102,7 +103,7 @@ def describe(limits: list[Limit]) -> str:
     return " and ".join(lim.words() for lim in limits) if limits else "no latency bound given"
 
 
-def max_qps(run: Callable[[float, int], dict], limits: list[Limit], requests: int = 1000,
+def max_qps(run: Callable[[float, int], object], limits: list[Limit], requests: int = 1000,
             start: float | None = None, lo: float = 0.01, cap: float = 1e4,
             rel_tol: float = 0.02) -> SLOResult:
     """The highest rate within ``rel_tol`` that is :func:`sustained` on ``run(qps, requests)``
@@ -126,11 +127,11 @@ def max_qps(run: Callable[[float, int], dict], limits: list[Limit], requests: in
     def result(best: float, fails: float) -> SLOResult:
         at = {}
         if best > 0:
-            s = reports[best]["sim"]
-            at = {k: s[k] for k in ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms",
-                                    "e2e_p99_s", "gpu_util", "link_util", "mean_batch",
-                                    "served_frac_window")} | {
-                "max_batch_fit": reports[best]["memory"]["max_batch_fit"]}
+            s = reports[best].serving
+            at = {k: getattr(s, k) for k in (
+                "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_s",
+                "gpu_util", "link_util", "mean_batch", "served_frac_window")} | {
+                "max_batch_fit": reports[best].memory.max_batch_fit}
         return SLOResult(best, fails, n, why.get(fails, ""), at)
 
     q = min(max(start or lo, lo), cap)

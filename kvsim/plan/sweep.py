@@ -10,6 +10,8 @@ With a workload file each configuration replays the file (its arrivals, prompts 
 the SLO search then runs the file's first requests with their arrival times scaled to each rate
 it tries, so the file's burstiness and length mix are kept.
 
+Each configuration is a typed :class:`~kvsim.replay.configuration.Configuration` (its policy
+built once); its table row is made at the edge (:func:`columns`, then the replay's figures).
 Configurations that share a policy analysis (trace, policy, options, seed) run in one task, so the
 policy runs on the trace's tensors once per group. A failed run becomes a row with its error and
 the sweep goes on; a re-run skips configurations already in the output table.
@@ -18,7 +20,6 @@ the sweep goes on; a re-run skips configurations already in the output table.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import math
@@ -29,12 +30,13 @@ from kvsim.errors import Infeasible, KvsimError
 from kvsim.hw import catalog
 from kvsim.plan import slo
 from kvsim.policies.spec import PolicySpec, parse
-from kvsim.replay import ReplayConfig, report, run_replay
+from kvsim.replay import Configuration, configure, run_replay
+from kvsim.replay.configuration import file_workload
 
 DEPLOYMENT_AXES = ("tp", "replicas", "kv_dtype", "host_gib")  # a plan sweeps lists of these
 SCHEDULING_AXES = ("max_batched_tokens",)
-CONFIG_COLUMNS = ["gpu", "model", "context", "policy", "options", "batch", "qps", "output_len",
-                  "requests", "seed", "trace", "scheduling", "engine", "deployment"]
+KNOBS = (("scheduling", "max_batched_tokens"), ("deployment", "host_gib"))  # swept settings
+KEYS = "typed configurations"  # how rows are keyed (a plan keyed otherwise is another plan)
 
 
 @dataclass
@@ -52,9 +54,9 @@ class SweepSpec:
     trace: str | None = None
     slo: list[slo.Limit] = field(default_factory=list)  # search the highest sustained rate
     slo_requests: int = 1000
-    scheduling: dict = field(default_factory=dict)  # ReplayConfig scheduler fields; a list
-    # of values sweeps that field (max_batched_tokens)
-    engine: dict = field(default_factory=dict)  # ReplayConfig engine and what-if fields
+    scheduling: dict = field(default_factory=dict)  # Scheduling's fields (as configure takes
+    # them); a list of values sweeps that field (max_batched_tokens)
+    engine: dict = field(default_factory=dict)  # the engine and what-if fields (configure's)
     deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link,
     # host_gib; a list of values sweeps that field
     target_qps: float | None = None  # size each configuration's replicas for this rate
@@ -72,7 +74,8 @@ class SweepSpec:
                 "deployment": {k: v for k, v in self.deployment.items()
                                if k not in DEPLOYMENT_AXES},
                 "slo": [lim.words() for lim in self.slo], "slo_requests": self.slo_requests,
-                "target_qps": self.target_qps, "workload": self.workload}
+                "target_qps": self.target_qps, "workload": self.workload,
+                "keys": KEYS}
 
     def input_files(self) -> list[Path]:
         """The files the plan reads (model configs, profiled GPUs, the trace, the workload, an
@@ -142,16 +145,13 @@ class SweepSpec:
         if not schedulings:
             raise KvsimError("--max-batched-tokens needs at least one value")
         for sched in schedulings:
-            ReplayConfig(**sched, **self.engine).check()
-        from kvsim.replay import with_dtypes
+            configure(policy="dense-resident", **sched, **self.engine)
         deployments = self.deployments()
         if not deployments:
             raise KvsimError("--tp, --replicas and --kv-dtype need at least one value each")
         for d in deployments:
-            ReplayConfig(**d).check()
-            for m in self.models:
-                with_dtypes(catalog.model(m), d.get("kv_dtype"), d.get("weight_dtype")).shard(
-                    d.get("tp", 1))
+            for m in self.models:  # element types and the TP split, for every model
+                configure(policy="dense-resident", model=m, **d)
         if self.target_qps is not None:
             if not (math.isfinite(self.target_qps) and self.target_qps > 0):
                 raise KvsimError(f"--target-qps must be a positive rate, got {self.target_qps}")
@@ -169,60 +169,64 @@ class SweepSpec:
             load(self.engine["engine"])  # an unreadable engine file fails before the sweep
 
 
-def expand(spec: SweepSpec) -> list[dict]:
+def expand(spec: SweepSpec) -> list[Configuration]:
+    """Every configuration of the sweep, each checked and with its policy built once."""
     spec.validate()
     configs = []
     loads = [("batch", b) for b in spec.batches] if not spec.qps else \
         [("qps", q) for q in spec.qps]
+    goodput = {lim.metric: lim.value for lim in spec.slo}
     for gpu, model, ctx, pol, dep, sched in itertools.product(
             spec.gpus, spec.models, spec.file_contexts(), spec.policy_specs(),
             spec.deployments(), spec.schedulings()):
+        hardware = str(gpu).endswith(".npz")  # a profiled trace stands for its GPU
         for kind, value in loads:
-            configs.append({**({"workload": spec.workload} if spec.workload else {}),
-                "gpu": gpu, "model": model, "context": int(ctx), "policy": pol.name,
-                "options": json.dumps(pol.options, sort_keys=True),
-                "batch": int(value) if kind == "batch" else int(max(spec.batches)),
-                "qps": float(value) if kind == "qps" else None,
-                "output_len": spec.output_len, "requests": spec.requests, "seed": spec.seed,
-                "trace": spec.trace, "scheduling": json.dumps(sched, sort_keys=True),
-                "engine": json.dumps(spec.engine, sort_keys=True),
-                "deployment": json.dumps(dep, sort_keys=True)})
+            configs.append(configure(
+                policy=pol, model=model, gpu=None if hardware else gpu,
+                trace=gpu if hardware else spec.trace, context=int(ctx),
+                batch=int(value) if kind == "batch" else int(max(spec.batches)),
+                qps=float(value) if kind == "qps" else None, output_len=spec.output_len,
+                requests=spec.requests, seed=spec.seed, workload_csv=spec.workload,
+                slo=goodput, kv_read_everywhere=False,  # --kv-read-frac: the fetching ones
+                **sched, **spec.engine, **dep))
     return configs
 
 
-def config_key(c: dict) -> str:
-    """A configuration's identity (its workload file only where it has one, so that the keys of
-    plans without one stay as they were)."""
-    key = {k: c.get(k) for k in CONFIG_COLUMNS}
-    if c.get("workload"):
-        key["workload"] = c["workload"]
-    return json.dumps(key, sort_keys=True, default=str)
+def columns(cfg: Configuration) -> dict:
+    """A configuration as a table row's first columns (what a reader filters on; the options
+    as JSON text), before the replay's figures."""
+    d, s = cfg.deployment, cfg.scheduling
+    set_scheduling = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)
+                      if getattr(s, f.name) != f.default}
+    set_deployment = {f.name: getattr(d, f.name) for f in dataclasses.fields(d)
+                      if getattr(d, f.name) != f.default}
+    engine = {k: v for k, v in dataclasses.asdict(cfg.engine).items() if v is not None}
+    engine = ({"engine": engine.pop("name")} if "name" in engine else {}) | engine | {
+        k: getattr(cfg, k) for k in ("policy_profile", "kv_read_frac")
+        if getattr(cfg, k) is not None}
+    return {**({"workload": cfg.traffic.workload} if cfg.traffic.workload else {}),
+            "gpu": gpu_of(cfg), "model": cfg.model_name, "context": cfg.context,
+            "policy": cfg.policy.name, "options": json.dumps(cfg.options, sort_keys=True),
+            "batch": cfg.batch, "qps": cfg.traffic.qps, "output_len": cfg.traffic.output_len,
+            "requests": cfg.traffic.requests, "seed": cfg.seed,
+            "trace": None if gpu_of(cfg) == cfg.trace else cfg.trace,
+            "scheduling": json.dumps(set_scheduling, sort_keys=True),
+            "engine": json.dumps(engine, sort_keys=True),
+            "deployment": json.dumps(set_deployment, sort_keys=True),
+            "tp": d.tp, "replicas": d.replicas, "kv_dtype": d.kv_dtype or "bf16",
+            "knobs": " ".join(f"{k} {v:g}" for k, v in knobs(cfg).items()),
+            "label": label(cfg.policy.name, cfg.options), "key": cfg.key()}
 
 
-def file_workload(path: str):
-    """A workload file as read (once per file and modification time)."""
-    p = Path(path)
-    return _file_workload(str(p), p.stat().st_mtime if p.exists() else 0.0)
+def knobs(cfg: Configuration) -> dict:
+    """The scheduling and memory settings a plan sweeps (:data:`KNOBS`) that ``cfg`` sets."""
+    return {knob: v for group, knob in KNOBS
+            if (v := getattr(getattr(cfg, group), knob)) is not None}
 
 
-@functools.lru_cache(maxsize=4)
-def _file_workload(path: str, mtime: float):
-    from kvsim.sim import workload
-    return workload.from_file(path)
-
-
-def at_rate(c: dict, qps: float, requests: int) -> dict:
-    """The replay fields that run ``requests`` requests of configuration ``c`` at ``qps``:
-    Poisson arrivals, or the workload file's first requests with their times scaled."""
-    if not c.get("workload"):
-        return {"qps": qps, "requests": requests}
-    arrival = file_workload(c["workload"]).arrival[:requests]
-    span = float(arrival[-1] - arrival[0])
-    if not span > 0:
-        raise KvsimError(f"--workload {c['workload']}: its first {requests} requests arrive "
-                         f"at once; their rate cannot be scaled")
-    return {"qps": None, "workload_limit": requests,
-            "time_scale": (len(arrival) - 1) / span / qps}
+def gpu_of(cfg: Configuration) -> str:
+    """The GPU as the plan names it: a catalog name, or the profiled trace standing for it."""
+    return cfg.gpu if cfg.gpu is not None else str(cfg.trace)
 
 
 def label(policy: str, options: str | dict) -> str:
@@ -234,60 +238,42 @@ def label(policy: str, options: str | dict) -> str:
     return " ".join([policy, *parts])
 
 
-def _replay_config(c: dict, **over) -> ReplayConfig:
-    gpu, trace = c["gpu"], c["trace"]
-    if str(gpu).endswith(".npz"):  # a profiled trace stands for its GPU
-        gpu, trace = None, gpu
-    kw = dict(trace=trace, policy=c["policy"], policy_options=json.loads(c["options"]), gpu=gpu,
-              model=c["model"], context=c["context"], batch=c["batch"], qps=c["qps"],
-              requests=c["requests"], output_len=c["output_len"], seed=c["seed"],
-              **json.loads(c.get("scheduling") or "{}"), **json.loads(c.get("engine") or "{}"),
-              **json.loads(c.get("deployment") or "{}"),
-              workload_csv=c.get("workload"),
-              kv_read_everywhere=False,  # --kv-read-frac: for the policies that fetch
-              jobs=1)  # the sweep's own workers run the configurations in parallel
-    kw.update(over)
-    return ReplayConfig(**kw)
-
-
-def weights_exceed_hbm(c: dict) -> str | None:
+def weights_exceed_hbm(cfg: Configuration) -> str | None:
     """Why a configuration cannot run on its GPU whatever its policy and batch (its weights and
     workspace alone exceed HBM), or None; only for catalog GPUs."""
-    if str(c["gpu"]).endswith(".npz"):
+    if cfg.gpu is None:
         return None
-    from kvsim.replay import with_dtypes
     from kvsim.sim.records import DEFAULT_WORKSPACE_GIB
-    d = json.loads(c["deployment"])
-    model = with_dtypes(catalog.model(c["model"]), d.get("kv_dtype"),
-                        d.get("weight_dtype")).shard(d.get("tp", 1))
-    hbm = catalog.gpu(c["gpu"]).hbm_gib * catalog.GiB
-    workspace = d.get("workspace_gib")
+    model = cfg.served_model
+    hbm = catalog.gpu(cfg.gpu).hbm_gib * catalog.GiB
+    workspace = cfg.deployment.workspace_gib
     need = model.weight_bytes + (DEFAULT_WORKSPACE_GIB if workspace is None else
                                  workspace) * catalog.GiB
     if need <= hbm:
         return None
     return (f"pruned before simulation: HBM: weights and workspace need "
-            f"{need / catalog.GiB:.1f} GiB per GPU at TP {d.get('tp', 1)}, "
-            f"{c['gpu']} has {hbm / catalog.GiB:.1f} GiB")
+            f"{need / catalog.GiB:.1f} GiB per GPU at TP {cfg.deployment.tp}, "
+            f"{cfg.gpu} has {hbm / catalog.GiB:.1f} GiB")
 
 
-def run_config(c: dict, limits: list, probe_requests: int) -> dict:
-    row = {**c, "label": label(c["policy"], c["options"]), "key": config_key(c)}
+def run_config(cfg: Configuration, limits: list, probe_requests: int) -> dict:
+    """One configuration's table row: its columns, its replay's figures, and with ``limits``
+    the highest rate it sustains within them (the SLO search, :mod:`kvsim.plan.slo`)."""
+    row = columns(cfg)
     try:
-        goodput_slo = {lim.metric: lim.value for lim in limits}
-        r = run_replay(_replay_config(c, slo=goodput_slo))
-        for k, v in report.flatten(r).items():
+        r = run_replay(cfg)
+        for k, v in r.row().items():
             row.setdefault(k, v)  # the configuration's own columns come first
-        row["warnings"] = " | ".join(r["warnings"])
-        row["provenance"] = json.dumps(r["provenance"], sort_keys=True)
+        row["warnings"] = " | ".join(r.warnings)
+        row["provenance"] = json.dumps(r.provenance, sort_keys=True)
         row["status"], row["error"] = "ok", ""
         if limits:
             def search(lims, start):
-                return slo.max_qps(lambda q, n: run_replay(_replay_config(
-                    c, **at_rate(c, q, n), slo=goodput_slo)), lims, probe_requests, start=start)
+                return slo.max_qps(lambda q, n: run_replay(cfg.at_rate(q, n)), lims,
+                                   probe_requests, start=start)
 
-            found = search(limits, r["sim"]["requests_per_s"])
-            spread = (r.get("interval") or {}).get("spread")
+            found = search(limits, r.serving.requests_per_s)
+            spread = r.interval.get("spread")
             if spread:
                 row["slo_max_qps_lo"], row["slo_max_qps_hi"] = slo.capacity_interval(
                     search, limits, found.qps, spread)
@@ -307,7 +293,7 @@ def run_config(c: dict, limits: list, probe_requests: int) -> dict:
 
 @dataclass
 class GroupTask:
-    configs: list[dict]
+    configs: list[Configuration]
     slo: list  # the limits of the SLO search (none: no search)
     slo_requests: int = 1000
 
@@ -316,12 +302,12 @@ def run_group(task: GroupTask) -> list[dict]:
     return [run_config(c, task.slo, task.slo_requests) for c in task.configs]
 
 
-def groups(configs: list[dict], spec: SweepSpec) -> list[GroupTask]:
+def groups(configs: list[Configuration], spec: SweepSpec) -> list[GroupTask]:
     """Configurations sharing one policy analysis, in chunks that keep every worker busy."""
-    by: dict[tuple, list[dict]] = {}
+    by: dict[tuple, list[Configuration]] = {}
     for c in configs:
-        by.setdefault((c["trace"], c["gpu"] if str(c["gpu"]).endswith(".npz") else None,
-                       c["policy"], c["options"], c["seed"]), []).append(c)
+        by.setdefault((c.trace, c.policy.name, json.dumps(c.options, sort_keys=True), c.seed),
+                      []).append(c)
     tasks = []
     for cs in by.values():
         for i in range(0, len(cs), 16):
@@ -330,22 +316,22 @@ def groups(configs: list[dict], spec: SweepSpec) -> list[GroupTask]:
 
 
 def sweep(spec: SweepSpec, executor, done_keys: set[str] = frozenset(),
-          progress: bool = True, on_rows=None):
-    """Run every configuration not in ``done_keys``; one row per configuration (a DataFrame);
-    ``on_rows(rows)`` as each group of configurations finishes."""
+          progress: bool = True, on_rows=None, configs: list[Configuration] | None = None):
+    """Run every configuration (``configs``, default :func:`expand`'s) not in ``done_keys``;
+    one row per configuration (a DataFrame); ``on_rows(rows)`` as each group of configurations
+    finishes."""
     import pandas as pd
 
     from kvsim.plan.executors import run_all
     todo, pruned = [], []
-    for c in expand(spec):
-        if config_key(c) in done_keys:
+    for c in expand(spec) if configs is None else configs:
+        if c.key() in done_keys:
             continue
         why = weights_exceed_hbm(c)
         if why is None:
             todo.append(c)
         else:
-            pruned.append({**c, "label": label(c["policy"], c["options"]), "key": config_key(c),
-                           "status": "infeasible", "error": why})
+            pruned.append({**columns(c), "status": "infeasible", "error": why})
     if pruned and on_rows is not None:
         on_rows(pruned)
     results = run_all(executor, run_group, groups(todo, spec), progress, desc="plan",

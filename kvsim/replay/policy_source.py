@@ -17,7 +17,6 @@ from pathlib import Path
 from kvsim import policy_profile as pp
 from kvsim.contract import PolicyResult
 from kvsim.errors import KvsimError
-from kvsim.policies.registry import resolve
 
 
 @dataclasses.dataclass
@@ -56,24 +55,24 @@ def unset_from_profile(prof: pp.Profile, name: str, params: dict) -> dict:
     return out
 
 
-def from_profile(prof: pp.Profile, spec, n_tokens: int, model) -> Source:
-    from kvsim.policies import make
-    policy = make(spec.name, spec.options)
+def from_profile(prof: pp.Profile, cfg, n_tokens: int, model) -> Source:
+    policy, name = cfg.policy, cfg.policy.name
     params = dataclasses.asdict(policy.params)
-    filled = unset_from_profile(prof, spec.name, params)
-    if filled:
-        policy = make(spec.name, {**spec.options, **filled})
+    filled = unset_from_profile(prof, name, params)
+    if filled:  # the policy with the sizes the profile was measured with
+        from kvsim.policies import make
+        policy = make(name, {**cfg.options, **filled})
         params = dataclasses.asdict(policy.params)
-    a = prof.at(spec.name, params, n_tokens)
+    a = prof.at(name, params, n_tokens)
 
     def result(kv_read: float | None) -> PolicyResult:
         stats = dict(a.stats) if kv_read is None else {**a.stats, "kv_read_frac": kv_read}
-        return PolicyResult(spec.name, params, policy.decode_cost(stats, model), stats,
+        return PolicyResult(name, params, policy.decode_cost(stats, model), stats,
                             a.provenance, {})
 
     key = "decode.kv_read_frac" if "decode" in a.stats else "question.kv_read_frac"
     lo, hi = a.intervals.get(key, (None, None))
-    said = [f"{spec.name}: {', '.join(f'{k} {v}' for k, v in filled.items())}: the sizes the "
+    said = [f"{name}: {', '.join(f'{k} {v}' for k, v in filled.items())}: the sizes the "
             f"policy profile was measured with (not given; give --{'/--'.join(filled)} to "
             f"choose)"] if filled else []
     src = Source(result(None), a, warnings=said + list(a.warnings))
@@ -82,30 +81,30 @@ def from_profile(prof: pp.Profile, spec, n_tokens: int, model) -> Source:
     return src
 
 
-def for_model(result: PolicyResult, spec, model) -> PolicyResult:
+def for_model(result: PolicyResult, policy, model) -> PolicyResult:
     """A trace's analysis with its decode cost restated for ``model`` (the trace's head size
     is not the planned model's)."""
-    from kvsim.policies import make
-    return dataclasses.replace(result, cost=make(spec.name, spec.options).decode_cost(
-        result.stats, model))
+    return dataclasses.replace(result, cost=policy.decode_cost(result.stats, model))
 
 
-def choose(cfg, spec, trace_path: Path, n_tokens: int, analyze, model) -> Source:
-    """The policy statistics for this replay, with the decode cost stated for ``model``;
-    ``analyze(path, spec, seed)`` runs the policy on a trace when no profile applies."""
-    if not resolve(spec.name).needs_attention:
-        return Source(for_model(analyze(trace_path, spec, cfg.seed), spec, model))
+def choose(cfg, trace_path: Path, n_tokens: int, analyze, model) -> Source:
+    """The policy statistics for the replay of ``cfg``, with the decode cost stated for
+    ``model``; ``analyze(path, policy, seed)`` runs the policy on a trace when no profile
+    applies."""
+    policy, name = cfg.policy, cfg.policy.name
+    if not policy.needs_attention:
+        return Source(for_model(analyze(trace_path, policy, cfg.seed), policy, model))
     prof, named = profile_for(cfg.policy_profile, cfg.trace is not None)
-    if prof is not None and prof.has(spec.name):
+    if prof is not None and prof.has(name):
         # a context or a setting off the profile's grid is an error naming the nearest
         # settings, never a silent fallback to one trace's statistics at another context
         prof.check_context(n_tokens)
-        return from_profile(prof, spec, n_tokens, model)
+        return from_profile(prof, cfg, n_tokens, model)
     if prof is not None and named:
-        raise KvsimError(f"policy profile {prof.where} holds no {spec.name} settings")
+        raise KvsimError(f"policy profile {prof.where} holds no {name} settings")
     fallback = None if prof is None else \
-        f"the shipped policy profile holds no {spec.name} settings; statistics of one trace"
-    src = Source(for_model(analyze(trace_path, spec, cfg.seed), spec, model))
+        f"the shipped policy profile holds no {name} settings; statistics of one trace"
+    src = Source(for_model(analyze(trace_path, policy, cfg.seed), policy, model))
     if fallback:
         src.warnings.append(fallback)
     return src

@@ -1,33 +1,18 @@
-"""The replay report: what was asked, the headline figures, and the groups behind them.
-
-    {policy, policy_options, gpu, model, context, batch, output_len, seed,     what was asked
-     tpot_ms, throughput_tok_s, ttft_ms, e2e_s, hbm_gib, host_gib,            headline
-     link_util, kv_read_frac, hbm_meta_gib, <Table-2 statistics>,
-     sim: {...}, memory: {...},                                                the simulation
-     policy_cost: {...}, policy_stats: {...}, policy_timings: {...},           the policy
-     provenance: {...}, warnings: [...]}                                       where it came from
-
-Headline keys repeat values of their group; :func:`flatten` makes one table row of a report and
-refuses to drop a key whose value differs from one already there.
+"""A replay's :class:`~kvsim.replay.result.ReplayResult` from a simulated run: the serving
+figures, the memory, the policy's statistics, where every input came from, the warnings, and the
+prediction intervals (the engine's checked error, the policy profile's).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-
-import numpy as np
 
 from kvsim.hw import catalog
 from kvsim.hw.catalog import GiB
-from kvsim.policies.registry import resolve
+from kvsim.replay.result import HEADLINE, TABLE2, MemoryUse, ReplayResult, Serving, flatten
 
-HEADLINE = ("tpot_ms", "throughput_tok_s", "ttft_ms", "e2e_s", "hbm_gib", "host_gib",
-            "link_util", "kv_read_frac", "hbm_meta_gib")
-# policy statistics earlier versions promised at the top level of the JSON (VerKV's Table 2)
-TABLE2 = ("decisions_fetch_frac", "kvhead_steps_fetch_frac", "tokens_per_fetch_frac",
-          "violation_rate", "output_rel_err_mean", "violation_rate_max_layer",
-          "violation_rate_own", "sketch_bytes_per_token", "output_violation_rate")
+__all__ = ["HEADLINE", "TABLE2", "add_intervals", "add_profile", "build", "flatten",
+           "simulation"]
 
 
 WARMUP = 0.2  # the first fifth of the arrivals warms the system up
@@ -49,8 +34,9 @@ def keeping_up(res, work) -> dict:
             "queue_growth_window": (a1 - req.done_by_t1) - (a0 - req.done_by_t0)}
 
 
-def simulation(res, work) -> dict:
-    """Latency, throughput and utilisation of a simulated run (goodput if it had an SLO)."""
+def simulation(res, work, scheduling) -> Serving:
+    """Latency, throughput and utilisation of a simulated run (goodput if it had an SLO), and
+    the scheduling it ran under."""
     req = res.requests
     makespan = req.last_finish - req.first_arrival if req.count else 0.0
     log = res.chunks  # sums over every chunk (kvsim.sim.records.ChunkLog)
@@ -87,14 +73,19 @@ def simulation(res, work) -> dict:
         "link_util": link_busy / makespan if makespan > 0 else 0.0,
         "preemptions": res.preemptions,
         **keeping_up(res, work),
+        "scheduler": scheduling.scheduler,
+        "max_batched_tokens": scheduling.max_batched_tokens
+        if scheduling.scheduler == "chunked" else None,
+        "admission": scheduling.admission, "admission_order": scheduling.admission_order,
+        "preemption": scheduling.preemption if scheduling.admission == "grow" else None,
     }
     if req.slo:  # DistServe's goodput: requests per second that meet every SLO, and their share
         out["goodput_rps"] = req.meet_slo / makespan if makespan > 0 else nan
         out["slo_attainment"] = req.meet_slo / req.count if req.count else nan
-    return out
+    return Serving(**out)
 
 
-def memory(res, cost, model, mem, batch: int, tokens: float) -> dict:
+def memory(res, cost, model, mem, batch: int, tokens: float) -> MemoryUse:
     """Peak HBM and host use, with HBM split into weights, resident KV, transfer staging, policy
     metadata and workspace.
 
@@ -112,14 +103,13 @@ def memory(res, cost, model, mem, batch: int, tokens: float) -> dict:
         per_token, meta_part = cost.resident_frac + staging, cost.meta_frac
     share = (lambda f: kv_state * f / per_token) if per_token > 0 else (lambda f: 0.0)
     meta, stage = share(meta_part), share(staging)
-    return {
-        "hbm_gib": res.peak_hbm_bytes / GiB, "host_gib": res.peak_host_bytes / GiB,
-        "hbm_weights_gib": mem.weights_bytes / GiB,
-        "hbm_kv_gib": (kv_state - meta - stage) / GiB, "hbm_staging_gib": stage / GiB,
-        "hbm_meta_gib": meta / GiB, "hbm_workspace_gib": mem.workspace_bytes / GiB,
-        "hbm_capacity_gib": mem.hbm_bytes / GiB, "host_capacity_gib": mem.host_bytes / GiB,
-        "max_batch_fit": res.max_batch_fit, "hbm_limited": res.max_batch_fit < batch,
-    }
+    return MemoryUse(
+        hbm_gib=res.peak_hbm_bytes / GiB, host_gib=res.peak_host_bytes / GiB,
+        hbm_weights_gib=mem.weights_bytes / GiB,
+        hbm_kv_gib=(kv_state - meta - stage) / GiB, hbm_staging_gib=stage / GiB,
+        hbm_meta_gib=meta / GiB, hbm_workspace_gib=mem.workspace_bytes / GiB,
+        hbm_capacity_gib=mem.hbm_bytes / GiB, host_capacity_gib=mem.host_bytes / GiB,
+        max_batch_fit=res.max_batch_fit, hbm_limited=res.max_batch_fit < batch)
 
 
 def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost,
@@ -128,9 +118,10 @@ def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost,
     if res.max_batch_fit < cfg.batch:
         out.append(f"memory admits at most {res.max_batch_fit} requests at once, "
                    f"below --batch {cfg.batch}")
-    if cfg.context + cfg.output_len > model.max_context:
-        out.append(f"{cfg.context + cfg.output_len} tokens exceed {model.name}'s trained "
-                   f"context of {model.max_context}")
+    longest = cfg.context + cfg.traffic.output_len
+    if longest > model.max_context:
+        out.append(f"{longest} tokens exceed {model.name}'s trained context of "
+                   f"{model.max_context}")
     profiled = (tr.hardware.extra.get("model") or {}) if tr.hardware is not None else {}
     if cost_source.startswith("trace") and profiled.get("dtype_bytes", model.dtype_bytes) \
             != model.dtype_bytes:
@@ -140,14 +131,15 @@ def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost,
     fitted = costs.engine.fitted_on
     where = [f"{k} {fitted[k]}" for k, now in (("gpu", costs.gpu_name), ("model", model.name))
              if fitted.get(k) and fitted[k] != now]
-    span = costs.engine.fit.get("range", {}).get(cfg.policy)
+    span = costs.engine.fit.get("range", {}).get(cfg.policy.name)
     if span and cost.decide_kernel:  # the decide model is what depends on these
         now = {"context": cfg.context, "batch": cfg.batch, "kv_read_frac": cost.host_read_frac}
         off = [f"{k} {now[k]:g} (fitted {lo:g}..{hi:g})" for k, (lo, hi) in span.items()
                if not lo * (1 - 1e-9) <= now[k] <= hi * (1 + 1e-9)]
         if off:
-            out.append(f"engine {costs.engine.name}'s decide model was fitted on {cfg.policy} "
-                       f"points that do not span this plan: {'; '.join(off)}: extrapolated")
+            out.append(f"engine {costs.engine.name}'s decide model was fitted on "
+                       f"{cfg.policy.name} points that do not span this plan: "
+                       f"{'; '.join(off)}: extrapolated")
     if where:
         out.append(f"engine {costs.engine.name} was fitted on {', '.join(where)}; its overhead, "
                    f"efficiencies and decide costs are applied here unscaled (links scale with "
@@ -166,7 +158,7 @@ def dtype_note(m) -> str:
     return f"; {', '.join(parts)}" if parts else ""
 
 
-def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem,
+def provenance(cfg, trace_path, tr, analysis, model, costs, cost_source, mem,
                work, scheduling, work_at_prefill) -> dict:
     meta = tr.meta
     p = {
@@ -179,10 +171,10 @@ def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, m
                   else f"user-supplied shape {model.name}") + dtype_note(model),
         "policy": f"{analysis.name}: {analysis.provenance}",
         "host_memory": f"{mem.host_bytes / GiB:g} GiB " + (
-            "(override --host-gib)" if cfg.host_gib is not None
+            "(override --host-gib)" if cfg.deployment.host_gib is not None
             else "(default: 2 TiB host / 8 GPUs)"),
         "workspace": f"{mem.workspace_bytes / GiB:g} GiB " + (
-            "(override --workspace-gib)" if cfg.workspace_gib is not None
+            "(override --workspace-gib)" if cfg.deployment.workspace_gib is not None
             else "(default: CUDA context, activations, slack)"),
         "workload": work.description,
         "scheduler": scheduler_words(cfg, scheduling),
@@ -190,7 +182,7 @@ def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, m
                    "(kvsim.hw.catalog.ModelSpec.prefill_flops), at achievable compute; policy "
                    f"work: {work_at_prefill.source}",
     }
-    if resolve(spec.name).needs_attention:
+    if cfg.policy.needs_attention:
         src_model, src_ctx = meta.get("model"), tr.attention.context_len
         if src_model != model.name or src_ctx != cfg.context:
             p["policy_transfer"] = (
@@ -202,7 +194,8 @@ def provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, m
 def scheduler_words(cfg, s) -> str:
     if s.scheduler == "chunked":
         budget = (f"{s.max_batched_tokens} tokens per step "
-                  + ("(override --max-batched-tokens)" if cfg.max_batched_tokens is not None else
+                  + ("(override --max-batched-tokens)"
+                     if cfg.scheduling.max_batched_tokens is not None else
                      "(default: vLLM's for this GPU, EngineArgs' OpenAI-server default)"))
         text = f"chunked prefill, decodes first, {budget}"
     else:
@@ -217,17 +210,14 @@ def scheduler_words(cfg, s) -> str:
 TRACE_SHARES = ("resident_frac", "meta_frac", "kv_read_frac")
 
 
-def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
-          res, scheduling, work_at_prefill) -> dict:
-    sim = simulation(res, work)
-    sim |= {"scheduler": scheduling.scheduler,
-            "max_batched_tokens": scheduling.max_batched_tokens
-            if scheduling.scheduler == "chunked" else None,
-            "admission": scheduling.admission, "admission_order": scheduling.admission_order,
-            "preemption": scheduling.preemption if scheduling.admission == "grow" else None}
-    mem_report = memory(res, analysis.cost, model, mem, cfg.batch,
-                        float((work.prompt + work.output).mean()))
-    prov = provenance(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, work,
+def build(cfg, trace_path, tr, analysis, model, costs, cost_source, mem, work,
+          res, scheduling, work_at_prefill) -> ReplayResult:
+    """The result of run ``res`` of configuration ``cfg``, its policy's ``analysis`` (its cost
+    the one charged), before the policy profile's and the engine's intervals."""
+    serving = simulation(res, work, scheduling)
+    mem_use = memory(res, analysis.cost, model, mem, cfg.batch,
+                     float((work.prompt + work.output).mean()))
+    prov = provenance(cfg, trace_path, tr, analysis, model, costs, cost_source, mem, work,
                       scheduling, work_at_prefill)
     stats, cost = analysis.stats, analysis.cost
     # the trace's shares where they are not what is charged: of its own context (a cost with
@@ -237,50 +227,37 @@ def build(cfg, trace_path, tr, spec, analysis, model, costs, cost_source, mem, w
     stats = {(f"trace_{k}" if k in TRACE_SHARES and (cost.fixed or v != charged[k]) else k): v
              for k, v in stats.items()}
     read = float(cost.tokens("host_read", cfg.context)) / cfg.context  # as charged here
-    top = {"kv_read_frac": read, **sim, **mem_report}
-    return {
-        "policy": spec.name, "policy_options": analysis.params, "gpu": costs.gpu_name,
-        "model": model.name, "context": cfg.context, "batch": cfg.batch,
-        "output_len": cfg.output_len, "seed": cfg.seed, "engine": costs.engine.name,
-        "tp": cfg.tp, "replicas": cfg.replicas,
-        **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
-        **{f"{ps}_kv_read_frac": stats[ps]["kv_read_frac"] for ps in ("question", "overall")
-           if "kv_read_frac" in (stats.get(ps) or {})},
-        "sim": sim, "memory": mem_report,
-        "policy_cost": dataclasses.asdict(cost) | {"scaling": cost.scaling()},
-        "policy_stats": stats, "policy_timings": analysis.timings,
-        "provenance": prov, "warnings": warnings(cfg, tr, model, costs, cost_source, res, prov,
-                                 analysis.cost, stats),
-    }
+    return ReplayResult(cfg, costs.gpu_name, model.name, costs.engine.name, serving, mem_use,
+                        analysis, stats, read, provenance=prov,
+                        warnings=warnings(cfg, tr, model, costs, cost_source, res, prov, cost,
+                                          stats))
 
 
 QUALITY = ("output_rel_err_mean", "violation_rate")  # headline figures given 90% ends
 
 
-def add_profile(out: dict, applied, bands: dict) -> None:
-    """A policy profile's estimate in the report: the KV read (per decode step, per question
+def add_profile(result: ReplayResult, applied, bands: dict) -> None:
+    """A policy profile's estimate in the result: the KV read (per decode step, per question
     pass, overall) and the quality figures (:data:`QUALITY`) with 90% intervals, TPOT and
-    throughput at the ends of the KV read's interval (``bands``: "lo"/"hi" -> simulation), the
-    per-layer KV read measured at each length, and
-    where it came from; the trace's "policy_transfer" note gives way to the profile's."""
-    iv = applied.intervals
+    throughput at the ends of the KV read's interval (``bands``: "lo"/"hi" -> Serving), the
+    per-layer KV read measured at each length, and where it came from; the trace's
+    "policy_transfer" note gives way to the profile's."""
+    iv, b = applied.intervals, result.bounds
     kv = "decode.kv_read_frac" if "decode.kv_read_frac" in iv else "question.kv_read_frac"
-    lo, hi = iv.get(kv, (out["kv_read_frac"], out["kv_read_frac"]))
-    if out["policy_cost"]["host_read_tokens"]:  # a fixed count: the read is its budget, exactly
-        lo = hi = out["kv_read_frac"]
-    out["kv_read_frac_lo"], out["kv_read_frac_hi"] = lo, hi
+    lo, hi = iv.get(kv, (result.kv_read_frac, result.kv_read_frac))
+    if result.policy.cost.host_read_tokens:  # a fixed count: the read is its budget, exactly
+        lo = hi = result.kv_read_frac
+    b["kv_read_frac"] = (lo, hi)
     for ps in ("question", "overall"):
         if f"{ps}.kv_read_frac" in iv:
-            out[f"{ps}_kv_read_frac"] = applied.stats[ps]["kv_read_frac"]
-            out[f"{ps}_kv_read_frac_lo"], out[f"{ps}_kv_read_frac_hi"] = iv[f"{ps}.kv_read_frac"]
+            b[f"{ps}_kv_read_frac"] = tuple(iv[f"{ps}.kv_read_frac"])
     for stat in QUALITY:  # the headline's quality figures are the overall pass's
-        if f"overall.{stat}" in iv and stat in out:
-            out[f"{stat}_lo"], out[f"{stat}_hi"] = iv[f"overall.{stat}"]
+        if f"overall.{stat}" in iv and stat in result.stats:
+            b[stat] = tuple(iv[f"overall.{stat}"])
     for key in ("tpot_ms", "ttft_ms", "throughput_tok_s", "decode_tok_s"):
-        here = out[key] if key in out else out["sim"][key]
-        ends = sorted([here] + [b[key] for b in bands.values()])
-        out[f"{key}_lo"], out[f"{key}_hi"] = ends[0], ends[-1]
-    out["policy_profile"] = {
+        ends = sorted([result.figure(key)] + [getattr(s, key) for s in bands.values()])
+        b[key] = (ends[0], ends[-1])
+    result.profile = {
         "measured_tokens": list(applied.measured), "at_tokens": applied.at,
         "extrapolated": applied.extrapolated, "provenance": applied.provenance,
         "intervals": {k: list(v) for k, v in iv.items()},
@@ -291,14 +268,15 @@ def add_profile(out: dict, applied, bands: dict) -> None:
                          "forms whose back-test error is within 2x of the chosen one; TPOT and "
                          "throughput are simulated at the ends of the KV read's interval",
     }
-    out["provenance"]["policy"] = f"{out['policy']}: {applied.provenance}"
-    transfer = out["provenance"].pop("policy_transfer", None)
+    prov = result.provenance
+    prov["policy"] = f"{result.configuration.policy.name}: {applied.provenance}"
+    transfer = prov.pop("policy_transfer", None)
     if transfer:
-        out["warnings"] = [w for w in out["warnings"] if w != transfer]
-    out["provenance"]["policy_transfer"] = (
+        result.warnings = [w for w in result.warnings if w != transfer]
+    prov["policy_transfer"] = (
         f"policy statistics measured on the profile's captures at {applied.measured[0]}.."
-        f"{applied.measured[1]} tokens are applied to {out['model']} at {applied.at} tokens")
-    out["warnings"].append(out["provenance"]["policy_transfer"])
+        f"{applied.measured[1]} tokens are applied to {result.model} at {applied.at} tokens")
+    result.warnings.append(prov["policy_transfer"])
 
 
 INTERVAL_KEYS = ("tpot_ms", "ttft_ms", "throughput_tok_s")
@@ -354,7 +332,7 @@ def _unchecked_one_setup(costs, model, tp: int) -> list[str]:
     return out
 
 
-def add_intervals(out: dict, costs, model, tp: int) -> None:
+def add_intervals(result: ReplayResult, costs, model, tp: int) -> None:
     """``<key>_lo``/``<key>_hi`` for TPOT, TTFT and throughput (and the decode rate where a
     policy profile gave it an interval) by :data:`INTERVAL_RULE`, what went into them under
     ``interval``, and a warning naming what the engine's points do not cover."""
@@ -368,12 +346,12 @@ def add_intervals(out: dict, costs, model, tp: int) -> None:
         spreads[regime] = s0
     s0 = spreads["decode"]
     if s0 is None:
-        out["warnings"].append(f"{why}: every interval is a factor of 2 either way")
+        result.warnings.append(f"{why}: every interval is a factor of 2 either way")
         widths = dict.fromkeys(("tpot_ms", "throughput_tok_s", "decode_tok_s", "ttft_ms"),
                                UNCHECKED_SPREAD)
     else:
         if missing:
-            out["warnings"].append(
+            result.warnings.append(
                 f"outside what engine {eng.name} was checked on: {'; '.join(missing)}: "
                 f"intervals widened x{k} (s {s0:.3g} -> {k * s0:.3g})")
         published = "cv" in eng.fit  # else TTFT was never measured: one more dimension
@@ -383,41 +361,12 @@ def add_intervals(out: dict, costs, model, tp: int) -> None:
                   "ttft_ms": ttft}
     before = {}
     for key, w in widths.items():
-        if key not in INTERVAL_KEYS and f"{key}_lo" not in out:
+        if key not in INTERVAL_KEYS and key not in result.bounds:
             continue
-        here = out[key] if key in out else out["sim"][key]
-        lo, hi = before[key] = [out.get(f"{key}_lo", here), out.get(f"{key}_hi", here)]
-        out[f"{key}_lo"], out[f"{key}_hi"] = lo * math.exp(-w), hi * math.exp(w)
-    out["interval"] = {"engine_spread": s0, "spread": widths["tpot_ms"],
+        here = result.figure(key)
+        lo, hi = result.bounds.get(key, (here, here))
+        before[key] = [lo, hi]
+        result.bounds[key] = (lo * math.exp(-w), hi * math.exp(w))
+    result.interval = {"engine_spread": s0, "spread": widths["tpot_ms"],
                        "ttft_spread": widths["ttft_ms"], "unchecked": missing,
                        "engine_check": why, "before_engine": before, "rule": INTERVAL_RULE}
-
-
-def flatten(report: dict, skip=("provenance", "warnings", "policy_options")) -> dict:
-    """One row of scalars: top-level values, then each group's, nested groups joined with ``_``
-    (``policy_stats.question.kv_read_frac`` -> ``question_kv_read_frac``). A key met twice must
-    carry the same value; otherwise this raises instead of silently keeping one of them."""
-    row: dict = {}
-
-    def put(key, value):
-        if key in row and not _same(row[key], value):
-            raise ValueError(f"report key {key!r} holds {row[key]!r} and {value!r}")
-        row.setdefault(key, value)
-
-    def walk(d: dict, prefix: str):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}_")
-            elif isinstance(v, (int, float, str, bool)) or v is None:
-                put(prefix + k, v)
-
-    walk({k: v for k, v in report.items() if k not in skip and not isinstance(v, dict)}, "")
-    for group in ("sim", "memory", "policy_cost", "policy_stats", "policy_timings"):
-        walk(report.get(group) or {}, "")
-    return row
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and np.isnan(a) and np.isnan(b):
-        return True
-    return a == b

@@ -47,7 +47,7 @@ def _whole(name: str, v) -> None:
         raise KvsimError(f"--{name} must be a whole number >= 1, got {v!r}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Deployment:
     """How many GPUs serve and in which element types; each field is also a command-line flag
     of ``kvsim replay`` and ``kvsim plan`` (:mod:`kvsim.commands._option_flags`)."""

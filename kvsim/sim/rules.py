@@ -308,7 +308,7 @@ def _rule_field(kind: str, default: str, text: str, flag: str | None = None):
     return field(default=default, metadata=meta)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Scheduling:
     """How the engine batches; each field is also a command-line flag of ``kvsim replay`` and
     ``kvsim plan`` (:mod:`kvsim.commands._option_flags`)."""

@@ -43,7 +43,7 @@ from kvsim.hw.catalog import ModelSpec
 from kvsim.model.synthetic import synthetic_attention_trace
 from kvsim.policies import make, parse
 from kvsim.policies.registry import deciding
-from kvsim.replay import ReplayConfig, analyze, run_replay
+from kvsim.replay import analyze, configure, run_replay
 from kvsim.validate import loops
 from profiler.backend import Backend, is_oom, make_backend
 
@@ -74,13 +74,14 @@ def _loadavg() -> list[float] | None:
 
 
 def predict(trace: Path, spec, m: ModelSpec, n: int, B: int, seed: int) -> dict:
+    """The simulator's prediction of the loop: its replay's JSON."""
     # the loop decodes a full batch: the simulator's batch prefills whole before it decodes
     # (chunked prefill would put other requests' prompt chunks into the first decode steps)
-    cfg = ReplayConfig(trace=trace, policy=spec.name, policy_options=spec.options, gpu=None,
-                       model=m, context=max(n - SIM_OUTPUT_LEN // 2, 1), batch=B,
-                       concurrency=B, requests=B, output_len=SIM_OUTPUT_LEN, seed=seed,
-                       scheduler="prefill-first")
-    return run_replay(cfg)
+    cfg = configure(trace=trace, policy=spec, gpu=None, model=m,
+                    context=max(n - SIM_OUTPUT_LEN // 2, 1), batch=B, concurrency=B,
+                    requests=B, output_len=SIM_OUTPUT_LEN, seed=seed,
+                    scheduler="prefill-first")
+    return run_replay(cfg).to_json()
 
 
 @dataclasses.dataclass
@@ -126,7 +127,7 @@ def _case(spec, n: int, be: Backend, m: ModelSpec, hw, profile: Path, tmp: Path,
             tracefile.new_meta("kvsim validate", model=m.name, context=n,
                                notes="profile hardware + synthetic attention layer"),
             hardware=hw, attention=attn), trace)
-    cost = analyze(trace, spec, seed).cost  # on the synthetic layer of m's head shape
+    cost = analyze(trace, policy, seed).cost  # on the synthetic layer of m's head shape
     if (cost.decide_bytes_per_token > 0) != (kernel is not None) or \
             (kernel is None and cost.host_read_frac > 0 and not cost.overlap):
         raise KvsimError(f"validate has no decode loop for policy {spec.name} (its cost and its "
