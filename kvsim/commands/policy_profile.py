@@ -75,12 +75,12 @@ def run(args) -> int:
     if args.out:
         if not args.captures:
             raise KvsimError("name the capture sets to measure (kvsim capture --lengths)")
+        if not args.out.endswith(".json"):
+            raise KvsimError(f"{args.out}: a policy profile file must end in .json")
         from pathlib import Path
         missing = [c for c in args.captures if not Path(c).is_file()]
         if missing:  # before the first capture set is measured
             raise KvsimError(f"{missing[0]}: no such capture set")
-        if not args.out.endswith(".json"):
-            raise KvsimError(f"{args.out}: a policy profile file must end in .json")
         from kvsim.policy_profile.build import build
         if args.jobs < 1:
             raise KvsimError(f"--jobs must be >= 1, got {args.jobs}")
