@@ -17,8 +17,6 @@ import statistics
 
 from bench_per_request import us_per_request
 
-from kvsim.replay import ReplayConfig
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
@@ -35,9 +33,9 @@ def main() -> None:
     for name, over in workloads.items():
         base = None
         for eng in ("vllm-paper", "vllm", "trtllm"):
-            cfg = ReplayConfig(policy="dense", qps=2.0, requests=args.requests, context=2048,
-                               output_len=128, batch=16, engine=eng, jobs=1, **over)
-            us = us_per_request(cfg, args.repeats)
+            us = us_per_request(dict(policy="dense", qps=2.0, requests=args.requests,
+                                     context=2048, output_len=128, batch=16, engine=eng, jobs=1,
+                                     **over), args.repeats)
             base = base or min(us)
             print(f"{name:18s} {eng:10s} {min(us):11.1f} {statistics.median(us):8.1f} "
                   f"{min(us) / base:12.2f}")

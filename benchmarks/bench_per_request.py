@@ -12,17 +12,18 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from _replay import prepared, run
 from _sim_timer import simulator_seconds
 
-from kvsim.replay import ReplayConfig, run_replay
 
-
-def us_per_request(cfg: ReplayConfig, repeats: int) -> list[float]:
-    """CPU microseconds ``Simulator.run`` spends per simulated request of ``cfg``, per repeat."""
+def us_per_request(kw: dict, repeats: int) -> list[float]:
+    """CPU microseconds ``Simulator.run`` spends per simulated request of the configuration
+    ``kw`` names (its ``requests`` of them), per repeat."""
+    cfg = prepared(**kw)
     with simulator_seconds() as seconds:
         for _ in range(repeats):
-            run_replay(cfg)
-    return [s / cfg.requests * 1e6 for s in seconds]
+            run(cfg)
+    return [s / kw["requests"] * 1e6 for s in seconds]
 
 
 def main() -> None:
@@ -31,10 +32,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    one = {"jobs": 1} if "jobs" in ReplayConfig.__dataclass_fields__ else {}  # older checkouts
-    cfg = ReplayConfig(policy="dense", qps=2.0, requests=args.requests, context=2048,
-                       output_len=128, batch=16, **one)
-    us = us_per_request(cfg, args.repeats)
+    us = us_per_request(dict(policy="dense", qps=2.0, requests=args.requests, context=2048,
+                             output_len=128, batch=16, jobs=1), args.repeats)
     print(f"{args.requests:,} requests: {min(us):.1f} us per request at best, "
           f"{statistics.median(us):.1f} median of {args.repeats}")
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import time
 
+from _replay import prepared, run
 from _sim_timer import simulator_seconds
 
 from kvsim.policies import load_all
-from kvsim.replay import ReplayConfig, run_replay
 
 
-def timed(cfgs: list[ReplayConfig], repeats: int) -> list[tuple[float, float, dict]]:
+def timed(cfgs: list, repeats: int) -> list[tuple[float, float, dict]]:
     """The least CPU seconds of ``repeats`` runs of each configuration, run in turn: of the
     whole ``run_replay`` and of its ``Simulator.run`` alone."""
     best, sim, out = [float("inf")] * len(cfgs), [float("inf")] * len(cfgs), [None] * len(cfgs)
@@ -34,7 +34,7 @@ def timed(cfgs: list[ReplayConfig], repeats: int) -> list[tuple[float, float, di
             for j, cfg in enumerate(cfgs):
                 inner.clear()
                 t0 = time.process_time()
-                out[j] = run_replay(cfg)
+                out[j] = run(cfg)
                 best[j] = min(best[j], time.process_time() - t0)
                 sim[j] = min(sim[j], sum(inner))
     return list(zip(best, sim, out))
@@ -53,9 +53,9 @@ def main() -> None:
                          ("closed loop, concurrency 64", dict(concurrency=64, batch=64))):
         for policy in ("dense-resident", "dense-offload"):
             schedulers = ("prefill-first", "chunked")
-            cfgs = [ReplayConfig(trace=args.trace, policy=policy, gpu="h100-sxm",
-                                 model="qwen3-4b", context=4096, output_len=256,
-                                 requests=args.requests, seed=0, scheduler=scheduler, **extra)
+            cfgs = [prepared(trace=args.trace, policy=policy, gpu="h100-sxm",
+                             model="qwen3-4b", context=4096, output_len=256,
+                             requests=args.requests, seed=0, scheduler=scheduler, **extra)
                     for scheduler in schedulers]
             got = timed(cfgs, args.repeats)
             base, sim_base = got[0][0], got[0][1]

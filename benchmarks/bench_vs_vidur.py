@@ -105,8 +105,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from _replay import prepared, run
+
 from kvsim import replay as kvsim_replay
-from kvsim.replay import DEFAULT_TRACE, ReplayConfig, run_replay
+from kvsim.replay import DEFAULT_TRACE
 
 PROMPT, OUTPUT, QPS, BATCH = 4096, 256, 4.0, 64
 WORKLOADS = (("Poisson 4 req/s", "poisson"), ("closed loop, concurrency 64", "closed"))
@@ -328,8 +330,8 @@ def kvsim_trace(path: str | None) -> str | None:
 KVSIM_DRIVER = r"""
 import json, sys, time
 t0 = time.perf_counter()
-from kvsim.replay import ReplayConfig, run_replay
-cfg = ReplayConfig(**json.loads(sys.argv[1]))
+from kvsim.replay import configure, run_replay
+cfg = configure(**json.loads(sys.argv[1]))
 t1 = time.perf_counter()
 run_replay(cfg)
 print(json.dumps({"import_s": t1 - t0, "run_s": time.perf_counter() - t1,
@@ -347,16 +349,16 @@ def kvsim_config(trace: str | None, requests: int, workload: str) -> dict:
 
 def run_kvsim(trace: str | None, requests: int, workload: str) -> dict:
     kw = kvsim_config(trace, requests, workload)
-    cfg = ReplayConfig(**kw)
-    for cached in (kvsim_replay._load, kvsim_replay._analyze):  # make the 1st call cold
-        getattr(cached, "cache_clear", lambda: None)()
+    cfg = prepared(**kw)
+    kvsim_replay._load.cache_clear()  # make the 1st call cold
+    getattr(kvsim_replay, "_ANALYSES", {}).clear()
     t0, c0 = time.perf_counter(), time.process_time()
-    r = run_replay(cfg)
+    r = run(cfg)
     cold, cold_cpu = time.perf_counter() - t0, time.process_time() - c0
     warm_runs, warm_cpus = [], []
     for _ in range(5):
         t0, c0 = time.perf_counter(), time.process_time()
-        run_replay(cfg)
+        run(cfg)
         warm_runs.append(time.perf_counter() - t0)
         warm_cpus.append(time.process_time() - c0)
     warm, warm_cpu = statistics.median(warm_runs), statistics.median(warm_cpus)
