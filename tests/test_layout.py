@@ -47,12 +47,6 @@ UPSTREAM_ONLY = [
 # The imports that close the module cycles known today, in files outside the change that added
 # this test (issue #42): (importer, imported). Being fixed: empty this list as the fixes land,
 # never add to it.
-KNOWN_CYCLES_BEING_FIXED: list[tuple[str, str]] = [
-    # kvsim/policies/registry.py:27, in load_all: `import kvsim.policies as pkg` (for its
-    # __path__), while kvsim/policies/__init__.py:5 imports registry (and spec, which imports
-    # registry too): kvsim.policies -> kvsim.policies.registry -> kvsim.policies
-    ("kvsim.policies.registry", "kvsim.policies"),
-]
 
 
 def imported_names(source: str, module: str, is_package: bool) -> list[tuple[str, int, bool]]:
@@ -327,11 +321,8 @@ def test_no_two_packages_import_each_other():
 
 def test_no_module_imports_itself_through_a_chain():
     """No module imports one that imports it back, directly or through a chain (imports inside
-    functions included; a package's ``__init__`` is a module). Only the imports listed in
-    KNOWN_CYCLES_BEING_FIXED are left out, while they are being fixed."""
+    functions included; a package's ``__init__`` is a module)."""
     g = import_graph()
-    for a, b in KNOWN_CYCLES_BEING_FIXED:
-        g[a].pop(b, None)
     bad = [described(g, comp) for comp in strong_components(g)]
     assert not bad, bad
 
@@ -393,6 +384,6 @@ def test_the_docs_name_the_tables_this_file_holds():
         text = (ROOT / doc).read_text()
         assert "tests/test_layout.py" in text
         cited = set(re.findall(r"`([A-Z][A-Z_]+)`", text))
-        assert {"UPSTREAM_ONLY", "KNOWN_CYCLES_BEING_FIXED"} <= cited, doc
+        assert "UPSTREAM_ONLY" in cited, doc
         assert cited <= set(globals()), (doc, cited - set(globals()))
 

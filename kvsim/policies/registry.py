@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from pathlib import Path
 
 from kvsim.errors import KvsimError
 
@@ -23,11 +24,11 @@ def register(cls):
 def load_all() -> dict[str, type]:
     """Import every module and subpackage of ``kvsim.policies``, so each registers its policy."""
     global _loaded
-    if not _loaded:
-        import kvsim.policies as pkg
-        for mod in pkgutil.iter_modules(pkg.__path__):
+    if not _loaded:  # (the package's folder is this file's: importing it here would be a cycle)
+        package = __name__.rsplit(".", 1)[0]
+        for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
             if not mod.name.startswith("_"):
-                importlib.import_module(f"{pkg.__name__}.{mod.name}")
+                importlib.import_module(f"{package}.{mod.name}")
         _loaded = True
     return REGISTRY
 
