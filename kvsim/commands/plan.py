@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 
@@ -153,10 +152,9 @@ def run(args) -> int:
     resolve(spec.gpus, prices)  # an unknown GPU's price fails before the sweep
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    summary = plan(spec, args.out, executor, args.quality, progress=not args.json,
-                   command=command, force=args.force, prices=prices)
-    import pandas as pd
-    df = pd.read_csv(f"{args.out}/results.csv")
+    done = plan(spec, args.out, executor, args.quality, progress=not args.json,
+                command=command, force=args.force, prices=prices)
+    summary, df = done.summary, done.table.copy()
     failed = df[df["status"] == "failed"] if "status" in df else df.iloc[:0]
     if args.json:
         print_json(summary)
@@ -164,12 +162,11 @@ def run(args) -> int:
         if summary["answer"] is not None:
             print("\n".join(answer_lines(summary["answer"])).replace("`", "") + "\n")
         cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
-        from kvsim.plan.decide import KNOBS
-        for group, knob in reversed(KNOBS):  # a swept setting's values, after the batch
-            values = df[group].map(lambda s, k=knob: json.loads(s or "{}").get(k))
-            if values.nunique(dropna=False) > 1:
-                flag = "--" + knob.replace("_", "-")
-                df[flag] = values
+        # a swept setting's values (as run: the default resolved), after the batch
+        for flag, col in (("--host-gib", "host_capacity_gib"),
+                          ("--max-batched-tokens", "max_batched_tokens")):
+            if col in df and df[col].nunique(dropna=False) > 1:
+                df[flag] = df[col]
                 cols.insert(cols.index("batch") + 1, flag)
         table(df[cols].to_dict("records"))
         print(f"\n{summary['rows']} rows ({summary['new_runs']} run now, {summary['skipped']} "

@@ -163,28 +163,29 @@ def run(args) -> int:
     from kvsim.commands._policy_flags import policy_options
     from kvsim.errors import KvsimError
     from kvsim.policies import parse
-    from kvsim.replay import ReplayConfig, run_replay
+    from kvsim.replay import configure, run_replay
     from kvsim.sim.records import Deployment
     from kvsim.sim.rules import Scheduling
     specs, ignored = parse(args.policy, policy_options(args))
     if len(specs) != 1:
         raise KvsimError(f"replay runs one policy; --policy names {len(specs)}")
     spec = specs[0]
-    cfg = ReplayConfig(trace=args.trace, policy=spec.name, policy_options=spec.options,
-                       gpu=args.gpu, model=args.model, context=args.context, batch=args.batch,
-                       qps=args.qps, concurrency=args.concurrency, requests=args.requests,
-                       output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
-                       workload_format=args.workload_format, time_scale=args.time_scale,
-                       workload_limit=args.limit,
-                       timeline=args.timeline, timeline_steps=args.timeline_steps,
-                       force=args.force, **option_values(args, Scheduling),
-                       **option_values(args, Deployment), **engine_options(args),
-                       jobs=args.jobs, slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
-                                              ("ttft_ms", args.slo_ttft_ms),
-                                              ("e2e_s", args.slo_e2e_s)) if v is not None})
-    r = run_replay(cfg, progress=not args.json)  # the policy's analysis can take a minute
+    cfg = configure(trace=args.trace, policy=spec, gpu=args.gpu, model=args.model,
+                    context=args.context, batch=args.batch, qps=args.qps,
+                    concurrency=args.concurrency, requests=args.requests,
+                    output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
+                    workload_format=args.workload_format, time_scale=args.time_scale,
+                    workload_limit=args.limit, **option_values(args, Scheduling),
+                    **option_values(args, Deployment), **engine_options(args),
+                    slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
+                                           ("ttft_ms", args.slo_ttft_ms),
+                                           ("e2e_s", args.slo_e2e_s)) if v is not None})
+    result = run_replay(cfg, progress=not args.json,  # the analysis can take a minute
+                        timeline=args.timeline, timeline_steps=args.timeline_steps,
+                        force=args.force, jobs=args.jobs)
     if ignored:
-        r["warnings"].insert(0, f"{', '.join(ignored)} ignored: not options of {spec.name}")
+        result.warnings.insert(0, f"{', '.join(ignored)} ignored: not options of {spec.name}")
+    r = result.to_json()
     if args.json:
         for w in r["warnings"]:
             print(f"warning: {w}", file=sys.stderr)
