@@ -37,7 +37,7 @@ def test_the_answer_is_written_with_its_contract_keys(searched):
     answer = json.loads((out / "answer.json").read_text())
     assert ANSWER_KEYS <= set(answer) and ANSWER_KEYS <= set(answer["runner_up"])
     assert answer == json.loads(json.dumps(summary["answer"]))
-    price = catalog.PRICES[answer["gpu"]].usd_per_hour
+    price = catalog.gpu(answer["gpu"]).usd_per_hour
     assert answer["usd_per_hour"] == pytest.approx(answer["replicas"] * answer["tp"] * price)
     assert answer["replicas"] >= math.ceil(TARGET / answer["qps_capacity_per_replica"] - 1e-9)
     assert answer["check"]["meets_slo"] and answer["check"]["served_frac_window"] >= 0.95
@@ -62,7 +62,7 @@ def test_no_cheaper_configuration_meets_the_slo_at_the_target_rate(searched):
     cheaper = 0
     for c in expand(spec):
         tp = c.deployment.tp
-        per_replica = tp * catalog.PRICES[c.gpu].usd_per_hour
+        per_replica = tp * catalog.gpu(c.gpu).usd_per_hour
         replicas = math.ceil(answer["usd_per_hour"] / per_replica - 1e-9) - 1
         if replicas < 1:
             continue

@@ -43,6 +43,7 @@ def rule(kind: str, name: str):
 @rule("order", "arrival")
 class ArrivalOrder(deque):
     """Waiting requests in arrival order; a preempted request goes back to the front."""
+    summary = "arrival order"
 
     def __init__(self, run):
         super().__init__()
@@ -52,6 +53,7 @@ class ArrivalOrder(deque):
 class ShortestPromptFirst:
     """The waiting request with the shortest prompt first (ties in arrival order); a preempted
     request goes back to the front, as in arrival order."""
+    summary = "the shortest prompt first"
 
     def __init__(self, run):
         self.prompt, self.heap, self.count = run.prompt, [], 0
@@ -118,6 +120,7 @@ def _whole(run, decodes: int) -> StepPlan:
 class Chunked:
     """vLLM's: each step's token budget goes to the decodes first, then to chunks of the prompts
     in order; a prompt that finishes emits a token and decodes from the next step."""
+    summary = "a token budget per step, decodes first, then prefill chunks (vLLM)"
     decodes_while_prefilling = True
 
     def plan(self, run, single: bool) -> list[StepPlan]:
@@ -226,6 +229,7 @@ class Chunked:
 @rule("scheduler", "prefill-first")
 class PrefillFirst:
     """The earlier model: admitted prompts prefill together, whole, while every decode waits."""
+    summary = "admitted prompts prefill whole while decodes wait"
     decodes_while_prefilling = False
 
     def plan(self, run, single: bool) -> list[StepPlan]:
@@ -238,12 +242,14 @@ class Reserve:
     """HBM for a request's whole length (prompt + output) from admission on: never preempted.
     (A rule that ``grows`` holds the tokens to prefill at admission and has ``fit`` and
     ``grow`` for the decode steps; the run asks only such a rule.)"""
+    summary = "HBM for a request's whole length at admission, never preempted"
     grows = False
 
 
 @rule("admission", "grow")
 class Grow:
     """vLLM's: HBM for the tokens to prefill at admission, and a token more per decode step."""
+    summary = "per token as vLLM, preempting when HBM runs out"
     grows = True
 
     def fit(self, run, k: int) -> int:
@@ -291,43 +297,44 @@ class Preemption:
 class Recompute(Preemption):
     """The victim's KV is dropped; it waits at the front and prefills prompt and generated
     tokens again."""
+    summary = "drop the victim's KV and prefill it again"
 
 
 @rule("preemption", "swap")
 class Swap(Preemption):
     """The victim's HBM state is copied to host memory and back when it fits again (resumed
     where it was); recomputed where host memory has no room."""
+    summary = "copy it to host memory over the link and back"
     swaps = True
 
 
 # ------------------------------------------------------------------------------ the options
-def _rule_field(kind: str, default: str, text: str, flag: str | None = None):
-    meta = {"choices": list(RULES[kind]), "help": f"{text} [default: {default}]"}
-    if flag:
-        meta["flag"] = flag
+def _rule_field(kind: str, default: str, about: str = "", **meta):
+    """An option naming a rule of ``kind``: its choices are the registry's (a rule registered
+    later is one), its help each registered rule's ``summary`` (else its docstring's first
+    sentence)."""
+    said = "; ".join(f"{name}: {_summary(cls)}" for name, cls in RULES[kind].items())
+    meta |= {"choices": RULES[kind].keys(), "help": f"{about}{said} [default: {default}]"}
     return field(default=default, metadata=meta)
+
+
+def _summary(cls) -> str:
+    text = getattr(cls, "summary", None) or " ".join((cls.__doc__ or "").split())
+    return text.split(". ")[0].rstrip(".") if text else "(no description)"
 
 
 @dataclass(frozen=True)
 class Scheduling:
     """How the engine batches; each field is also a command-line flag of ``kvsim replay`` and
     ``kvsim plan`` (:mod:`kvsim.commands._option_flags`)."""
-    scheduler: str = _rule_field(
-        "scheduler", "chunked", "chunked: a token budget per step, decodes first, then prefill "
-        "chunks (vLLM); prefill-first: admitted prompts prefill whole while decodes wait")
+    scheduler: str = _rule_field("scheduler", "chunked")
     max_batched_tokens: int | None = field(default=None, metadata={
         "kind": int, "metavar": "N", "help": "chunked: tokens per step [default: vLLM's for the "
         "GPU: 8192 on GPUs of 70 GiB or more other than A100, else 2048]"})
-    admission: str = _rule_field(
-        "admission", "reserve", "reserve: HBM for a request's whole length at admission, never "
-        "preempted; grow: per token as vLLM, preempting when HBM runs out")
-    preemption: str = _rule_field(
-        "preemption", "recompute", "grow admission: drop the victim's KV and prefill it again, "
-        "or copy it to host memory over the link and back")
-    admission_order: str = field(default="arrival", metadata={
-        "choices": list(RULES["order"]), "keyed": "when set", "help":
-        "which waiting request is admitted next: in arrival order, or the shortest prompt "
-        "first [default: arrival]"})
+    admission: str = _rule_field("admission", "reserve")
+    preemption: str = _rule_field("preemption", "recompute", "grow admission: ")
+    admission_order: str = _rule_field("order", "arrival", "which waiting request is admitted "
+                                       "next: ", keyed="when set")
 
     def check(self) -> None:
         for f in fields(Scheduling):  # (also the fields of a class made of more options)
