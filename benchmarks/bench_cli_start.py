@@ -5,7 +5,8 @@ side by side in one run (alternating, whole processes, median of N), and the rat
 
 The target is a ratio of at most 4: building the top-level parser loads no command, no policy,
 no torch, pandas or matplotlib (``tests/test_layout.py`` holds what is imported). A command's own
-start (``kvsim replay --help``, which lists every policy's options) is printed for reference.
+start (``kvsim replay --help``, which documents the options every policy shares) is printed for
+reference.
 """
 
 from __future__ import annotations

@@ -35,5 +35,11 @@ class _Lazy(types.ModuleType):
         return f"<lazy module {self.__name__!r}>"
 
 
+def lazy(name: str) -> types.ModuleType:
+    """Module ``name``, imported on its first use (as ``torch`` here): for a module whose import
+    is heavy (VerKV's compiled loops import torch and numba) beside code that does not need it."""
+    return _Lazy(name)
+
+
 torch = _Lazy("torch")
 F = _Lazy("torch.nn.functional")

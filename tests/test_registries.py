@@ -168,13 +168,6 @@ class _LongestPromptFirst:
         return len(self.queue)
 
 
-_ORDER = next(f for f in dataclasses.fields(Scheduling) if f.name == "admission_order")
-
-
-@pytest.mark.xfail(isinstance(_ORDER.metadata["choices"], list), strict=True, reason=(
-    "kvsim/sim/rules.py copies RULES into a list of choices when Scheduling is defined "
-    "(_rule_field and admission_order: list(RULES[kind])), so an order registered later is "
-    "refused by --admission-order; a live view (RULES[kind].keys()) makes this pass"))
 def test_a_new_admission_order_registered_at_runtime_is_a_choice_and_runs(monkeypatch):
     monkeypatch.setitem(RULES["order"], "longest-prompt-first", _LongestPromptFirst)
     assert _tight_run(Scheduling(admission_order="longest-prompt-first")).requests.count == 16

@@ -14,9 +14,11 @@ them; they compare every output with dense attention, aggregate the statistics
 (``kvsim.measure.stats``) and ask the policy for its cost.
 
 To add a policy: one file in ``kvsim/policies/`` with one subclass decorated with
-:func:`kvsim.policies.register`; options are fields of its ``Params`` dataclass (the CLI builds
-flags from them: ``field(default=..., metadata={"help": ..., "choices": [...]})``). Four kinds to
-start from, the most specific that fits:
+:func:`kvsim.policies.register`; options are fields of its ``Params`` dataclass
+(``field(default=..., metadata={"help": ..., "choices": [...]})``), written in its spec
+(``NAME:key=value``; ``kvsim policies NAME`` lists them), the shared ones
+(:mod:`kvsim.policies.options`) also flags. Four kinds to start from, the most specific that
+fits:
 
 * :class:`MaskPolicy` keeping exact tokens: say which (``keep``);
 * :class:`kvsim.policies.scored.ScoredPolicy`: keep the best-scored share (``score``, and the

@@ -35,8 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvsim._torch import torch
-from kvsim.policies.verkv import _rows
+from kvsim._torch import lazy, torch
+
+_rows = lazy("kvsim.policies.verkv._rows")  # torch and numba: loaded on first use
 
 FETCH_HEAD = 4096  # the paper's kernel sorts the top 4096 and falls back to a full sort
 SHRINK_HEAD = 512

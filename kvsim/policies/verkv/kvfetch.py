@@ -40,11 +40,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-from kvsim._torch import F, torch
+from kvsim._torch import F, lazy, torch
 from kvsim.attention.sampling import PoissonSample
-from kvsim.policies.verkv import _rows
 from kvsim.policies.verkv import certificate as C
 from kvsim.policies.verkv.sketch import KeySketch, logit_halfwidth, shortlist, sketch_logits
+
+_rows = lazy("kvsim.policies.verkv._rows")  # torch and numba: loaded on first use
 
 VARIANTS = ("independent", "paper")
 WEIGHT_FLOOR = {"float32": 1e-15, "float16": 1e-3, "bfloat16": 1e-15,  # by torch dtype name
