@@ -158,6 +158,16 @@ def engine_options(args) -> dict:
             if getattr(args, k) is not None}
 
 
+def lengths_words(r: dict) -> str:
+    """``context 32768``, or a workload's prompt lengths: ``prompts mean 70,527, p50 65,598,
+    p99 129,466, max 131,051 tokens``."""
+    p = r.get("prompt_tokens")
+    if p is None:
+        return f"context {r['context']}"
+    return (f"prompts mean {p['mean']:,.0f}, p50 {p['p50']:,.0f}, p99 {p['p99']:,.0f}, max "
+            f"{p['max']:,} tokens (outputs mean {r['output_tokens']['mean']:,.0f})")
+
+
 def run(args) -> int:
     from kvsim.commands._option_flags import option_values
     from kvsim.commands._policy_flags import policy_options
@@ -191,11 +201,18 @@ def run(args) -> int:
             print(f"warning: {w}", file=sys.stderr)
         print_json(r)
         return 0
-    print(f"{r['policy']} on {r['gpu']}, {r['model']}, context {r['context']}, batch {r['batch']}")
-    cols = ["tpot_ms", "tpot_p99_ms", "throughput_tok_s", "decode_tok_s", "ttft_ms",
-            "ttft_p99_ms", "e2e_s", "mean_batch", "hbm_gib", "host_gib", "link_util",
+    print(f"{r['policy']} on {r['gpu']}, {r['model']}, {lengths_words(r)}, batch {r['batch']}"
+          + (f", {r['replicas']} replicas" if r["replicas"] > 1 else ""))
+    cols = ["tpot_ms", "tpot_p99_ms", "itl_p99_ms", "throughput_tok_s", "decode_tok_s",
+            "ttft_ms", "ttft_p99_ms", "e2e_s", "mean_batch", "hbm_gib", "host_gib", "link_util",
             "kv_read_frac"]
     table([{c: r[c] if c in r else r["sim"][c] for c in cols}])
+    s = r["sim"]
+    if s.get("served_frac_window") is not None and s["served_frac_window"] < 0.95:
+        print(f"overloaded: {100 * s['served_frac_window']:.0f}% of the arrivals were served "
+              f"over the measured window and the queue grew by {s['queue_growth_window']:,} "
+              f"requests: the latencies above grow with the run's length, they are not "
+              f"the deployment's (more replicas, or a lower rate)")
     if "tpot_ms_lo" in r:
         read = (f"KV read {r['kv_read_frac_lo']:.4g}..{r['kv_read_frac_hi']:.4g} (policy "
                 f"profile), " if "kv_read_frac_lo" in r else "")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from kvsim.hw import catalog
 from kvsim.hw.catalog import GiB
 from kvsim.replay.result import HEADLINE, TABLE2, MemoryUse, ReplayResult, Serving, flatten
@@ -59,6 +61,8 @@ def simulation(res, work, scheduling) -> Serving:
         "e2e_s": req.e2e.mean(), "e2e_p50_s": req.e2e.percentile(50),
         "e2e_p99_s": req.e2e.percentile(99),
         "queue_wait_p99_ms": ms(req.wait.percentile(99)),
+        "itl_ms": ms(req.itl.mean()),
+        **{f"itl_p{q}_ms": ms(req.itl.percentile(q)) for q in (50, 90, 99)},
         "percentiles": req.method(),
         "pieces": res.pieces,  # simulated in pieces cut where the server was empty
         "throughput_tok_s": per_s(float(req.output_tokens)),
@@ -113,15 +117,19 @@ def memory(res, cost, model, mem, batch: int, tokens: float) -> MemoryUse:
 
 
 def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost,
-             stats: dict) -> list[str]:
+             stats: dict, work) -> list[str]:
     out = []
     if res.max_batch_fit < cfg.batch:
         out.append(f"memory admits at most {res.max_batch_fit} requests at once, "
                    f"below --batch {cfg.batch}")
-    longest = cfg.context + cfg.traffic.output_len
+    lengths = work.prompt + work.output
+    longest = int(lengths.max())
     if longest > model.max_context:
+        over = int((lengths > model.max_context).sum())
         out.append(f"{longest} tokens exceed {model.name}'s trained context of "
-                   f"{model.max_context}")
+                   f"{model.max_context}" + (f" ({over} of the workload's {work.n} requests "
+                                            f"are longer than it)" if cfg.traffic.workload
+                                            else ""))
     profiled = (tr.hardware.extra.get("model") or {}) if tr.hardware is not None else {}
     if cost_source.startswith("trace") and profiled.get("dtype_bytes", model.dtype_bytes) \
             != model.dtype_bytes:
@@ -133,7 +141,8 @@ def warnings(cfg, tr, model, costs, cost_source: str, res, prov: dict, cost,
              if fitted.get(k) and fitted[k] != now]
     span = costs.engine.fit.get("range", {}).get(cfg.policy.name)
     if span and cost.decide_kernel:  # the decide model is what depends on these
-        now = {"context": cfg.context, "batch": cfg.batch, "kv_read_frac": cost.host_read_frac}
+        now = {"context": token_lengths(cfg, work)["context"], "batch": cfg.batch,
+               "kv_read_frac": cost.host_read_frac}
         off = [f"{k} {now[k]:g} (fitted {lo:g}..{hi:g})" for k, (lo, hi) in span.items()
                if not lo * (1 - 1e-9) <= now[k] <= hi * (1 + 1e-9)]
         if off:
@@ -184,10 +193,11 @@ def provenance(cfg, trace_path, tr, analysis, model, costs, cost_source, mem,
     }
     if cfg.policy.needs_attention:
         src_model, src_ctx = meta.get("model"), tr.attention.context_len
-        if src_model != model.name or src_ctx != cfg.context:
+        context = token_lengths(cfg, work)["context"]
+        if src_model != model.name or src_ctx != context:
             p["policy_transfer"] = (
                 f"policy statistics measured on {src_model} at {src_ctx} context tokens are "
-                f"applied to {model.name} at {cfg.context} tokens")
+                f"applied to {model.name} at {context} tokens")
     return p
 
 
@@ -226,11 +236,28 @@ def build(cfg, trace_path, tr, analysis, model, costs, cost_source, mem, work,
                "kv_read_frac": cost.host_read_frac}
     stats = {(f"trace_{k}" if k in TRACE_SHARES and (cost.fixed or v != charged[k]) else k): v
              for k, v in stats.items()}
-    read = float(cost.tokens("host_read", cfg.context)) / cfg.context  # as charged here
+    lengths = token_lengths(cfg, work)
+    context = lengths["context"]
+    read = float(cost.tokens("host_read", context)) / context  # as charged here
     return ReplayResult(cfg, costs.gpu_name, model.name, costs.engine.name, serving, mem_use,
                         analysis, stats, read, provenance=prov,
                         warnings=warnings(cfg, tr, model, costs, cost_source, res, prov, cost,
-                                          stats))
+                                          stats, work), lengths=lengths)
+
+
+def token_lengths(cfg, work) -> dict:
+    """The prompt and output lengths a replay served: the configuration's, or a workload
+    file's, then with their distribution (mean, p50, p99, max) and its mean prompt and output
+    standing for ``context`` and ``output_len``."""
+    if not cfg.traffic.workload:
+        return {"context": cfg.context, "output_len": cfg.traffic.output_len}
+
+    def spread(x):
+        return {"mean": float(x.mean()), "p50": float(np.percentile(x, 50)),
+                "p99": float(np.percentile(x, 99)), "max": int(x.max())}
+    return {"context": int(round(float(work.prompt.mean()))),
+            "output_len": int(round(float(work.output.mean()))),
+            "prompt_tokens": spread(work.prompt), "output_tokens": spread(work.output)}
 
 
 QUALITY = ("output_rel_err_mean", "violation_rate")  # headline figures given 90% ends

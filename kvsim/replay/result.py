@@ -47,6 +47,10 @@ class Serving:
     e2e_p50_s: float
     e2e_p99_s: float
     queue_wait_p99_ms: float
+    itl_ms: float  # inter-token latency: every decode token's gap to its sequence's previous
+    itl_p50_ms: float  # token (prefill stalls included), over tokens, not requests
+    itl_p90_ms: float
+    itl_p99_ms: float
     percentiles: str  # how the percentiles were computed (exact, or a streaming sketch)
     pieces: int  # simulated in pieces cut where the server was empty
     throughput_tok_s: float
@@ -112,6 +116,13 @@ class ReplayResult:
     provenance: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
     timeline: str | None = None
+    lengths: dict = field(default_factory=dict)  # context, output_len (a workload's means) and
+    # a workload's prompt_tokens and output_tokens: mean, p50, p99, max
+
+    @property
+    def context(self) -> int:
+        """The prompt tokens served: the configuration's, or a workload's mean."""
+        return self.lengths.get("context", self.configuration.context)
 
     def figure(self, key: str) -> float:
         """A figure by its report name: ``kv_read_frac`` or a field of serving or memory."""
@@ -129,13 +140,17 @@ class ReplayResult:
         top = {"kv_read_frac": self.kv_read_frac, **sim, **mem}
         out = {
             "policy": cfg.policy.name, "policy_options": self.policy.params, "gpu": self.gpu,
-            "model": self.model, "context": cfg.context, "batch": cfg.batch,
-            "output_len": cfg.traffic.output_len, "seed": cfg.seed, "engine": self.engine,
+            "model": self.model, "context": self.context, "batch": cfg.batch,
+            "output_len": self.lengths.get("output_len", cfg.traffic.output_len),
+            "seed": cfg.seed, "engine": self.engine,
             "tp": cfg.deployment.tp, "replicas": cfg.deployment.replicas,
             **{k: top[k] for k in HEADLINE}, **{k: stats[k] for k in TABLE2 if k in stats},
             **{f"{ps}_kv_read_frac": stats[ps]["kv_read_frac"] for ps in ("question", "overall")
                if "kv_read_frac" in (stats.get(ps) or {})},
         }
+        for key in ("prompt_tokens", "output_tokens"):  # a workload's
+            if key in self.lengths:
+                out[key] = self.lengths[key]
         for key, (lo, hi) in self.bounds.items():
             out[f"{key}_lo"], out[f"{key}_hi"] = lo, hi
         out |= {"sim": sim, "memory": mem,

@@ -97,6 +97,7 @@ class Run:
         # ctx, and a heap of the clock at which each has emitted its last token (and its slot)
         self.running: list[int] = []
         self.clock, self.run_ctx, self.finish_at = 0, 0.0, []
+        self.stalls: list[list] = []  # [sequences, seconds]: running ones waiting to decode
         self.next, self.done, self.admissions, self.preemptions = 0, 0, 0, 0
         # after a preemption nothing is admitted or resumed until a request completes: memory
         # frees only then, and re-admitting at once would preempt again (thrash)
@@ -320,6 +321,7 @@ class Run:
                                                 fetch, written)
         sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill", None,
                        ctok, alone)
+        self.token_gaps(step, D)
         if D:
             if self.growing:
                 self.admission.grow(self, 1)
@@ -360,6 +362,7 @@ class Run:
                            1 if Dj else 0, Dj, float(gpu[j]), float(link[j]),
                            "mixed" if Dj else "prefill", None, plans[j].chunk_tokens,
                            float(alone[j]))
+            self.token_gaps(float(step[j]), Dj)
         if D:
             if self.growing:
                 self.admission.grow(self, k)
@@ -379,13 +382,39 @@ class Run:
         B, log = len(self.running), self.sim.chunks
         keep = log.keeping
         ctx = self.batch()[1] if self.fixed or keep else None
+        stalled = bool(self.stalls)  # the first step's gaps carry the waits: it runs alone
         k, seconds, gpu_s, link_s = self.sim.steps.decode_run(
-            B, self.batch_tokens(), k, self.until_next_arrival(), ctx if self.fixed else None)
+            B, self.batch_tokens(), 1 if stalled else k, self.until_next_arrival(),
+            ctx if self.fixed else None, None if stalled else self.requests.itl)
+        if stalled:
+            self.token_gaps(seconds, B)
         log.add(self.env.now, seconds, k, B, gpu_s, link_s, "decode", ctx if keep else None)
         if self.growing:
             self.admission.grow(self, k)
         self.clock += k
         return seconds
+
+    def token_gaps(self, seconds: float, decodes: int) -> None:
+        """A step of ``seconds`` in which ``decodes`` sequences emit a token: each token's gap
+        to its sequence's previous one (:attr:`Requests.itl`). Running sequences that wait
+        through steps without decoding (a prefill-first prefill, a swap) carry those steps'
+        time into their next gap."""
+        itl = self.requests.itl
+        if decodes:
+            carried = 0
+            for n, waited in self.stalls:  # (those that waited longest first)
+                n = min(n, decodes - carried)
+                itl.add(seconds + waited, n)
+                carried += n
+            itl.add(seconds, decodes - carried)
+            self.stalls = []
+        elif self.running:  # every running sequence waits; those that joined since, less
+            waiting = 0
+            for entry in self.stalls:
+                entry[1] += seconds
+                waiting += entry[0]
+            if len(self.running) > waiting:
+                self.stalls.append([len(self.running) - waiting, seconds])
 
     # ------------------------------------------------------------------------ preemption
     def evict(self, victim: int) -> bool:
@@ -436,6 +465,7 @@ class Run:
         """A swap: the GPU stream waits for the copy of ``nbytes`` over the link."""
         t = float(self.sim.costs.link_time(nbytes, path, copies=2 * self.sim.model.layers))
         self.sim.chunks.add(self.env.now, t, 0, 0, 0.0, t, "swap")
+        self.token_gaps(t, 0)
         yield t
 
     # -------------------------------------------------------------------------- completion

@@ -159,12 +159,96 @@ class Quantiles:
             f"log-bucket sketch, within {REL_ERR:.1%} of the exact percentile"
 
 
+class Gaps:
+    """The gaps between consecutive tokens of every sequence (inter-token latency, ITL), in
+    the sketch of :class:`Quantiles` (within :data:`REL_ERR` of each value) with weights: a
+    step adds its duration once for each sequence that decodes in it, so a run's percentiles
+    are over tokens, not steps. A run of decode steps whose durations grow linearly
+    (:meth:`add_linear`) is added in closed form, bucket by bucket. Means and counts are
+    exact."""
+
+    def __init__(self):
+        self.buckets = np.zeros(_NB, np.float64)  # token counts (floats: exact below 2^53)
+        self.n = 0
+        self.total = 0.0
+
+    @staticmethod
+    def _bucket(x: float) -> int:
+        if x < TINY:
+            return -1
+        i = math.ceil(math.log(x if x < HUGE else HUGE) / _LOG_G) - _LO
+        return 0 if i < 0 else _NB - 1 if i >= _NB else i
+
+    def add(self, seconds: float, tokens: int) -> None:
+        """``tokens`` gaps of ``seconds`` each."""
+        if tokens <= 0:
+            return
+        i = self._bucket(seconds)
+        if i >= 0:
+            self.buckets[i] += tokens
+        self.n += tokens
+        self.total += seconds * tokens
+
+    def add_steps(self, seconds: np.ndarray, tokens) -> None:
+        """Steps of ``seconds`` each, ``tokens`` gaps each (an array or one count)."""
+        w = np.broadcast_to(np.asarray(tokens, float), seconds.shape)
+        keep = (w > 0) & (seconds >= TINY)
+        i = np.ceil(np.log(np.minimum(seconds[keep], HUGE)) / _LOG_G).astype(np.int64) - _LO
+        self.buckets += np.bincount(np.clip(i, 0, _NB - 1), weights=w[keep], minlength=_NB)
+        self.n += int(w.sum())
+        self.total += float((seconds * w).sum())
+
+    def add_linear(self, u: float, v: float, k: int, tokens: int) -> None:
+        """``k`` steps of ``u + v j`` seconds (j = 0 .. k - 1, ``v`` >= 0), ``tokens`` gaps
+        each: the steps counted into each bucket between the first's and the last's."""
+        if k <= 0 or tokens <= 0:
+            return
+        lo, hi = self._bucket(u), self._bucket(u + v * (k - 1))
+        if lo == hi or v <= 0:
+            self.add(u + v * (k - 1) / 2, k * tokens)  # (the mean, in one bucket)
+            return
+        done = 0  # steps counted so far: those at or below bucket i's upper edge
+        for i in range(max(lo, 0), hi + 1):
+            edge = _G ** (i + _LO)
+            upto = k if i == hi else min(k, max(done, math.floor((edge - u) / v) + 1))
+            if upto > done:
+                self.buckets[i] += (upto - done) * tokens
+            done = upto
+        self.n += k * tokens
+        self.total += tokens * (k * u + v * k * (k - 1) / 2)
+
+    def merge(self, other: Gaps) -> None:
+        self.buckets += other.buckets
+        self.n += other.n
+        self.total += other.total
+
+    def mean(self) -> float:
+        return self.total / self.n if self.n else float("nan")
+
+    def percentile(self, q: float) -> float:
+        """As :meth:`Quantiles.percentile`, over the gaps (gaps below TINY count as 0)."""
+        if not self.n:
+            return float("nan")
+        zeros = self.n - float(self.buckets.sum())
+        h = q / 100 * (self.n - 1)
+        lo, hi = math.floor(h), math.ceil(h)
+        cum = np.cumsum(self.buckets)
+
+        def rank(r):
+            if r < zeros:
+                return 0.0
+            i = int(np.searchsorted(cum, r - zeros, side="right"))
+            return 2 * _G ** (min(i, _NB - 1) + _LO) / (_G + 1)
+        return (1 - (h - lo)) * rank(lo) + (h - lo) * rank(hi)
+
+
 SLO_KEYS = {"ttft_ms": ("ttft", 1e3), "tpot_ms": ("tpot", 1e3), "e2e_s": ("e2e", 1.0)}
 
 
 @dataclass
 class Requests:
-    """What the report needs of every finished request of a run (or of replicas merged).
+    """What the report needs of every finished request of a run (or of replicas merged), and
+    of every token's gap to the one before (``itl``).
 
     ``slo``: limits (``ttft_ms``, ``tpot_ms``, ``e2e_s``) a request must meet to count for
     goodput; ``window``: (t0, t1) of the open loop's measured window, in which completions are
@@ -175,6 +259,7 @@ class Requests:
     tpot: Quantiles = field(default_factory=Quantiles)  # requests of more than one token
     e2e: Quantiles = field(default_factory=Quantiles)
     wait: Quantiles = field(default_factory=Quantiles)  # arrival to first admission
+    itl: Gaps = field(default_factory=Gaps)  # every decode token's gap to the one before
     count: int = 0
     output_tokens: int = 0
     first_arrival: float = math.inf
@@ -226,7 +311,7 @@ class Requests:
     def merged(parts: list[Requests]) -> Requests:
         out = parts[0].fresh()
         for p in parts:
-            for name in ("ttft", "tpot", "e2e", "wait"):
+            for name in ("ttft", "tpot", "e2e", "wait", "itl"):
                 getattr(out, name).merge(getattr(p, name))
             for name in ("count", "output_tokens", "meet_slo", "done_by_t0", "done_by_t1"):
                 setattr(out, name, getattr(out, name) + getattr(p, name))

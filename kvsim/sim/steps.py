@@ -365,15 +365,16 @@ class StepCosts:
                 (x0 + g0 + (L - 1) * x0, x1 + g1 + (L - 1) * x1), head)
 
     def decode_run(self, B: int, T0: float, k: int, until: float = np.inf,
-                   held: np.ndarray | None = None):
+                   held: np.ndarray | None = None, gaps=None):
         """The next decode steps of a fixed batch of ``B`` sequences holding ``T0`` KV tokens
         (``held`` of them each, where some term is fixed; each step adds a token per
         sequence): at most ``k``, ending with the first step that
         ends at or after ``until`` seconds. Returns (steps, seconds, GPU-busy, link-busy), the
-        last three summed over the steps. In closed form when a step's time is affine in its
-        tokens over the run (no measured curves, one side of the overlap's max throughout),
-        else from :meth:`decode`; ``tests/test_streaming.py`` holds the two equal (the engine's
-        hot path: one call per run of decode steps)."""
+        last three summed over the steps; ``gaps`` (a :class:`kvsim.sim.metrics.Gaps`) gets
+        each step's seconds for each of its ``B`` tokens. In closed form when a step's time is
+        affine in its tokens over the run (no measured curves, one side of the overlap's max
+        throughout), else from :meth:`decode`; ``tests/test_streaming.py`` holds the two equal
+        (the engine's hot path: one call per run of decode steps)."""
         form = self._forms.get(B, 0)
         if form == 0:
             form = self._forms[B] = self._form(B)
@@ -395,6 +396,8 @@ class StepCosts:
             ends = np.cumsum(steps)
             if until < np.inf:
                 k = min(k, int(np.searchsorted(ends, until)) + 1)
+            if gaps is not None:
+                gaps.add_steps(steps[:k], B)
             return k, float(ends[k - 1]), float(gpu[:k].sum()), float(link[:k].sum())
         L = self.model.layers
         u, v = s0 + s1 * T0 + head + self.overhead, s1 * B  # step j takes u + v j
@@ -414,5 +417,7 @@ class StepCosts:
                 j += 1
             k = j + 1 if j + 1 < k else k
         tri = B * k * (k - 1) / 2  # tokens added over the run's steps
+        if gaps is not None:
+            gaps.add_linear(u, v, k, B)
         gpu = L * (g0 * k + g1 * (T0 * k + tri)) + head * k
         return k, k * u + v * k * (k - 1) / 2, gpu, L * (x0 * k + x1 * (T0 * k + tri))
