@@ -25,7 +25,16 @@ METRICS_PAGE = ROOT / "docs" / "reference" / "metrics.md"
 # tests/test_docs.py checks it). Words taken from the user guide, nothing measured here.
 MEANING = {
     "tpot_ms": "time per output token, mean over the decode steps, in milliseconds",
-    "tpot_p99_ms": "the 99th percentile of time per output token, in milliseconds",
+    "tpot_p99_ms": "the 99th percentile over requests of each request's time per output token "
+                   "(its mean gap), in milliseconds",
+    "itl_p99_ms": "inter-token latency: the 99th percentile over every decode token of its gap "
+                  "to the sequence's previous token, prefill stalls included (also itl_ms, the "
+                  "mean; itl_p50_ms, itl_p90_ms), in milliseconds",
+    "router": "a deployment search's router for the fleet: round-robin or least-loaded",
+    "fleet_tpot_p99_ms": "p99 TPOT of the fleet (replicas_needed behind router) replayed at "
+                         "the target rate (every fleet_* column: that replay's figure)",
+    "fleet_ttft_p99_ms": "p99 TTFT of the fleet replayed at the target rate",
+    "fleet_itl_p99_ms": "p99 ITL of the fleet replayed at the target rate",
     "throughput_tok_s": "output tokens per second over the whole run, prefills included",
     "decode_tok_s": "output tokens per second of decoding (the decode throughput)",
     "ttft_ms": "time to first token (queueing and prefill), mean, in milliseconds",
@@ -43,7 +52,8 @@ MEANING = {
     "usd_per_m_tokens": "price per million output tokens at the deployment's throughput",
     "binding": "what limits the configuration (memory, link, compute, SLO)",
     "status": "ok, infeasible (does not fit or misses the SLO) or failed",
-    "replicas_needed": "replicas needed to serve the target rate",
+    "replicas_needed": "the fewest replicas whose fleet replay at the target rate meets every "
+                       "SLO (a deployment search; one fewer fails: fewer_fails_because)",
     "decisions_fetch_frac": "VerKV: share of decisions that fetch from host memory",
     "kvhead_steps_fetch_frac": "VerKV: share of (KV head, step) pairs that fetch",
     "tokens_per_fetch_frac": "VerKV: share of the context fetched by a fetching decision",
@@ -60,14 +70,18 @@ MEANING = {
 
 def metric_names() -> dict[str, list[str]]:
     """Where each metric name is defined in the code -> the names, in the code's order."""
-    from kvsim.plan.planner import SUMMARY
+    from kvsim.plan.planner import FLEET_SUMMARY, SUMMARY
     from kvsim.replay.report import HEADLINE, TABLE2
     skip = {"gpu", "model", "context", "label", "tp", "batch", "qps"}  # inputs, not metrics
     return {"kvsim.replay.report.HEADLINE (replay --json, top level)": list(HEADLINE),
             "kvsim.replay.report.TABLE2 (VerKV's statistics, replay --json top level)":
                 list(TABLE2),
             "kvsim.plan.planner.SUMMARY (plan's results.csv summary columns)":
-                [n for n in SUMMARY if n not in skip]}
+                [n for n in SUMMARY if n not in skip],
+            "kvsim.plan.planner.FLEET_SUMMARY (a deployment search's summary columns)":
+                [n for n in FLEET_SUMMARY if n not in skip and n not in SUMMARY],
+            "kvsim.replay.result.Serving (replay --json sim: inter-token latency)":
+                ["itl_p99_ms"]}
 
 
 def metrics_page() -> str:

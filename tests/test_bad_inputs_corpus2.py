@@ -538,7 +538,7 @@ def test_a_lost_worker_is_one_line(tmp_path):
     ex = object.__new__(RayExecutor)
     ex.ray = SimpleNamespace(exceptions=errors, get=get,
                              remote=lambda f: SimpleNamespace(remote=lambda *a: 1),
-                             wait=lambda refs, num_returns: (refs[:1], refs[1:]))
+                             wait=lambda refs, num_returns, timeout=None: (refs[:1], refs[1:]))
     with pytest.raises(KvsimError, match="Ray worker was lost.*resume"):
         run_all(ex, abs, [1], progress=False)
 

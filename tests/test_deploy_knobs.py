@@ -43,7 +43,8 @@ def test_a_knob_decides_the_answer_only_where_another_value_costs_more_or_fails(
     (d,) = decided_by(rows, 0)  # host memory changes nothing at 8192 tokens per step
     assert d["knob"] == "max_batched_tokens" and d["value"] == 8192
     assert d["otherwise"] == [{"value": 256, "usd_per_hour": 2.0, "why": "runner-up: dearer"}]
-    rows[2]["why_lost"] = "fails at the target rate with up to 1 replicas: TPOT"
+    rows[2]["usd_per_hour"] = float("nan")  # no fleet of it carries the target
+    rows[2]["why_lost"] = "no fleet carries the target within the SLO: TPOT"
     assert [d["knob"] for d in decided_by(rows, 0)] == ["max_batched_tokens", "host_gib"]
 
 
@@ -51,7 +52,8 @@ def test_plan_names_the_tokens_per_step_that_decide_the_answer(tmp_path):
     out = tmp_path / "plan"
     code, stdout, err = run_cli(
         "plan", "--gpu", "l40s", "--model", "qwen3-4b", "--context", "4096", "--output-len",
-        "32", "--policy", "dense-resident", "--batch", "8", "--max-batched-tokens", "256,8192",
+        "32", "--policy", "dense-resident", "--batch", "8", "--tp", "1",
+        "--max-batched-tokens", "256,8192",
         "--host-gib", "64", "--slo-tpot-ms", "60", "--slo-ttft-ms", "1000", "--target-qps", "3",
         "--slo-requests", "100", "--out", out, "--jobs", "1", "--engine", "vllm-paper")
     assert code == 0, err

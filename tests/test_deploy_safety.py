@@ -37,6 +37,6 @@ def test_progress_off_a_terminal_is_a_plain_line_now_and_then(monkeypatch, capsy
     monkeypatch.setattr(executors, "PROGRESS_EVERY_S", 0.0)
     assert run_all(LocalExecutor(1), abs, [-1, -2, -3], progress=True, desc="plan") == [1, 2, 3]
     lines = capsys.readouterr().err.splitlines()
-    assert "kvsim plan: 3/3 tasks done, 0 s" in lines
+    assert "kvsim plan: 3/3 tasks done, 0 s, about 0 s left" in lines
     assert run_all(LocalExecutor(1), abs, [-1], progress=False) == [1]
     assert capsys.readouterr().err == ""

@@ -17,7 +17,7 @@ from kvsim.replay import configure, run_replay
 
 TARGET, TPOT = 20.0, 30.0
 ANSWER_KEYS = {"gpu", "tp", "replicas", "policy", "batch", "kv_dtype", "usd_per_hour",
-               "usd_per_m_tokens", "qps_capacity_per_replica"}
+               "usd_per_m_tokens", "qps_capacity_per_replica", "router", "options"}
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,19 @@ def test_the_answer_is_written_with_its_contract_keys(searched):
     assert answer["usd_per_hour"] == pytest.approx(answer["replicas"] * answer["tp"] * price)
     assert answer["replicas"] >= math.ceil(TARGET / answer["qps_capacity_per_replica"] - 1e-9)
     assert answer["check"]["meets_slo"] and answer["check"]["served_frac_window"] >= 0.95
-    assert answer["uncertainty"]["rule"] and answer["uncertainty"]["tpot_ms_interval"]
+    ends = answer["uncertainty"]["fleet_at_engine_ends"]
+    assert ends["rule"] and answer["uncertainty"]["tpot_ms_interval"]
+    lo, hi = ends["replicas"]
+    assert lo <= answer["replicas"] <= hi  # a faster engine needs no more, a slower no fewer
+    assert ends["usd_per_hour"] == [n * answer["tp"] * price for n in (lo, hi)]
+    assert answer["one_fewer"] is None or (answer["one_fewer"]["replicas"] ==
+                                           answer["replicas"] - 1
+                                           and not answer["one_fewer"]["meets_slo"]
+                                           and answer["one_fewer"]["why"])
     assert answer["runner_up"]["usd_per_hour"] >= answer["usd_per_hour"]
     df = pd.read_csv(out / "results.csv")
-    assert {"usd_per_hour", "usd_per_m_tokens", "slo_max_qps", "binding"} <= set(df.columns)
+    assert {"usd_per_hour", "usd_per_m_tokens", "replicas_needed", "router", "binding"} <= \
+        set(df.columns)
     assert len(df) == 2 * 2 * 3 * 3 and df.binding.notna().all()
     assert len(answer["rejected"]) == len(df) - 2
     report = (out / "report.md").read_text().splitlines()
@@ -88,39 +97,40 @@ def test_configurations_whose_weights_do_not_fit_are_pruned_before_simulation(tm
     assert answer["pruned"] == 1 and "1 pruned before simulation" in stdout
 
 
-def test_a_cheapest_candidate_that_fails_its_check_gets_a_replica_and_is_ranked_again():
-    from types import SimpleNamespace
-
+def test_the_answer_is_the_cheapest_fleet_ties_going_to_fewer_gpus_then_lower_latency():
+    """decide ranks the fleets the search found by cost per hour, then GPUs, then p99 TPOT;
+    a configuration the search left out says why (it cannot be among the first two)."""
     from kvsim.plan.decide import decide
     configs = {}
 
-    def row(gpu, usd, qps):
-        cfg = configure(policy="dense-resident", gpu=gpu, batch=8)
+    def row(gpu, tp, replicas, price, tpot, searched=True):
+        cfg = configure(policy="dense-resident", gpu=gpu, batch=8, tp=tp)
         configs[cfg.key()] = cfg
-        return {"gpu": gpu, "key": cfg.key(), "status": "ok", "slo_max_qps": qps,
-                "replicas_needed": 1.0,
-                "usd_per_hour": usd, "usd_per_m_tokens": usd, "usd_per_request": usd,
-                "gpus": 1.0, "deployment": "{}", "label": "dense-resident", "batch": 8,
-                "policy": "dense-resident", "options": "{}", "price_usd_per_gpu_hour": usd,
-                "price_source": "test", "slo_fails_because": "p99 TPOT <= 20 ms missed: 21",
-                "max_batch_fit": 64, "error": ""}
+        usd = replicas * tp * price
+        return {"gpu": gpu, "key": cfg.key(), "status": "ok", "tp": tp, "batch": 8,
+                "label": "dense-resident", "kv_dtype": "bf16", "router": "round-robin",
+                "replicas_needed": replicas if searched else float("nan"),
+                "usd_per_hour": usd if searched else float("nan"), "usd_per_m_tokens": usd,
+                "usd_per_request": usd, "gpus": replicas * tp, "price_usd_per_gpu_hour": price,
+                "price_source": "test", "capacity_per_replica": 5.0 / replicas,
+                "fewer_fails_because": "p99 TPOT <= 20 ms missed: 21" if searched else
+                "not searched: work conservation needs at least 9 replica(s), $27.00/h",
+                "max_batch_fit": 64, "error": "", "fleet_requests": 200,
+                "fleet_served_frac_window": 1.0, "fleet_requests_per_s": 5.0,
+                **{f"fleet_{k}": tpot for k in ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms",
+                                                "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                                                "e2e_p99_s")}}
 
-    def check_run(r, replicas):  # l40s needs two replicas, whatever its search said
-        ok = r["gpu"] != "l40s" or replicas >= 2
-        lat = dict.fromkeys(("tpot_p50_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_s"), 1.0)
-        serving = SimpleNamespace(served_frac_window=1.0, queue_growth_window=0,
-                                  arrivals_window=100, tpot_p99_ms=10.0 if ok else 30.0, **lat,
-                                  requests=200, requests_per_s=5.0)
-        return SimpleNamespace(serving=serving, bounds={}, interval={})
-
-    df = pd.DataFrame([row("l40s", 1.0, 6.0), row("h100-sxm", 1.5, 6.0),
-                       row("h200", 3.0, 6.0)])
-    out, answer = decide(df, 5.0, [slo.Limit("tpot_ms", 20)], check_run, configs)
-    assert (answer["gpu"], answer["replicas"]) == ("h100-sxm", 1)  # 2 x l40s: $2.00/h
-    assert answer["runner_up"]["gpu"] == "l40s" and answer["runner_up"]["replicas"] == 2
-    assert answer["runner_up"]["usd_per_hour"] == pytest.approx(2.0)
+    df = pd.DataFrame([row("l40s", 1, 4, 1.0, 12.0), row("h100-sxm", 2, 1, 2.0, 15.0),
+                       row("h200", 1, 4, 1.0, 9.0), row("a100-80gb", 1, 9, 3.0, 5.0, False)])
+    out, answer = decide(df, 5.0, [slo.Limit("tpot_ms", 20)], configs)
+    # three at $4.00/h: 2 GPUs beat 4; of the two with 4 GPUs the lower p99 TPOT
+    assert (answer["gpu"], answer["replicas"], answer["gpus"]) == ("h100-sxm", 1, 2)
+    assert answer["runner_up"]["gpu"] == "h200"
     why = dict(zip(out.gpu, out.why_lost))
-    assert why["h100-sxm"] == "the answer" and why["l40s"].startswith("runner-up: $2.00/h")
-    assert "1 replica(s) failed the check" in why["l40s"]
-    assert list(out.sort_values("rank").gpu) == ["h100-sxm", "l40s", "h200"]
-    assert answer["rejected"][0]["configuration"].startswith("h200")
+    assert why["h100-sxm"] == "the answer" and why["h200"].startswith("runner-up: $4.00/h")
+    assert why["l40s"].startswith("$4.00/h, $0.00/h more than the answer: it needs 4 "
+                                  "replica(s) of 1 GPU(s) behind round-robin; 3 fail")
+    assert why["a100-80gb"].startswith("not searched: work conservation")
+    assert list(out.sort_values("rank").gpu) == ["h100-sxm", "h200", "l40s", "a100-80gb"]
+    assert answer["one_fewer"] is None and answer["runner_up"]["one_fewer"]["replicas"] == 3

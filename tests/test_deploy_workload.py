@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pandas as pd
+import pytest
 from conftest import run_cli
 
 from kvsim.plan import slo
@@ -18,29 +19,33 @@ def _workload(path, n=400):
     return path
 
 
-def test_a_workload_plan_answers_a_rate_the_scaled_file_sustains(tmp_path):
+def test_a_workload_plan_answers_a_fleet_the_scaled_file_confirms(tmp_path):
+    """With a workload the deployment search replays the file's first requests, their times
+    scaled to the target rate, on each fleet: the answer's fleet meets the SLO there and one
+    replica fewer does not; the table says the file's prompt and output lengths."""
     from kvsim.replay import configure, run_replay
     wl = _workload(tmp_path / "wl.csv")
     out = tmp_path / "plan"
     code, _, err = run_cli("plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--workload", wl,
-                           "--policy", "dense-resident", "--batch", "8", "--slo-tpot-ms", "20",
-                           "--slo-requests", "200", "--target-qps", "10", "--out", out, "--json")
+                           "--policy", "dense-resident", "--batch", "8", "--tp", "1",
+                           "--slo-tpot-ms", "20", "--slo-requests", "200", "--target-qps", "10",
+                           "--out", out, "--json")
     assert code == 0, err
-    row = pd.read_csv(out / "results.csv").iloc[0]
+    df = pd.read_csv(out / "results.csv")
+    row = df.iloc[0]
     assert row.context == 4089  # the file's mean prompt
-    q = row.slo_max_qps
+    assert row.output_len == pytest.approx(pd.read_csv(wl).output.mean(), abs=0.5)
+    answer = json.loads((out / "answer.json").read_text())
     limits = [slo.Limit("tpot_ms", 20)]
     cfg = configure(policy="dense-resident", gpu="h100-sxm", model="qwen3-4b", batch=8,
                     workload_csv=wl, slo={"tpot_ms": 20})
 
-    def replay(rate):  # the file's first 400 requests, their times scaled to the rate
-        return run_replay(cfg.at_rate(rate, 400))
-    at = replay(q)
+    def replay(replicas):  # the file's first 400 requests, their times scaled to 10 req/s
+        return run_replay(cfg.at_rate(10.0, 400, replicas=replicas, router=answer["router"]))
+    at = replay(answer["replicas"])
     assert at.serving.requests == 400 and slo.check(at, limits)[0]
-    assert at.serving.requests_per_s >= 0.9 * q * 0.9  # 400 requests: the drain counts
-    assert not slo.check(replay(1.1 * q), limits)[0]
-    answer = json.loads((out / "answer.json").read_text())
-    assert answer["replicas"] == int(np.ceil(10 / q)) and answer["check"]["meets_slo"]
+    assert answer["check"]["meets_slo"] and answer["replicas"] > 1
+    assert not slo.check(replay(answer["replicas"] - 1), limits)[0]
 
 
 def test_workload_and_context_are_one_or_the_other(tmp_path):

@@ -106,7 +106,7 @@ def test_plots_have_plain_ticks_one_legend_and_no_empty_panels(planned):
         svg = (out / f"{name}.svg").read_text()
         assert not NOT_PLAIN.search(" ".join(re.findall(r"<!-- (.*?) -->", svg))), name
     ticks = lambda name: {t for ax in seen[name]["axes"] for t in ax["ticks"]}  # noqa: E731
-    assert {"8K", "32K"} <= ticks("tpot_vs_context")
+    assert {"8,192", "32,768"} <= ticks("tpot_vs_context")  # thousands are 1,000
     assert {"1", "4"} <= ticks("throughput_vs_batch")
 
 
@@ -142,7 +142,7 @@ def test_narrow_data_get_a_linear_axis_and_hbm_limited_runs_are_named(figures, t
     assert not any(ax["offsets"]) and "memory" not in f["suptitle"].lower()
     assert {"1", "4", "16"} <= set(ax["ticks"])
     note = " ".join(f["notes"])
-    assert "h100-sxm m 32K a batch 16 (fits 8)" in note and " b batch" not in note
+    assert "h100-sxm m 32,768 a batch 16 (fits 8)" in note and " b batch" not in note
     rows = [dict(r, hbm_limited=False) for r in rows]
     plots.throughput_vs_batch(pd.DataFrame(rows), tmp_path)
     assert "No configuration shown is HBM-limited" in " ".join(figures["throughput_vs_batch"]

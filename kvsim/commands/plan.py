@@ -55,8 +55,9 @@ def add_parser(sub) -> None:
                    help="policies to sweep, each " + policy_help() + "; to sweep a policy's "
                         "own option, list one item per value: verkv:sketch=2bit,"
                         "verkv:sketch=perfect")
-    p.add_argument("--batch", type=lst(int), default=[1], metavar="N[,...]",
-                   help="max batch sizes [default: 1]")
+    p.add_argument("--batch", type=lst(int), metavar="N[,...]",
+                   help=f"max batch sizes [default: 1; with --target-qps "
+                        f"{','.join(map(str, DEFAULT_BATCHES))}]")
     p.add_argument("--qps", type=lst(float), metavar="R[,...]",
                    help="Poisson rates instead of closed loops (max batch: largest --batch)")
     p.add_argument("--output-len", type=int, default=128, metavar="N",
@@ -74,15 +75,19 @@ def add_parser(sub) -> None:
                       "pace with arrivals, the queue stays bounded) within every limit given; "
                       "a limit is VALUE or VALUE@p50 / VALUE@p99 (default p99); they also set "
                       "the goodput of every run")
-    for metric, what in (("tpot_ms", "TPOT, ms"), ("ttft_ms", "TTFT, ms"),
-                         ("e2e_s", "end-to-end latency, s")):
+    for metric, what in (("tpot_ms", "TPOT (each request's mean time per output token), ms"),
+                         ("ttft_ms", "TTFT, ms"), ("e2e_s", "end-to-end latency, s"),
+                         ("itl_ms", "ITL (every token's gap to the one before, prefill stalls "
+                                    "included; p50, p90 or p99 of tokens), ms")):
         slo_group.add_argument(f"--slo-{metric.replace('_', '-')}", metavar="LIMIT",
                                dest=f"slo_{metric}", help=what)
     slo_group.add_argument("--target-qps", type=float, metavar="R",
-                           help="decide a deployment: give each configuration the replicas "
-                                "that carry R req/s within the SLO (ceil(R / its sustained "
-                                "rate)), rank them by usd_per_hour and write DIR/answer.json "
-                                "with the cheapest, the runner-up and why the rest lost")
+                           help="decide a deployment: for each configuration the fewest "
+                                "replicas, behind each --router, whose fleet replay at R req/s "
+                                "meets the SLO (one fewer fails, and by what); the cheapest in "
+                                "DIR/answer.json with the runner-up and why the rest lost "
+                                f"[--tp default: {','.join(map(str, NODE_TP))}, those that split "
+                                "the model]")
     slo_group.add_argument("--slo-requests", type=int, default=1000, metavar="N",
                            help="requests per SLO probe; a rate that passes is run again twice "
                                 "as long and must pass there too [default: 1000]")
@@ -90,9 +95,9 @@ def add_parser(sub) -> None:
     add_deployment_flags(p)
     add_scheduling_flags(p)
     from kvsim.plan.sweep import DEPLOYMENT_AXES, SCHEDULING_AXES
-    kinds = {"kv_dtype": str, "host_gib": float}
+    kinds = {"kv_dtype": str, "host_gib": float, "router": str}
     for action in p._actions:  # plan sweeps these: comma-separated values
-        if action.dest in DEPLOYMENT_AXES + SCHEDULING_AXES:
+        if action.dest in DEPLOYMENT_AXES + SCHEDULING_AXES + ("router",):
             action.type, action.choices = lst(kinds.get(action.dest, int)), None
             action.metavar = f"{action.metavar or action.dest.upper()}[,...]"
     add_engine_flags(p)
@@ -123,28 +128,70 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def run(args) -> int:
+DEFAULT_BATCHES = (4, 16, 64)  # a deployment search's batches when --batch is not given
+NODE_TP = (1, 2, 4, 8)  # a deployment search's TP sizes when --tp is not given: a node's GPUs
+
+
+def sweep_spec(args):
+    """The plan the flags ask for; a deployment search (``--target-qps``) fills in the TP sizes
+    of a node that split the model and a few batch sizes where the flags leave them out (and
+    says so: :attr:`SweepSpec.defaulted`)."""
     from kvsim.commands._option_flags import changed_options, journal_key
     from kvsim.commands._policy_flags import policy_options
     from kvsim.commands.replay import engine_options
-    from kvsim.plan.executors import make_executor
-    from kvsim.plan.planner import SUMMARY, answer_lines, plan
+    from kvsim.errors import KvsimError
     from kvsim.plan.slo import parse_limit
     from kvsim.plan.sweep import SweepSpec
     from kvsim.sim.records import Deployment
     from kvsim.sim.rules import Scheduling
-    limits = [parse_limit(m, getattr(args, f"slo_{m}")) for m in ("tpot_ms", "ttft_ms", "e2e_s")
+    limits = [parse_limit(m, getattr(args, f"slo_{m}"))
+              for m in ("tpot_ms", "ttft_ms", "e2e_s", "itl_ms")
               if getattr(args, f"slo_{m}") is not None]
-    from kvsim.errors import KvsimError
     if (args.context is None) == (args.workload is None):
         raise KvsimError("give --context (prompt lengths) or --workload FILE, one of them")
-    spec = SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context or [],
-                     policies=args.policy, batches=args.batch, qps=args.qps,
+    deployment = changed_options(args, Deployment)
+    routers = deployment.pop("router", None)
+    if isinstance(routers, str):
+        routers = [routers]
+    if routers and args.target_qps is None:  # no search: the replicas' router, as replay's
+        if len(routers) > 1:
+            raise KvsimError("--router takes several routers only with --target-qps (the "
+                             "deployment search tries each); give one")
+        deployment["router"], routers = routers[0], None
+    defaulted = set()
+    batches = args.batch
+    if batches is None:
+        batches = list(DEFAULT_BATCHES) if args.target_qps is not None else [1]
+        defaulted.add("batch")
+    if args.target_qps is not None and "tp" not in deployment:
+        deployment["tp"] = [t for t in NODE_TP if _splits(args.model, t)]
+        defaulted.add("tp")
+    return SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context or [],
+                     policies=args.policy, batches=batches, qps=args.qps,
                      option_grid=policy_options(args), output_len=args.output_len,
                      requests=args.requests, seed=args.seed, trace=args.trace, slo=limits,
                      slo_requests=args.slo_requests, scheduling=journal_key(args, Scheduling),
-                     engine=engine_options(args), deployment=changed_options(args, Deployment),
-                     target_qps=args.target_qps, workload=args.workload)
+                     engine=engine_options(args), deployment=deployment,
+                     target_qps=args.target_qps, workload=args.workload, routers=routers,
+                     defaulted=frozenset(defaulted))
+
+
+def _splits(models: list[str], tp: int) -> bool:
+    """Whether every model splits ``tp`` ways (heads, MLP width)."""
+    from kvsim.errors import KvsimError
+    from kvsim.hw import catalog
+    try:
+        for m in models:
+            catalog.model(m).shard(tp)
+    except KvsimError:
+        return False
+    return True
+
+
+def run(args) -> int:
+    from kvsim.plan.executors import make_executor
+    from kvsim.plan.planner import answer_lines, plan, summary_columns
+    spec = sweep_spec(args)
     spec.validate()
     from kvsim.plan.cost import load_prices, parse_price, resolve
     prices = (load_prices(args.prices) if args.prices else {}) | \
@@ -161,11 +208,12 @@ def run(args) -> int:
     else:
         if summary["answer"] is not None:
             print("\n".join(answer_lines(summary["answer"])).replace("`", "") + "\n")
-        cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
+        cols = summary_columns(df)
         # a swept setting's values (as run: the default resolved), after the batch
-        for flag, col in (("--host-gib", "host_capacity_gib"),
-                          ("--max-batched-tokens", "max_batched_tokens")):
-            if col in df and df[col].nunique(dropna=False) > 1:
+        for flag, col, group in (("--host-gib", "host_capacity_gib", spec.deployment),
+                                 ("--max-batched-tokens", "max_batched_tokens", spec.scheduling)):
+            swept = group.get(col.replace("_capacity", ""))
+            if isinstance(swept, list) and len(swept) > 1 and col in df:
                 df[flag] = df[col]
                 cols.insert(cols.index("batch") + 1, flag)
         table(df[cols].to_dict("records"))

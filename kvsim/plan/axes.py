@@ -1,6 +1,6 @@
-"""Axis conventions of the plan's figures: plain tick labels (8K / 32K, 1 / 4 / 16, never 10^k),
-a log axis only where the data span ``LOG_SPAN`` times, one legend per figure beside its
-panels, no empty grid cells."""
+"""Axis conventions of the plan's figures: plain tick labels (8,192 / 32,768, 1 / 4 / 16, never
+10^k; thousands are 1,000), a log axis only where the data span ``LOG_SPAN`` times, one legend
+per figure beside its panels, no empty grid cells."""
 
 from __future__ import annotations
 
@@ -30,12 +30,11 @@ def plain(v: float) -> str:
 
 
 def tokens(v: float) -> str:
-    """A token count as 512, 8K, 250K, 1M."""
-    if v >= 1 << 20 and v % (1 << 20) == 0:
-        return f"{int(v) >> 20}M"
-    if v >= 1024:
-        return f"{v / 1024:.0f}K"
-    return f"{v:.0f}"
+    """A token count as written in the table, thousands meaning 1,000: 512, 8,192, 131,072,
+    1.05M (a million and more to three figures)."""
+    if v >= 1_000_000:
+        return f"{v / 1e6:.3g}M"
+    return f"{v:,.0f}"
 
 
 def scale(ax, axis: str, values, fmt=plain, ticks: bool = False,

@@ -73,9 +73,9 @@ def resolve(gpus: list[str], overrides: dict[str, float]) -> dict[str, tuple[flo
 
 def add_costs(df: pd.DataFrame, prices: dict[str, tuple[float | None, str]],
               target_qps: float | None = None) -> pd.DataFrame:
-    """``df`` with :data:`COLUMNS`. ``target_qps``: each row is one replica and is priced as
-    the replicas that carry the target rate (``replicas_needed``: ceil(target / its sustained
-    rate)), at that rate."""
+    """``df`` with :data:`COLUMNS`. ``target_qps``: each row is priced as the fleet that
+    carries the target rate (``replicas_needed``, found by the deployment search:
+    :mod:`kvsim.plan.fleet`), at that rate."""
     df = df.copy()
     price = df["gpu"].map(lambda g: prices.get(g, (None, ""))[0]).astype(float)
     df["price_usd_per_gpu_hour"] = price
@@ -85,10 +85,9 @@ def add_costs(df: pd.DataFrame, prices: dict[str, tuple[float | None, str]],
     tokens_per_request = _num(df, "throughput_tok_s", np.nan) / measured
     sustained = _num(df, "slo_max_qps", np.nan)
     if target_qps is not None:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            needed = np.ceil(target_qps / sustained * (1 - 1e-12))
-        df["replicas_needed"] = np.where(sustained > 0, needed, np.nan)
-        rate = pd.Series(np.where(sustained > 0, target_qps, np.nan), index=df.index)
+        needed = _num(df, "replicas_needed", np.nan)
+        df["replicas_needed"] = needed
+        rate = pd.Series(np.where(needed > 0, target_qps, np.nan), index=df.index)
     else:
         rate = sustained.where(sustained.notna(), measured)
     replicas = df["replicas_needed"] if target_qps is not None else _num(df, "replicas", 1.0)

@@ -1,11 +1,13 @@
-"""Deciding a deployment for a target rate: the cheapest configuration that carries it within
-the SLO, the runner-up, and what rules out each of the rest.
+"""Deciding a deployment for a target rate: the cheapest fleet that carries it within the SLO,
+the runner-up, and what rules out each of the rest.
 
-Each configuration was simulated as one replica and its sustained rate found by the SLO search
-(:mod:`kvsim.plan.slo`); it needs ceil(target / that rate) replicas, priced by
-:mod:`kvsim.plan.cost`. The cheapest is then checked: a replay of that many replicas at the
-target rate (twice the SLO probe's requests) must pass the same test as the search; if it does
-not, the configuration gets one more replica and the ranking is redone.
+Each configuration's fleet was found by the deployment search (:mod:`kvsim.plan.fleet`, run per
+configuration by :mod:`kvsim.plan.deployment`): the fewest replicas behind the best
+router whose fleet replay at the target rate meets every SLO, and the fleet with one replica
+fewer that does not. Priced by :mod:`kvsim.plan.cost`, the cheapest is the answer (ties: fewer
+GPUs, then the lower p99 TPOT). For the answer and the runner-up the search is run again at the
+two ends of the engine's prediction interval (:func:`kvsim.plan.fleet.at_engine_end`): the
+fleet size and cost a buyer should be ready for.
 """
 
 from __future__ import annotations
@@ -18,77 +20,59 @@ import pandas as pd
 from kvsim.plan import slo
 from kvsim.plan.sweep import KNOBS, knobs
 
-CHECK_TRIES = 3  # replicas added to a configuration whose check fails, at most
-LATENCY = ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_s")
+LATENCY = ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+           "itl_p99_ms", "e2e_p99_s")
 
 
 def binding(r) -> str:
     """What limits a configuration (one row): its memory (HBM, host memory), a latency limit
-    (TPOT, TTFT, e2e latency), its max batch running full, the host link or the GPU; "failed"
-    where the run failed."""
+    (TPOT, TTFT, ITL, e2e latency) or keeping up (the queue), its max batch running full, the
+    host link or the GPU; "failed" where the run failed. Of a fleet: what fails with one
+    replica fewer, and how busy the fleet runs at the target."""
     if r.get("status") == "failed":
         return "failed"
     if r.get("status") == "infeasible":
         return "host memory" if "host" in str(r.get("error", "")).lower() else "HBM"
-    why = str(r.get("slo_fails_because", ""))
-    for words, name in (("TPOT", "TPOT"), ("TTFT", "TTFT"), ("end-to-end", "e2e latency")):
+    fleet = "fewer_fails_because" in r and isinstance(r.get("fewer_fails_because"), str)
+    why = str(r.get("fewer_fails_because" if fleet else "slo_fails_because", ""))
+    for words, name in (("TPOT", "TPOT"), ("TTFT", "TTFT"), ("ITL", "ITL"),
+                        ("end-to-end", "e2e latency")):
         if words in why:
             return name
+    at = "fleet_" if fleet else "slo_at_"
     batch, fit = float(r.get("batch", 0)), float(r.get("max_batch_fit", math.inf))
     if fit < batch:
         return "HBM"  # the batch that fits in HBM caps the rate
-    if float(r.get("slo_at_mean_batch", 0) or 0) >= 0.9 * batch:
+    if float(r.get(f"{at}mean_batch", 0) or 0) >= 0.9 * batch:
         return "max batch"  # the batch it is allowed runs full
-    link, gpu = float(r.get("slo_at_link_util", 0) or 0), float(r.get("slo_at_gpu_util", 0) or 0)
+    link, gpu = float(r.get(f"{at}link_util", 0) or 0), float(r.get(f"{at}gpu_util", 0) or 0)
     return "the link" if link >= gpu and link > 0 else "GPU"
 
 
 def describe(r) -> str:
     """A configuration (its table row) in a few words: ``h100-sxm TP1 dense-resident batch 16
     KV bf16`` (and ``max_batched_tokens 2048``, ``host_gib 64`` where set)."""
-    knobs = r.get("knobs")
-    return (f"{r['gpu']} TP{int(r.get('tp', 1))} {r['label']} batch {int(r['batch'])} KV "
+    knobs, tp = r.get("knobs"), int(r.get("tp", 1))
+    label = str(r["label"]).removesuffix(f" TP{tp}")  # (a figure's label may name it)
+    return (f"{r['gpu']} TP{tp} {label} batch {int(r['batch'])} KV "
             f"{r.get('kv_dtype') or 'bf16'}" + (f" {knobs}" if isinstance(knobs, str) and knobs
                                               else ""))
 
 
-def decide(df: pd.DataFrame, target_qps: float, limits: list, check_run,
-           configs: dict) -> tuple[pd.DataFrame, dict]:
+def decide(df: pd.DataFrame, target_qps: float, limits: list, configs: dict,
+           ends=None) -> tuple[pd.DataFrame, dict]:
     """``df`` with ``binding``, ``rank`` and ``why_lost`` columns, and the answer (the contents
-    of answer.json). ``check_run(row, replicas)``: a replay of that configuration and count of
-    replicas at the target rate (a ReplayResult); ``configs``: each row's configuration by its
-    key."""
+    of answer.json). ``configs``: each row's configuration by its key; ``ends(row)``: the fleet
+    at the two ends of the engine's interval (``{"lo": Fleet, "hi": Fleet}``, lo the faster
+    engine), for the answer and the runner-up."""
     df = df.copy()
     df["binding"] = [binding(r) for r in df.to_dict("records")]
-    checks: dict[int, list] = {}
     rows = df.to_dict("records")
-    candidates = [i for i, r in enumerate(rows) if r.get("status") == "ok"
-                  and (r.get("slo_max_qps") or 0) > 0 and _finite(r.get("usd_per_hour"))]
-
-    def cost(i):
-        r = rows[i]
-        return (r["usd_per_hour"], -r["slo_max_qps"] * r["replicas_needed"], i)
-
-    order: list[int] = []
-    while candidates:
-        i = min(candidates, key=cost)
-        r = rows[i]
-        report = check_run(r, int(r["replicas_needed"]))
-        good, why = slo.check(report, limits)
-        checks.setdefault(i, []).append((int(r["replicas_needed"]), good, why, report))
-        if good:
-            order.append(i)
-            candidates.remove(i)
-            if len(order) == 2:
-                break
-        elif len(checks[i]) > CHECK_TRIES:
-            candidates.remove(i)
-        else:  # one replica more, priced again, and the ranking redone
-            scale = (r["replicas_needed"] + 1) / r["replicas_needed"]
-            for k in ("usd_per_hour", "usd_per_m_tokens", "usd_per_request", "gpus"):
-                r[k] = r[k] * scale
-            r["replicas_needed"] += 1
-    rest = sorted((i for i, r in enumerate(rows) if i not in order),
+    carry = [i for i, r in enumerate(rows) if r.get("status") == "ok"
+             and _finite(r.get("replicas_needed")) and _finite(r.get("usd_per_hour"))]
+    order = sorted(carry, key=lambda i: (rows[i]["usd_per_hour"], rows[i]["gpus"],
+                                         rows[i].get("fleet_tpot_p99_ms") or 0, i))[:2]
+    rest = sorted((i for i in range(len(rows)) if i not in order),
                   key=lambda i: (not _finite(rows[i].get("usd_per_hour")),
                                  rows[i].get("usd_per_hour") or 0))
     ranked = order + rest
@@ -97,11 +81,13 @@ def decide(df: pd.DataFrame, target_qps: float, limits: list, check_run,
         rows[i]["rank"] = rank + 1
         role = ("the answer", "runner-up")[order.index(i)] if i in order else ""
         rows[i]["why_lost"] = role if role == "the answer" else \
-            _why_lost(rows[i], configs[rows[i]["key"]], role, answer_cost, checks.get(i, []))
+            _why_lost(rows[i], role, answer_cost)
     out = pd.DataFrame(rows, index=df.index)
     answer = {"target_qps": target_qps, "slo": slo.describe(limits)}
+
     def entry(i):
-        return _entry(rows[i], configs[rows[i]["key"]], checks[i][-1])
+        return _entry(rows[i], configs[rows[i]["key"]],
+                      ends(rows[i]) if ends is not None else None)
 
     if order:
         answer |= entry(order[0])
@@ -137,8 +123,7 @@ def decided_by(rows: list[dict], answer: int) -> list[dict]:
             theirs, value = without(r, group, knob)
             if theirs != rest or value == mine:
                 continue
-            carries = r.get("status") == "ok" and _finite(r.get("usd_per_hour")) and \
-                not str(r.get("why_lost", "")).startswith(("fails at", "no rate"))
+            carries = r.get("status") == "ok" and _finite(r.get("usd_per_hour"))
             others.append({"value": value, "usd_per_hour": r["usd_per_hour"] if carries else None,
                            "why": r.get("why_lost")})
         if any(o["usd_per_hour"] is None or o["usd_per_hour"] > a["usd_per_hour"] + 1e-9
@@ -154,58 +139,69 @@ def _finite(v) -> bool:
         return False
 
 
-def _why_lost(r, cfg, role: str, answer_cost, checks: list) -> str:
+def _why_lost(r, role: str, answer_cost) -> str:
     """Why a configuration is not the answer, in words (``role``: "runner-up" or "")."""
     if r.get("status") != "ok":
         return f"does not run: {r.get('error')}"
-    if not (r.get("slo_max_qps") or 0) > 0:
-        return f"no rate meets the SLO: {r.get('slo_fails_because')}"
+    if not _finite(r.get("replicas_needed")):
+        why = str(r.get("fewer_fails_because"))
+        return why if why.startswith("not searched") else \
+            f"no fleet carries the target within the SLO: {why}"
     if not _finite(r.get("usd_per_hour")):
         return f"no price for {r['gpu']}: {r.get('price_source')}"
-    failed = [c for c in checks if not c[1]]
-    if checks and not checks[-1][1]:
-        return (f"fails at the target rate with up to {checks[-1][0]} replicas: "
-                f"{checks[-1][2]}")
     more = r["usd_per_hour"] - answer_cost if answer_cost is not None else math.nan
-    words = (f"${r['usd_per_hour']:.2f}/h, ${more:.2f}/h more than the answer: "
-             f"{r['binding']} limits it to {r['slo_max_qps']:.3g} req/s per replica, so it "
-             f"needs {int(r['replicas_needed'])} replica(s) of {cfg.deployment.tp} GPU(s)")
-    if failed:
-        words += f" ({failed[0][0]} replica(s) failed the check at the target rate)"
+    n = int(r["replicas_needed"])
+    words = (f"${r['usd_per_hour']:.2f}/h, ${more:.2f}/h more than the answer: it needs "
+             f"{n} replica(s) of {int(r.get('tp', 1))} GPU(s) behind {r.get('router')}"
+             + (f"; {n - 1} fail ({r['binding']}: {r.get('fewer_fails_because')})" if n > 1
+                else ""))
     return (f"{role}: " if role else "") + words
 
 
-def _entry(r, cfg, check) -> dict:
-    replicas, good, why, report = check
-    s, d = report.serving, cfg.deployment
-    return {"gpu": r["gpu"], "tp": d.tp, "replicas": replicas, "gpus": replicas * d.tp,
-            "policy": cfg.policy.name, "options": dict(cfg.options), "label": r["label"],
-            "batch": cfg.batch, "kv_dtype": d.kv_dtype or "bf16", **knobs(cfg),
-            "weight_dtype": d.weight_dtype or "bf16",
-            "usd_per_hour": r["usd_per_hour"], "usd_per_m_tokens": r["usd_per_m_tokens"],
-            "usd_per_request": r["usd_per_request"],
-            "price_usd_per_gpu_hour": r["price_usd_per_gpu_hour"],
-            "price_source": r["price_source"],
-            "qps_capacity_per_replica": r["slo_max_qps"],
-            "qps_capacity_per_replica_interval": [r.get("slo_max_qps_lo"),
-                                                  r.get("slo_max_qps_hi")],
-            "binding": r["binding"],
-            "latency_at_target": {k: getattr(s, k) for k in LATENCY},
-            "uncertainty": _uncertainty(report),
-            "check": {"requests": s.requests, "replicas": replicas,
-                      "served_frac_window": s.served_frac_window,
-                      "requests_per_s": s.requests_per_s, "meets_slo": good, "why": why}}
+def _entry(r, cfg, ends) -> dict:
+    d, n = cfg.deployment, int(r["replicas_needed"])
+    out = {"gpu": r["gpu"], "tp": d.tp, "replicas": n, "gpus": n * d.tp,
+           "router": r["router"], "policy": cfg.policy.name, "options": dict(cfg.options),
+           "label": r["label"], "batch": cfg.batch, "kv_dtype": d.kv_dtype or "bf16",
+           **knobs(cfg), "weight_dtype": d.weight_dtype or "bf16",
+           "usd_per_hour": r["usd_per_hour"], "usd_per_m_tokens": r["usd_per_m_tokens"],
+           "usd_per_request": r["usd_per_request"],
+           "price_usd_per_gpu_hour": r["price_usd_per_gpu_hour"],
+           "price_source": r["price_source"],
+           "qps_capacity_per_replica": r["capacity_per_replica"],
+           "binding": r["binding"],
+           "latency_at_target": {k: r[f"fleet_{k}"] for k in LATENCY},
+           "uncertainty": _uncertainty(r, ends),
+           "check": {"requests": int(r["fleet_requests"]), "replicas": n,
+                     "served_frac_window": r["fleet_served_frac_window"],
+                     "requests_per_s": r["fleet_requests_per_s"], "meets_slo": True,
+                     "why": ""},
+           "one_fewer": ({"replicas": n - 1, "meets_slo": False,
+                          "why": r["fewer_fails_because"]} if n > 1 else None),
+           "routers": r.get("routers_tried")}
+    return out
 
 
-def _uncertainty(result) -> dict:
-    """How sure the check's figures are: the prediction interval every result carries (the
-    engine's checked error, around the policy profile's 90% interval on the KV read where one
-    applies) on TPOT, TTFT and throughput, and the profile's KV-read interval."""
-    b = result.bounds
-    out = {f"{k}_interval": list(b[k]) for k in ("tpot_ms", "ttft_ms", "throughput_tok_s")
-           if k in b}
-    if "kv_read_frac" in b:
-        out["kv_read_frac_interval"] = list(b["kv_read_frac"])
-    out["engine_check"] = result.interval.get("engine_check")
-    out["rule"] = result.interval.get("rule")
+def _uncertainty(r, ends) -> dict:
+    """How sure the answer is: the fleet's latencies at the ends of the prediction interval
+    (the engine's checked error, around the policy profile's where one applies), and the fleet
+    the search finds at the engine interval's ends, in replicas, GPUs and dollars."""
+    from kvsim.replay.report import INTERVAL_RULE
+    out = {f"{k}_interval": [r.get(f"fleet_{k}_lo"), r.get(f"fleet_{k}_hi")]
+           for k in ("tpot_ms", "ttft_ms", "throughput_tok_s")
+           if _finite(r.get(f"fleet_{k}_lo"))}
+    out |= {"engine_spread": r.get("engine_spread"), "engine_check": r.get("engine_check"),
+            "rule": INTERVAL_RULE}
+    if ends:
+        tp, price = int(r.get("tp", 1)), r["price_usd_per_gpu_hour"]
+        fleets = {end: f.replicas for end, f in ends.items()}
+        out["fleet_at_engine_ends"] = {
+            "replicas": [fleets.get("lo"), fleets.get("hi")],
+            "gpus": [None if fleets.get(e) is None else fleets[e] * tp for e in ("lo", "hi")],
+            "usd_per_hour": [None if fleets.get(e) is None else fleets[e] * tp * price
+                             for e in ("lo", "hi")],
+            "rule": "the deployment search with the engine's times at the ends of its "
+                    "interval (lo: e^-s times the predicted, hi: e^s; s the engine's spread): "
+                    "the predicted fleet at e^(+-s) times the rate under the limits divided "
+                    "by e^(+-s)"}
     return out

@@ -35,6 +35,18 @@ SUMMARY = ["gpu", "model", "context", "label", "tp", "replicas_needed", "batch",
            "tpot_ms", "tpot_p99_ms", "decode_tok_s", "ttft_ms", "ttft_p99_ms", "hbm_gib",
            "max_batch_fit", "link_util", "kv_read_frac", "goodput_rps", "slo_max_qps",
            "usd_per_hour", "usd_per_m_tokens", "binding", "status"]
+# a deployment search's table: each configuration's fleet at the target rate
+FLEET_SUMMARY = ["gpu", "model", "context", "label", "tp", "batch", "replicas_needed", "router",
+                 "fleet_tpot_p99_ms", "fleet_ttft_p99_ms", "fleet_itl_p99_ms", "hbm_gib",
+                 "max_batch_fit", "kv_read_frac", "usd_per_hour", "usd_per_m_tokens",
+                 "binding", "status"]
+
+
+def summary_columns(df: pd.DataFrame) -> list[str]:
+    """The columns the terminal and the report show: a deployment search's fleets, else each
+    configuration's own run."""
+    cols = FLEET_SUMMARY if "router" in df and df["router"].notna().any() else SUMMARY
+    return [c for c in cols if c in df and df[c].notna().any()]
 
 
 
@@ -44,6 +56,12 @@ def _range(ends) -> str:
     if not ends or any(e is None or not math.isfinite(float(e)) for e in ends):
         return ""
     return f" (interval {float(ends[0]):.3g}-{float(ends[1]):.3g})"
+
+
+def _span(ends, fmt: str = "g") -> str:
+    """``4-7`` (or ``4`` where both ends agree; ``?`` for an end with no fleet)."""
+    shown = ["?" if e is None else format(e, fmt) for e in ends]
+    return shown[0] if shown[0] == shown[1] else f"{shown[0]}-{shown[1]}"
 
 
 def _ms(x: float) -> str:
@@ -133,10 +151,18 @@ def _plan(spec, out: Path, executor, quality, progress, command, force,
     written, settings, old = _previous_rows(out, spec, force)
     configs = {c.key(): c for c in expand(spec)}
     jpath = out / JOURNAL
-    journal, on_rows = journal_writer(jpath)
+    journal, journal_rows_ = journal_writer(jpath)
+    seen: list[dict] = []
+
+    def on_rows(rows):
+        journal_rows_(rows)
+        seen.extend(rows)
+
     with journal:
         new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress, on_rows,
-                    configs=list(configs.values()))
+                    configs=list(configs.values()),
+                    status=lambda: best_so_far(seen, gpu_prices) if spec.target_qps else "",
+                    search=_fleet_search(spec, gpu_prices))
     df = pd.concat([old, new], ignore_index=True) if len(old) else new
     if df.empty:
         raise KvsimError("the sweep has no configurations")
@@ -172,6 +198,33 @@ def _plan(spec, out: Path, executor, quality, progress, command, force,
         "pruned": int(df.get("error", pd.Series(dtype=str)).astype(str)
                       .str.startswith("pruned before").sum()),
         "crossings": series.get("crossover", {}).get("_crossings", {})}, df)
+
+
+def _fleet_search(spec: SweepSpec, prices: dict):
+    """With a target rate, the deployment search that runs the sweep's configurations (the
+    smallest fleet of each, :mod:`kvsim.plan.deployment`); None without."""
+    if spec.target_qps is None:
+        return None
+    import functools
+
+    from kvsim.plan import deployment
+    return functools.partial(deployment.search, spec, prices=prices)
+
+
+def best_so_far(rows: list[dict], prices: dict) -> str:
+    """The cheapest fleet among the configurations searched so far, in words."""
+    best = None
+    for r in rows:
+        n, price = r.get("replicas_needed"), prices.get(r.get("gpu"), (None, ""))[0]
+        if r.get("status") == "ok" and n == n and n is not None and price is not None:
+            usd = n * r.get("tp", 1) * price
+            if best is None or usd < best[0]:
+                best = (usd, r)
+    if best is None:
+        return "no fleet found yet"
+    usd, r = best
+    return (f"best so far: {int(r['replicas_needed'])} x {r['gpu']} TP{r['tp']} {r['label']} "
+            f"batch {r['batch']} behind {r['router']}, ${usd:.2f}/h")
 
 
 def _previous_rows(out: Path, spec: SweepSpec, force: bool) -> tuple[set, dict, pd.DataFrame]:
@@ -227,17 +280,60 @@ def _input_hashes(spec: SweepSpec) -> dict[str, str]:
 
 def _decide(df: pd.DataFrame, spec: SweepSpec, configs: dict) -> tuple[pd.DataFrame, dict]:
     """The answer for ``spec.target_qps`` among this plan's configurations (``configs``, by
-    key), each candidate checked by a replay at the target rate (:mod:`kvsim.plan.decide`)."""
-    from kvsim.plan.decide import decide
-    from kvsim.replay import run_replay
+    key): the cheapest fleet the deployment search found (:mod:`kvsim.plan.decide`), with the
+    fleet at the engine interval's ends for the answer and the runner-up, and the grid's edges
+    the answer sits on."""
+    import math
 
-    def check_run(row: dict, replicas: int):
-        return run_replay(configs[row["key"]].at_rate(spec.target_qps, 2 * spec.slo_requests,
-                                                      replicas=replicas))
+    from kvsim.plan import fleet
+    from kvsim.plan.decide import decide
+    from kvsim.plan.deployment import target_of
+    from kvsim.replay import run_replay
+    target = target_of(spec)
+
+    def ends(row: dict):
+        spread = row.get("engine_spread")
+        if not (isinstance(spread, float) and math.isfinite(spread) and spread > 0):
+            return None
+        cfg = configs[row["key"]]
+
+        def replay_at(rate, n, router):
+            return run_replay(cfg.at_rate(rate, target.requests, replicas=n, router=router))
+        return {end: fleet.at_engine_end(replay_at, spec.slo, row["router"], target.qps,
+                                         math.exp(s), int(row["replicas_needed"]))
+                for end, s in (("lo", -spread), ("hi", spread))}
 
     mine = df["key"].isin(configs)
-    decided, answer = decide(df[mine], spec.target_qps, spec.slo, check_run, configs)
+    decided, answer = decide(df[mine], spec.target_qps, spec.slo, configs, ends)
+    if answer.get("gpu") is not None:
+        answer["grid_edges"] = grid_edges(answer, spec)
     return pd.concat([decided, df[~mine]]), answer
+
+
+NEIGHBOURS = {"tp": [1, 2, 4, 8], "batch": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]}
+
+
+def grid_edges(answer: dict, spec: SweepSpec) -> list[str]:
+    """Where the answer sits on the edge of a dimension the user restricted (``--tp``,
+    ``--batch``), in words naming the neighbour to try."""
+    swept = {"tp": spec.deployment.get("tp", [1]), "batch": spec.batches}
+    out = []
+    for axis, flag in (("tp", "--tp"), ("batch", "--batch")):
+        values = swept[axis] if isinstance(swept[axis], list) else [swept[axis]]
+        if axis in spec.defaulted or len(values) < 1:
+            continue
+        mine, ladder = answer[axis], NEIGHBOURS[axis]
+        for edge, side in ((max(values), 1), (min(values), -1)):
+            if mine != edge:
+                continue
+            nxt = [v for v in ladder if (v > edge if side > 0 else v < edge)]
+            if nxt:
+                near = nxt[0] if side > 0 else nxt[-1]
+                words = "largest" if side > 0 else "smallest"
+                out.append(f"the answer's {flag.lstrip('-')} {mine} is the {words} {flag} swept; "
+                           f"{flag} {near} may be cheaper: add it "
+                           f"({flag} {','.join(map(str, sorted({*values, near})))})")
+    return out
 
 
 def _in_sweep_order(df: pd.DataFrame, configs: dict) -> pd.DataFrame:
@@ -250,7 +346,7 @@ def _in_sweep_order(df: pd.DataFrame, configs: dict) -> pd.DataFrame:
 
 
 def _md_table(df: pd.DataFrame) -> str:
-    cols = [c for c in SUMMARY if c in df and df[c].notna().any()]
+    cols = summary_columns(df)
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for _, r in df.iterrows()]
@@ -271,12 +367,14 @@ PLOT_TEXT = {
     "goodput_vs_rate": "Requests per second that meet every SLO given, against the offered "
                        "Poisson rate (DistServe's goodput); where a line leaves the diagonal, "
                        "requests start missing their SLO.",
-    "cost_vs_latency": "Cost per million output tokens vs p99 TPOT (and TTFT) at each "
-                       "configuration's sustained rate, for those that carry the target within "
-                       "the SLO; the line joins the Pareto frontier (nothing both cheaper and "
-                       "faster), the star is the answer.",
-    "capacity_per_gpu": "Sustained requests per second per GPU within the SLO (one replica's "
-                        "rate over its TP size), sorted; the answer in red.",
+    "cost_vs_latency": "Cost per million output tokens vs p99 TPOT (and TTFT) of each "
+                       "configuration's fleet at the target rate (with an SLO search and no "
+                       "target: of one replica at its sustained rate), for those that carry the "
+                       "target within the SLO; the line joins the Pareto frontier (nothing both "
+                       "cheaper and faster), the star is the answer.",
+    "capacity_per_gpu": "Requests per second per GPU: the target over the GPUs of the fleet "
+                        "that carries it (with an SLO search and no target: one replica's "
+                        "sustained rate over its TP size), sorted; the answer in red.",
 }
 
 
@@ -288,24 +386,29 @@ def answer_lines(answer: dict) -> list[str]:
                 f"{answer['why']}."]
 
     def one(a: dict) -> str:
-        lat = a["latency_at_target"]
-        return (f"{a['replicas']} x {a['gpu']} TP{a['tp']} ({a['gpus']} GPUs), {a['label']}, "
-                f"batch {a['batch']}, KV {a['kv_dtype']}"
+        lat, fewer = a["latency_at_target"], a.get("one_fewer")
+        ends = (a.get("uncertainty") or {}).get("fleet_at_engine_ends")
+        return (f"{a['replicas']} x {a['gpu']} TP{a['tp']} ({a['gpus']} GPUs) behind "
+                f"{a['router']}, {a['label']}, batch {a['batch']}, KV {a['kv_dtype']}"
                 + "".join(f", {k} {a[k]:g}" for _, k in KNOBS if a.get(k) is not None)
                 + f": ${a['usd_per_hour']:.2f}/h, "
                 f"${a['usd_per_m_tokens']:.3g} per M output tokens; at the target rate TPOT "
                 f"p50/p99 {_ms(lat['tpot_p50_ms'])}/{_ms(lat['tpot_p99_ms'])}, TTFT p50/p99 "
-                f"{_ms(lat['ttft_p50_ms'])}/{_ms(lat['ttft_p99_ms'])}; "
-                f"{a['qps_capacity_per_replica']:.3g} req/s per replica"
-                + _range(a.get("qps_capacity_per_replica_interval"))
-                + f" ({a['binding']} binds)")
+                f"{_ms(lat['ttft_p50_ms'])}/{_ms(lat['ttft_p99_ms'])}, ITL p50/p99 "
+                f"{_ms(lat['itl_p50_ms'])}/{_ms(lat['itl_p99_ms'])}"
+                + (f"; {fewer['replicas']} replica(s) fail ({fewer['why']})" if fewer else "")
+                + (f"; with the engine's times at its interval's ends: "
+                   f"{_span(ends['replicas'])} replicas, {_span(ends['gpus'])} GPUs, "
+                   f"${_span(ends['usd_per_hour'], '.2f')}/h" if ends else ""))
 
     lines = [f"Answer for {answer['target_qps']:g} req/s with {answer['slo']}: "
-             + one(answer) + f"; a replay of {answer['check']['requests']} requests at the "
-             f"target rate kept up (completions {100 * answer['check']['served_frac_window']:.0f}%"
-             f" of arrivals over its measured window) within the SLO."]
+             + one(answer) + f"; its fleet replay of {answer['check']['requests']} requests at "
+             f"the target rate kept up (completions "
+             f"{100 * answer['check']['served_frac_window']:.0f}% of arrivals over its measured "
+             f"window) within the SLO."]
     if answer.get("runner_up"):
         lines.append("Runner-up: " + one(answer["runner_up"]) + ".")
+    lines += [f"Grid edge: {w}." for w in answer.get("grid_edges", [])]
     lines.append(f"{answer['configurations']} configurations, {answer['pruned']} pruned before "
                  f"simulation (weights do not fit in HBM); why each lost: `why_lost` and "
                  f"`binding` in results.csv, `rejected` in answer.json.")
@@ -375,7 +478,9 @@ def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality
         blocks += [("h2", "Crossovers"),
                    ("ul", [f"{k}: ratio crosses 1 at about {v:,.0f} tokens"
                            for k, v in crossings.items()])]
-    if spec.slo:
+    if spec.slo and spec.target_qps is not None:
+        blocks += _search_blocks(df, spec)
+    elif spec.slo:
         from kvsim.plan import slo
         blocks += [("h2", "SLO"),
                    ("p", f"The highest Poisson rate that is sustained (completions keep "
@@ -412,6 +517,36 @@ def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality
     return blocks
 
 
+def _search_blocks(df, spec: SweepSpec) -> list:
+    """The deployment search in the report: how it sizes a fleet, and each configuration's."""
+    from kvsim.plan import slo
+    from kvsim.plan.deployment import target_of
+    target = target_of(spec)
+    items = []
+    for r in df[df.status == "ok"].itertuples():
+        name = f"{r.gpu} TP{r.tp}, {r.label}, batch {r.batch}"
+        n = getattr(r, "replicas_needed", float("nan"))
+        if n == n:
+            items.append(f"{name}: {int(n)} replica(s) behind {r.router} "
+                         f"({r.routers_tried}); TPOT p99 {_ms(r.fleet_tpot_p99_ms)}, TTFT p99 "
+                         f"{_ms(r.fleet_ttft_p99_ms)}, ITL p99 {_ms(r.fleet_itl_p99_ms)}; "
+                         f"one fewer: {r.fewer_fails_because}")
+        else:
+            items.append(f"{name}: no fleet: {r.fewer_fails_because}")
+    return [("h2", "Deployment search"),
+            ("p", f"For each configuration the fewest replicas behind each router "
+                  f"({', '.join(target.routers)}) whose fleet replay of {target.requests} "
+                  f"requests at {target.qps:g} req/s keeps up (completions at least 95% of "
+                  f"arrivals over the measured window, the queue bounded) with "
+                  f"{slo.describe(spec.slo)}: from the replicas that work conservation needs "
+                  f"(one replica fed the whole rate completes what it can), up by half "
+                  f"until a fleet passes, then by halves down to the fewest; the fleet with one "
+                  f"replica fewer is run too, and what it misses is said. Columns "
+                  f"`replicas_needed`, `router`, `fleet_*` (the fleet's figures at the "
+                  f"target), `fewer_fails_because`, `routers_tried`."),
+            ("ul", items)]
+
+
 def _render_md(blocks: list) -> str:
     lines: list[str] = []
     for kind, body in blocks:
@@ -436,7 +571,7 @@ def _inline(text: str) -> str:
     return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", t)
 
 
-HTML_COLUMNS = SUMMARY[:-1] + ["hbm_limited", "status"]
+
 
 _CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:1.5em auto;max-width:1200px;padding:0 1em;
 color:#222}h1,h2,h3{line-height:1.2}code{background:#f3f3f3;padding:0 .2em}
@@ -475,7 +610,8 @@ window.addEventListener('hashchange',fromHash);fromHash();})();"""
 
 
 def _html_table(df: pd.DataFrame) -> str:
-    cols = [c for c in HTML_COLUMNS if c in df and df[c].notna().any()]
+    cols = [c for c in summary_columns(df) if c != "status"] + \
+        [c for c in ("hbm_limited", "status") if c in df and df[c].notna().any()]
     head = "".join(f'<th data-col="{html.escape(c)}" title="click to sort">{html.escape(c)}</th>'
                    for c in cols)
     rows = []

@@ -158,6 +158,8 @@ def tpot_vs_context(df: pd.DataFrame, out: Path) -> dict:
     d = _closed_loop(df)
     d = d[d.batch == d.batch.min()]
     series = {}
+    if d.empty or d.context.nunique() < 2:  # one context (a workload): nothing varies on x
+        return series
     fig, panels = _panels(d, ["gpu", "model"])
     if fig is None:
         return series
@@ -287,8 +289,8 @@ def crossover(df: pd.DataFrame, out: Path, base: str = "dense-offload") -> dict:
     memory; where a line crosses 1, that policy stops beating ``base``."""
     d = _closed_loop(df)
     fetching = d[(d.policy != base) & (d.host_frac > 0)] if "host_frac" in d else d[:0]
-    if base not in set(d.policy) or fetching.empty:
-        return {}
+    if base not in set(d.policy) or fetching.empty or d.context.nunique() < 2:
+        return {}  # (one context, a workload's: no crossing to draw)
     b = d[d.policy == base].groupby(["gpu", "model", "batch", "context"])["tpot_ms"].min()
     series, crossings = {}, {}
     fig, ax = _single(8, 4)
@@ -396,13 +398,26 @@ def frontier(d: pd.DataFrame, x: str, y: str) -> list:
             if not ((pts <= p).all(axis=1) & (pts < p).any(axis=1)).any()]
 
 
-def _meets(d: pd.DataFrame) -> pd.Series:
-    """The rows that carry the target within the SLO at a known price (a sustained rate, a
-    cost, and no failed check at the target rate)."""
-    why = d["why_lost"].astype(str) if "why_lost" in d else pd.Series("", index=d.index)
-    return (pd.to_numeric(d["slo_max_qps"], errors="coerce") > 0) & \
-        np.isfinite(pd.to_numeric(d["usd_per_m_tokens"], errors="coerce")) & \
-        ~why.str.startswith("fails at the target rate")
+def _decision_columns(d: pd.DataFrame) -> dict | None:
+    """Where a plan's decision figures are: a deployment search's fleets at the target rate
+    (``fleet_*``, ``capacity_per_replica``), or an SLO search's single replica at its sustained
+    rate (``slo_at_*``, ``slo_max_qps``); None where there are neither."""
+    if "fleet_tpot_p99_ms" in d and d.fleet_tpot_p99_ms.notna().any():
+        return {"capacity": "capacity_per_replica", "tpot": "fleet_tpot_p99_ms",
+                "ttft": "fleet_ttft_p99_ms", "where": "of its fleet at the target rate",
+                "capacity_words": "requests / s per GPU of the fleet that carries the target"}
+    if "slo_at_tpot_p99_ms" in d and d.slo_at_tpot_p99_ms.notna().any():
+        return {"capacity": "slo_max_qps", "tpot": "slo_at_tpot_p99_ms",
+                "ttft": "slo_at_ttft_p99_ms", "where": "at its sustained rate",
+                "capacity_words": "sustained requests / s per GPU within the SLO"}
+    return None
+
+
+def _meets(d: pd.DataFrame, cap: str) -> pd.Series:
+    """The rows that carry the target within the SLO at a known price (a capacity and a
+    cost)."""
+    return (pd.to_numeric(d[cap], errors="coerce") > 0) & \
+        np.isfinite(pd.to_numeric(d["usd_per_m_tokens"], errors="coerce"))
 
 
 def _answer(d: pd.DataFrame) -> pd.Series:
@@ -423,14 +438,15 @@ def cost_vs_latency(df: pd.DataFrame, out: Path) -> dict:
     cheaper and faster) as a line, the answer annotated. Series: {panel: {"points", "frontier",
     "answer"}}."""
     d = _ok(df).copy()
-    if not {"usd_per_m_tokens", "slo_max_qps", "slo_at_tpot_p99_ms"} <= set(d) or d.empty:
+    cols = _decision_columns(d)
+    if cols is None or "usd_per_m_tokens" not in d or d.empty:
         return {}
-    good, ans = _meets(d), _answer(d)
+    good, ans = _meets(d, cols["capacity"]), _answer(d)
     if not good.any():
         return {}
-    xs = [("slo_at_tpot_p99_ms", "p99 TPOT (ms)")]
-    if "slo_at_ttft_p99_ms" in d and d.loc[good, "slo_at_ttft_p99_ms"].notna().any():
-        d = d.assign(ttft_p99_s=d.slo_at_ttft_p99_ms / 1000)  # seconds: readable ticks
+    xs = [(cols["tpot"], "p99 TPOT (ms)")]
+    if cols["ttft"] in d and d.loc[good, cols["ttft"]].notna().any():
+        d = d.assign(ttft_p99_s=d[cols["ttft"]] / 1000)  # seconds: readable ticks
         xs.append(("ttft_p99_s", "p99 TTFT (s)"))
     fig, axes = _grid(len(xs), width=5.2, height=4.0)
     series = {}
@@ -456,7 +472,7 @@ def cost_vs_latency(df: pd.DataFrame, out: Path) -> dict:
                         ha="right" if right else "left")
         _scale(ax, "x", pd.concat([g[x], grey[x]]))
         _scale(ax, "y", pd.concat([g.usd_per_m_tokens, grey.usd_per_m_tokens]))
-        ax.set(xlabel=f"{xlabel} at its sustained rate", ylabel="$ per million output tokens")
+        ax.set(xlabel=f"{xlabel} {cols['where']}", ylabel="$ per million output tokens")
         ax.set_title(f"cost vs {xlabel.split(' (')[0]}", fontsize=10)
         ax.grid(alpha=0.3)
         series[x] = {"points": (g[x].tolist(), g.usd_per_m_tokens.tolist()),
@@ -473,10 +489,12 @@ def capacity_per_gpu(df: pd.DataFrame, out: Path) -> dict:
     of each configuration, sorted, the answer highlighted. Series: {"capacity": (names,
     req/s per GPU)}."""
     d = _ok(df)
-    if "slo_max_qps" not in d or "usd_per_hour" not in d or d.slo_max_qps.isna().all():
+    cols = _decision_columns(d)
+    if cols is None or "usd_per_hour" not in d:
         return {}
-    d = d[d.slo_max_qps.notna()].copy()
-    d["per_gpu"] = d.slo_max_qps / d.tp
+    cap = cols["capacity"]
+    d = d[pd.to_numeric(d[cap], errors="coerce").notna()].copy()
+    d["per_gpu"] = pd.to_numeric(d[cap]) / d.tp
     none = d[d.per_gpu <= 0]
     d = d[d.per_gpu > 0].sort_values("per_gpu")
     if d.empty:
@@ -496,7 +514,7 @@ def capacity_per_gpu(df: pd.DataFrame, out: Path) -> dict:
     for lab, a in zip(ax.get_yticklabels(), ans):
         lab.set_fontweight("bold" if a else "normal")
     ax.margins(x=0.12)
-    ax.set(xlabel="sustained requests / s per GPU within the SLO")
+    ax.set(xlabel=cols["capacity_words"])
     ax.set_title("Capacity per GPU of each configuration" + (
         f", {d.model.iloc[0]} at {tokens(d.context.iloc[0])} context" if common else ""),
         fontsize=10)
@@ -512,7 +530,16 @@ def capacity_per_gpu(df: pd.DataFrame, out: Path) -> dict:
     return {"capacity": (names, d.per_gpu.tolist())}
 
 
+def with_tp(df: pd.DataFrame) -> pd.DataFrame:
+    """Where a plan sweeps TP sizes, each line's and bar's label names its TP (``verkv TP2``),
+    so that no figure mixes TP sizes under one name."""
+    if "tp" not in df or df["tp"].nunique() < 2:
+        return df
+    return df.assign(label=df["label"] + " TP" + df["tp"].astype("Int64").astype(str))
+
+
 def draw_all(df: pd.DataFrame, out: Path, quality: pd.DataFrame | None = None) -> dict:
+    df = with_tp(df)
     return {name: fn(df, out) for name, fn in (
         ("goodput_vs_rate", goodput_vs_rate),
         ("throughput_vs_batch", throughput_vs_batch), ("tpot_vs_context", tpot_vs_context),

@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 
 from kvsim.errors import KvsimError
 
-METRICS = {"tpot_ms": ("TPOT", "ms"), "ttft_ms": ("TTFT", "ms"), "e2e_s": ("end-to-end", "s")}
+METRICS = {"tpot_ms": ("TPOT", "ms"), "ttft_ms": ("TTFT", "ms"), "e2e_s": ("end-to-end", "s"),
+           "itl_ms": ("ITL", "ms")}
+# what each limit's percentile is over
+OVER = {"tpot_ms": "over requests, each one's mean time per output token",
+        "ttft_ms": "over requests", "e2e_s": "over requests",
+        "itl_ms": "over tokens, each one's gap to the one before, prefill stalls included"}
+PER_REQUEST = ("tpot_ms", "ttft_ms", "e2e_s")  # limits a request meets or misses (goodput)
+PERCENTILES = ("p50", "p90", "p99")
 SERVED_MIN, GROWTH_MAX = 0.95, 0.05
 
 
@@ -37,7 +44,7 @@ SERVED_MIN, GROWTH_MAX = 0.95, 0.05
 class Limit:
     metric: str  # tpot_ms | ttft_ms | e2e_s
     value: float
-    at: str = "p99"  # p50 | p99
+    at: str = "p99"  # p50 | p90 | p99
 
     @property
     def key(self) -> str:  # the report key of the percentile the limit applies to
@@ -57,9 +64,10 @@ def parse_limit(metric: str, text: str) -> Limit:
         v = float(value)
     except ValueError:
         v = float("nan")
-    if not (math.isfinite(v) and v > 0) or at not in ("p50", "p99"):
+    allowed = PERCENTILES if metric == "itl_ms" else ("p50", "p99")
+    if not (math.isfinite(v) and v > 0) or at not in allowed:
         raise KvsimError(f"--slo-{metric.replace('_', '-')} {text!r}: give a positive number, "
-                         f"optionally @p50 or @p99 (default p99)")
+                         f"optionally {' or '.join('@' + a for a in allowed)} (default p99)")
     return Limit(metric, v, at)
 
 
@@ -100,7 +108,17 @@ def check(result, limits: list[Limit]) -> tuple[bool, str]:
 
 
 def describe(limits: list[Limit]) -> str:
-    return " and ".join(lim.words() for lim in limits) if limits else "no latency bound given"
+    """The limits in words, each naming what its percentile is over."""
+    if not limits:
+        return "no latency bound given"
+    return " and ".join(lim.words() for lim in limits) + " (" + "; ".join(
+        f"{METRICS[m][0]} {OVER[m]}" for m in dict.fromkeys(lim.metric for lim in limits)) + ")"
+
+
+def goodput_limits(limits: list[Limit]) -> dict:
+    """The limits a request meets or misses, as a replay's goodput takes them (ITL's is over
+    tokens: it has no per-request verdict)."""
+    return {lim.metric: lim.value for lim in limits if lim.metric in PER_REQUEST}
 
 
 def max_qps(run: Callable[[float, int], object], limits: list[Limit], requests: int = 1000,
@@ -129,8 +147,8 @@ def max_qps(run: Callable[[float, int], object], limits: list[Limit], requests: 
         if best > 0:
             s = reports[best].serving
             at = {k: getattr(s, k) for k in (
-                "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_s",
-                "gpu_util", "link_util", "mean_batch", "served_frac_window")} | {
+                "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms",
+                "e2e_p99_s", "gpu_util", "link_util", "mean_batch", "served_frac_window")} | {
                 "max_batch_fit": reports[best].memory.max_batch_fit}
         return SLOResult(best, fails, n, why.get(fails, ""), at)
 

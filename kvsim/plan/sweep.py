@@ -32,6 +32,7 @@ from kvsim.plan import slo
 from kvsim.policies.spec import PolicySpec, parse
 from kvsim.replay import Configuration, configure, run_replay
 from kvsim.replay.configuration import file_workload
+from kvsim.sim.records import ROUTERS
 
 DEPLOYMENT_AXES = ("tp", "replicas", "kv_dtype", "host_gib")  # a plan sweeps lists of these
 SCHEDULING_AXES = ("max_batched_tokens",)
@@ -59,7 +60,9 @@ class SweepSpec:
     engine: dict = field(default_factory=dict)  # the engine and what-if fields (configure's)
     deployment: dict = field(default_factory=dict)  # kv_dtype, weight_dtype, tp, tp_link,
     # host_gib; a list of values sweeps that field
-    target_qps: float | None = None  # size each configuration's replicas for this rate
+    target_qps: float | None = None  # size each configuration's fleet for this rate
+    routers: list[str] | None = None  # the routers a deployment search tries (None: all)
+    defaulted: frozenset = frozenset()  # axes the command filled in (not the user's choice)
     workload: str | None = None  # a workload file (kvsim replay --workload) instead of contexts
 
     def settings(self) -> dict:
@@ -74,7 +77,8 @@ class SweepSpec:
                 "deployment": {k: v for k, v in self.deployment.items()
                                if k not in DEPLOYMENT_AXES},
                 "slo": [lim.words() for lim in self.slo], "slo_requests": self.slo_requests,
-                "target_qps": self.target_qps, "workload": self.workload,
+                "target_qps": self.target_qps, "routers": self.routers,
+                "workload": self.workload,
                 "keys": KEYS}
 
     def input_files(self) -> list[Path]:
@@ -164,6 +168,18 @@ class SweepSpec:
             if any(d.get("replicas", 1) != 1 for d in deployments):
                 raise KvsimError("--target-qps computes the replicas each configuration needs; "
                                  "leave out --replicas")
+            if len(self.models) > 1 or len(self.file_contexts()) > 1:
+                raise KvsimError(
+                    f"--target-qps decides one deployment for one model and one prompt "
+                    f"length; this plan lists {len(self.models)} model(s) and "
+                    f"{len(self.file_contexts())} context(s): run one plan per (model, "
+                    f"context), or leave out --target-qps to compare them")
+        unknown = [r for r in self.routers or [] if r not in ROUTERS]
+        if unknown:
+            raise KvsimError(f"--router {unknown[0]!r}: one of {', '.join(ROUTERS)}")
+        if self.routers and len(self.routers) > 1 and self.target_qps is None:
+            raise KvsimError("--router takes several routers only with --target-qps (the "
+                             "deployment search tries each); give one")
         if self.engine.get("engine") is not None:
             from kvsim.hw.engine import load
             load(self.engine["engine"])  # an unreadable engine file fails before the sweep
@@ -175,7 +191,7 @@ def expand(spec: SweepSpec) -> list[Configuration]:
     configs = []
     loads = [("batch", b) for b in spec.batches] if not spec.qps else \
         [("qps", q) for q in spec.qps]
-    goodput = {lim.metric: lim.value for lim in spec.slo}
+    goodput = slo.goodput_limits(spec.slo)
     for gpu, model, ctx, pol, dep, sched in itertools.product(
             spec.gpus, spec.models, spec.file_contexts(), spec.policy_specs(),
             spec.deployments(), spec.schedulings()):
@@ -204,10 +220,13 @@ def columns(cfg: Configuration) -> dict:
     engine = ({"engine": engine.pop("name")} if "name" in engine else {}) | engine | {
         k: getattr(cfg, k) for k in ("policy_profile", "kv_read_frac")
         if getattr(cfg, k) is not None}
+    output_len = cfg.traffic.output_len
+    if cfg.traffic.workload:  # the file's (mean) lengths, not the flags'
+        output_len = int(round(float(file_workload(cfg.traffic.workload).output.mean())))
     return {**({"workload": cfg.traffic.workload} if cfg.traffic.workload else {}),
             "gpu": gpu_of(cfg), "model": cfg.model_name, "context": cfg.context,
             "policy": cfg.policy.name, "options": json.dumps(cfg.options, sort_keys=True),
-            "batch": cfg.batch, "qps": cfg.traffic.qps, "output_len": cfg.traffic.output_len,
+            "batch": cfg.batch, "qps": cfg.traffic.qps, "output_len": output_len,
             "requests": cfg.traffic.requests, "seed": cfg.seed,
             "trace": None if gpu_of(cfg) == cfg.trace else cfg.trace,
             "scheduling": json.dumps(set_scheduling, sort_keys=True),
@@ -256,18 +275,17 @@ def weights_exceed_hbm(cfg: Configuration) -> str | None:
             f"{cfg.gpu} has {hbm / catalog.GiB:.1f} GiB")
 
 
-def run_config(cfg: Configuration, limits: list, probe_requests: int) -> dict:
+def run_config(cfg: Configuration, limits: list, probe_requests: int, run=None) -> dict:
     """One configuration's table row: its columns, its replay's figures, and with ``limits``
-    the highest rate it sustains within them (the SLO search, :mod:`kvsim.plan.slo`)."""
+    the highest rate one replica sustains within them (the SLO search,
+    :mod:`kvsim.plan.slo`). ``run``: the replay the row is of (default: ``cfg`` as given;
+    a deployment search's is one replica at the target rate, :mod:`kvsim.plan.deployment`)."""
     row = columns(cfg)
     try:
-        r = run_replay(cfg)
-        for k, v in r.row().items():
+        r = run_replay(cfg if run is None else run)
+        for k, v in result_columns(r).items():
             row.setdefault(k, v)  # the configuration's own columns come first
-        row["warnings"] = " | ".join(r.warnings)
-        row["provenance"] = json.dumps(r.provenance, sort_keys=True)
-        row["status"], row["error"] = "ok", ""
-        if limits:
+        if limits and run is None:
             def search(lims, start):
                 return slo.max_qps(lambda q, n: run_replay(cfg.at_rate(q, n)), lims,
                                    probe_requests, start=start)
@@ -291,6 +309,18 @@ def run_config(cfg: Configuration, limits: list, probe_requests: int) -> dict:
     return row
 
 
+def result_columns(r) -> dict:
+    """A replay's figures, warnings and provenance as a row's columns after the
+    configuration's own (status ok)."""
+    out = dict(r.row())
+    out["overloaded"] = r.serving.served_frac_window is not None and \
+        r.serving.served_frac_window < slo.SERVED_MIN
+    out["warnings"] = " | ".join(r.warnings)
+    out["provenance"] = json.dumps(r.provenance, sort_keys=True)
+    out["status"], out["error"] = "ok", ""
+    return out
+
+
 @dataclass
 class GroupTask:
     configs: list[Configuration]
@@ -303,23 +333,20 @@ def run_group(task: GroupTask) -> list[dict]:
 
 
 def groups(configs: list[Configuration], spec: SweepSpec) -> list[GroupTask]:
-    """Configurations sharing one policy analysis, in chunks that keep every worker busy."""
-    by: dict[tuple, list[Configuration]] = {}
-    for c in configs:
-        by.setdefault((c.trace, c.policy.name, json.dumps(c.options, sort_keys=True), c.seed),
-                      []).append(c)
-    tasks = []
-    for cs in by.values():
-        for i in range(0, len(cs), 16):
-            tasks.append(GroupTask(cs[i:i + 16], list(spec.slo), spec.slo_requests))
-    return tasks
+    """One task per configuration, so that every worker stays busy to the end (a worker
+    analyses a policy on a trace once and keeps it for the configurations it runs next)."""
+    return [GroupTask([c], list(spec.slo), spec.slo_requests) for c in configs]
 
 
 def sweep(spec: SweepSpec, executor, done_keys: set[str] = frozenset(),
-          progress: bool = True, on_rows=None, configs: list[Configuration] | None = None):
+          progress: bool = True, on_rows=None, configs: list[Configuration] | None = None,
+          status=None, search=None):
     """Run every configuration (``configs``, default :func:`expand`'s) not in ``done_keys``;
     one row per configuration (a DataFrame); ``on_rows(rows)`` as each group of configurations
-    finishes."""
+    finishes; ``status()``: what the progress lines add (the best answer so far).
+    ``search(todo, executor, progress, on_rows, status)``: what runs the configurations left
+    after pruning instead of one task each (the planner's deployment search,
+    :func:`kvsim.plan.deployment.search`)."""
     import pandas as pd
 
     from kvsim.plan.executors import run_all
@@ -334,7 +361,10 @@ def sweep(spec: SweepSpec, executor, done_keys: set[str] = frozenset(),
             pruned.append({**columns(c), "status": "infeasible", "error": why})
     if pruned and on_rows is not None:
         on_rows(pruned)
-    results = run_all(executor, run_group, groups(todo, spec), progress, desc="plan",
-                      on_result=on_rows)
-    rows = pruned + [row for group in results for row in group]
-    return pd.DataFrame(rows)
+    if search is not None:
+        rows = search(todo, executor, progress, on_rows, status)
+    else:
+        results = run_all(executor, run_group, groups(todo, spec), progress, desc="plan",
+                          on_result=on_rows, status=status)
+        rows = [row for group in results for row in group]
+    return pd.DataFrame(pruned + rows)
