@@ -70,15 +70,15 @@ MEANING = {
 
 def metric_names() -> dict[str, list[str]]:
     """Where each metric name is defined in the code -> the names, in the code's order."""
-    from kvsim.plan.planner import FLEET_SUMMARY, SUMMARY
+    from kvsim.plan.report import FLEET_SUMMARY, SUMMARY
     from kvsim.replay.report import HEADLINE, TABLE2
     skip = {"gpu", "model", "context", "label", "tp", "batch", "qps"}  # inputs, not metrics
     return {"kvsim.replay.report.HEADLINE (replay --json, top level)": list(HEADLINE),
             "kvsim.replay.report.TABLE2 (VerKV's statistics, replay --json top level)":
                 list(TABLE2),
-            "kvsim.plan.planner.SUMMARY (plan's results.csv summary columns)":
+            "kvsim.plan.report.SUMMARY (plan's results.csv summary columns)":
                 [n for n in SUMMARY if n not in skip],
-            "kvsim.plan.planner.FLEET_SUMMARY (a deployment search's summary columns)":
+            "kvsim.plan.report.FLEET_SUMMARY (a deployment search's summary columns)":
                 [n for n in FLEET_SUMMARY if n not in skip and n not in SUMMARY],
             "kvsim.replay.result.Serving (replay --json sim: inter-token latency)":
                 ["itl_p99_ms"]}

@@ -190,7 +190,8 @@ def _splits(models: list[str], tp: int) -> bool:
 
 def run(args) -> int:
     from kvsim.plan.executors import make_executor
-    from kvsim.plan.planner import answer_lines, plan, summary_columns
+    from kvsim.plan.planner import plan
+    from kvsim.plan.report import answer_lines, summary_columns
     spec = sweep_spec(args)
     spec.validate()
     from kvsim.plan.cost import load_prices, parse_price, resolve

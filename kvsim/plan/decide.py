@@ -24,6 +24,61 @@ LATENCY = ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_
            "itl_p99_ms", "e2e_p99_s")
 
 
+def decide_plan(df: pd.DataFrame, spec, configs: dict) -> tuple[pd.DataFrame, dict]:
+    """The answer for ``spec.target_qps`` among this plan's configurations (``configs``, by
+    key): the cheapest fleet the deployment search found (:func:`decide`), with the
+    fleet at the engine interval's ends for the answer and the runner-up, and the grid's edges
+    the answer sits on."""
+    from kvsim.plan import fleet
+    from kvsim.plan.deployment import target_of
+    from kvsim.replay import run_replay
+    target = target_of(spec)
+
+    def ends(row: dict):
+        spread = row.get("engine_spread")
+        if not (isinstance(spread, float) and math.isfinite(spread) and spread > 0):
+            return None
+        cfg = configs[row["key"]]
+
+        def replay_at(rate, n, router):
+            return run_replay(cfg.at_rate(rate, target.requests, replicas=n, router=router))
+        return {end: fleet.at_engine_end(replay_at, spec.slo, row["router"], target.qps,
+                                         math.exp(s), int(row["replicas_needed"]))
+                for end, s in (("lo", -spread), ("hi", spread))}
+
+    mine = df["key"].isin(configs)
+    decided, answer = decide(df[mine], spec.target_qps, spec.slo, configs, ends)
+    if answer.get("gpu") is not None:
+        answer["grid_edges"] = grid_edges(answer, spec)
+    return pd.concat([decided, df[~mine]]), answer
+
+
+NEIGHBOURS = {"tp": [1, 2, 4, 8], "batch": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]}
+
+
+def grid_edges(answer: dict, spec) -> list[str]:
+    """Where the answer sits on the edge of a dimension the user restricted (``--tp``,
+    ``--batch``), in words naming the neighbour to try."""
+    swept = {"tp": spec.deployment.get("tp", [1]), "batch": spec.batches}
+    out = []
+    for axis, flag in (("tp", "--tp"), ("batch", "--batch")):
+        values = swept[axis] if isinstance(swept[axis], list) else [swept[axis]]
+        if axis in spec.defaulted or len(values) < 1:
+            continue
+        mine, ladder = answer[axis], NEIGHBOURS[axis]
+        for edge, side in ((max(values), 1), (min(values), -1)):
+            if mine != edge:
+                continue
+            nxt = [v for v in ladder if (v > edge if side > 0 else v < edge)]
+            if nxt:
+                near = nxt[0] if side > 0 else nxt[-1]
+                words = "largest" if side > 0 else "smallest"
+                out.append(f"the answer's {flag.lstrip('-')} {mine} is the {words} {flag} swept; "
+                           f"{flag} {near} may be cheaper: add it "
+                           f"({flag} {','.join(map(str, sorted({*values, near})))})")
+    return out
+
+
 def binding(r) -> str:
     """What limits a configuration (one row): its memory (HBM, host memory), a latency limit
     (TPOT, TTFT, ITL, e2e latency) or keeping up (the queue), its max batch running full, the
