@@ -41,7 +41,7 @@ def main() -> None:
                          batches=[4, 16], slo=limits, slo_requests=args.slo_requests,
                          deployment={"tp": [1, 2, 4]}, target_qps=2.0)
         t0 = time.perf_counter()
-        summary = plan(spec, Path(tmp) / "out", LocalExecutor(args.jobs), progress=False)
+        summary = plan(spec, Path(tmp) / "out", LocalExecutor(args.jobs), progress=False).summary
         search_s = time.perf_counter() - t0
         pruned = [c for c in expand(spec) if weights_exceed_hbm(c)]
         t0 = time.perf_counter()

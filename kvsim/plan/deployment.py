@@ -7,10 +7,10 @@ Two passes, each split per configuration over the workers:
 1. each configuration's own row: one replica fed the whole target rate (its figures in the table,
    flagged ``overloaded`` where it cannot keep up). What it completes per second bounds its fleet
    from below (work conservation: ``fleet_start`` replicas at least), and so its cost.
-2. the fleet searches, cheapest lower bound first. A configuration whose lower bound costs at
-   least as much as the second-cheapest fleet found so far cannot be the answer or the
-   runner-up: it is not searched, and its row says so (``usd_per_hour_at_least``); a search
-   stops at the replicas that would cost that much. Each search is handed the bound when a
+2. the fleet searches, cheapest lower bound first. A configuration whose lower bound costs
+   more than the second-cheapest fleet found so far cannot be the answer or the runner-up: it
+   is not searched, and its row says so (``usd_per_hour_at_least``); a search stops at the
+   replicas that would cost more. Each search is handed the bound when a
    worker frees for it, so later searches stop sooner.
 
 Results, each with its fleet's figures at the target (``fleet_*``), the router, why one replica
@@ -178,7 +178,7 @@ def search(spec: SweepSpec, todo: list[Configuration], executor, progress: bool,
         for r in queue:
             bound = heapq.nsmallest(2, costs)[-1] if len(costs) >= 2 else None
             usd = per_replica(r)
-            if usd is None or (bound is not None and lower(r) >= bound):
+            if usd is None or (bound is not None and lower(r) > bound):  # (a tie may win)
                 r |= _not_searched(r, usd, bound, lower(r))
                 if on_rows is not None:
                     on_rows([r])
@@ -205,7 +205,7 @@ def _not_searched(r: dict, usd: float | None, bound: float | None, least: float)
         why = f"not searched: no price for {r['gpu']}"
     else:
         why = (f"not searched: work conservation needs at least {r['fleet_start']} replica(s), "
-               f"${least:.2f}/h, no cheaper than the second-cheapest fleet found "
+               f"${least:.2f}/h, more than the second-cheapest fleet found "
                f"(${bound:.2f}/h)")
     return {"replicas_needed": math.nan, "router": None, "fewer_fails_because": why,
             "usd_per_hour_at_least": None if usd is None else least, "fleet_runs": 0}
