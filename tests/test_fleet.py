@@ -162,3 +162,24 @@ def test_an_itl_limit_binds_the_fleet_and_the_slo_line_says_what_each_limit_is_o
     assert a["latency_at_target"]["itl_p99_ms"] <= 150
     if a["one_fewer"]:
         assert a["one_fewer"]["why"]
+
+
+def test_an_answer_on_the_edge_of_a_restricted_grid_names_the_neighbour():
+    from kvsim.plan.decide import grid_edges
+    from kvsim.plan.sweep import SweepSpec
+    spec = SweepSpec(gpus=["h100-sxm"], models=["qwen3-4b"], contexts=[4096],
+                     policies=["dense-resident"], batches=[4, 16], deployment={"tp": [1, 2]})
+    edges = grid_edges({"tp": 2, "batch": 16}, spec)
+    assert any("--tp 4 may be cheaper" in e and "(--tp 1,2,4)" in e for e in edges)
+    assert any("--batch 32 may be cheaper" in e for e in edges)
+    assert grid_edges({"tp": 1, "batch": 4}, spec) == [  # (no TP below 1)
+        "the answer's batch 4 is the smallest --batch swept; --batch 2 may be cheaper: add it "
+        "(--batch 2,4,16)"]
+    inside = SweepSpec(gpus=["h100-sxm"], models=["qwen3-4b"], contexts=[4096],
+                       policies=["dense-resident"], batches=[4, 16, 64],
+                       deployment={"tp": [1, 2, 4]})
+    assert grid_edges({"tp": 2, "batch": 16}, inside) == []  # inside the grid: nothing to say
+    filled = SweepSpec(gpus=["h100-sxm"], models=["qwen3-4b"], contexts=[4096],
+                       policies=["dense-resident"], batches=[4], deployment={"tp": [1, 2]},
+                       defaulted=frozenset({"tp", "batch"}))
+    assert grid_edges({"tp": 2, "batch": 4}, filled) == []  # the command chose those lists
