@@ -69,6 +69,7 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, metavar="N",
                    help="requests to simulate (default: 2 x concurrency, or 64 with --qps)")
     add_scheduling_flags(p)
+    add_caching_flags(p)
     add_engine_flags(p)
     for metric, what, unit in (("tpot-ms", "TPOT", "MS"), ("ttft-ms", "TTFT", "MS"),
                                ("e2e-s", "end-to-end", "S")):
@@ -105,6 +106,17 @@ def add_deployment_flags(p) -> None:
     from kvsim.sim.records import Deployment
     add_option_flags(p, Deployment, "deployment", "element types, memory and how many GPUs "
                                                   "serve")
+    _compact(p._action_groups[-1])
+
+
+def add_caching_flags(p) -> None:
+    """Prefix caching and the tiers below the GPU (:class:`kvsim.sim.records.PrefixCaching`):
+    shared by replay and plan."""
+    from kvsim.commands._option_flags import add_option_flags
+    from kvsim.sim.records import PrefixCaching
+    add_option_flags(p, PrefixCaching, "prefix caching", "cached prompt prefixes are not "
+                     "prefilled again; blocks evicted from HBM go down the tiers given a size "
+                     "(host, pool, disk) and load back while the rest of the prompt prefills")
     _compact(p._action_groups[-1])
 
 
@@ -174,7 +186,7 @@ def run(args) -> int:
     from kvsim.errors import KvsimError
     from kvsim.policies import parse
     from kvsim.replay import configure, run_replay
-    from kvsim.sim.records import Deployment
+    from kvsim.sim.records import Deployment, PrefixCaching
     from kvsim.sim.rules import Scheduling
     specs, ignored = parse(args.policy, policy_options(args))
     if len(specs) != 1:
@@ -186,7 +198,8 @@ def run(args) -> int:
                     output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
                     workload_format=args.workload_format, time_scale=args.time_scale,
                     workload_limit=args.limit, **option_values(args, Scheduling),
-                    **option_values(args, Deployment), **engine_options(args),
+                    **option_values(args, Deployment), **option_values(args, PrefixCaching),
+                    **engine_options(args),
                     slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),
                                            ("ttft_ms", args.slo_ttft_ms),
                                            ("e2e_s", args.slo_e2e_s)) if v is not None})
@@ -213,6 +226,13 @@ def run(args) -> int:
               f"over the measured window and the queue grew by {s['queue_growth_window']:,} "
               f"requests: the latencies above grow with the run's length, they are not "
               f"the deployment's (more replicas, or a lower rate)")
+    if (pc := r.get("prefix_cache")) is not None:
+        tiers = ", ".join(f"{t} {100 * pc[f'prefix_hit_frac_{t}']:.1f}%"
+                          for t in ("gpu", "host", "pool", "disk")
+                          if pc[f"prefix_hit_frac_{t}"] or t == "gpu")
+        print(f"prefix cache: {100 * pc['prefix_hit_frac']:.1f}% of prompt tokens hit "
+              f"({tiers}); {pc['prefix_tokens_prefilled']:,} of "
+              f"{pc['prefix_prompt_tokens']:,} prefilled")
     if "tpot_ms_lo" in r:
         read = (f"KV read {r['kv_read_frac_lo']:.4g}..{r['kv_read_frac_hi']:.4g} (policy "
                 f"profile), " if "kv_read_frac_lo" in r else "")

@@ -92,7 +92,7 @@ def run_replay(cfg: Configuration, progress: bool = False, timeline: str | Path 
     def simulate(cost, draws: bool = False):
         def one(draw: bool) -> Simulator:  # chunks are kept whole only for the timeline
             return Simulator(model, costs, cost, memory, cfg.batch, scheduling,
-                             work_at_prefill, jobs=jobs, chunks=ChunkLog(
+                             work_at_prefill, jobs=jobs, caching=cfg.caching, chunks=ChunkLog(
                                  keep=ChunkLog.keep if draw and timeline is not None else 0))
         sim = one(draws)  # the first replica draws the timeline
         requests = Requests(dict(cfg.slo), window)
@@ -100,8 +100,8 @@ def run_replay(cfg: Configuration, progress: bool = False, timeline: str | Path 
             return sim, sim.run(work, requests)
         from kvsim.sim import replicas  # one simulator per replica
         sims = [sim] + [one(False) for _ in range(d.replicas - 1)]
-        if d.router == "least-loaded" and work.concurrency is None:
-            return sim, replicas.merge(replicas.least_loaded(sims, work, requests))
+        if work.concurrency is None and (d.router != "round-robin" or sim.caches(work)):
+            return sim, replicas.merge(replicas.routed(sims, work, requests, d.router))
         return sim, replicas.merge([s.run(w, requests.fresh()) for s, w in
                                     zip(sims, replicas.split(work, d.replicas))])
 

@@ -23,7 +23,7 @@ from kvsim.hw.catalog import ModelSpec
 from kvsim.io import check_destination
 from kvsim.policies.spec import PolicySpec, parse
 from kvsim.sim import workload
-from kvsim.sim.records import KV_DTYPES, WEIGHT_DTYPES, Deployment
+from kvsim.sim.records import KV_DTYPES, WEIGHT_DTYPES, Deployment, PrefixCaching
 from kvsim.sim.rules import Scheduling
 
 SLO_KEYS = ("tpot_ms", "ttft_ms", "e2e_s")
@@ -142,6 +142,7 @@ class Configuration:
     scheduling: Scheduling = Scheduling()  # max_batched_tokens None: vLLM's for the GPU
     deployment: Deployment = Deployment()
     engine: EngineChoice = EngineChoice()
+    caching: PrefixCaching = PrefixCaching()  # prefix caching and the tiers below the GPU
     trace: str | None = None  # None: the shipped default trace
     policy_profile: str | None = None  # FILE, "default" or "none"; None: the shipped profile
     # when no trace is named (kvsim.replay.policy_source)
@@ -170,8 +171,11 @@ class Configuration:
 
     def key(self) -> str:
         """The configuration's identity: every field but the policy object, which is named by
-        its registered name and its full options."""
-        return json.dumps({
+        its registered name and its full options (the caching options only where they differ
+        from the defaults: a plan journaled before they existed still resumes)."""
+        caching = {f.name: getattr(self.caching, f.name) for f in fields(PrefixCaching)
+                   if getattr(self.caching, f.name) != f.default}
+        return json.dumps({**({"caching": caching} if caching else {}),
             "gpu": self.gpu, "model": self.model_name or self.model.name,
             "policy": self.policy.name,
             "options": dataclasses.asdict(self.policy.params), "batch": self.batch,
@@ -187,7 +191,7 @@ class Configuration:
         """A copy with ``changes``: fields of the configuration, or of its traffic,
         scheduling, deployment or engine by their own names (``replicas=4``, ``qps=2.0``)."""
         groups = {}
-        for group in ("traffic", "scheduling", "deployment", "engine"):
+        for group in ("traffic", "scheduling", "deployment", "engine", "caching"):
             names = {f.name for f in fields(getattr(self, group))}
             mine = {k: changes.pop(k) for k in list(changes) if k in names}
             if mine:
@@ -211,6 +215,7 @@ class Configuration:
         self.scheduling.check()
         self.deployment.check()
         self.engine.check()
+        self.caching.check()
         if self.gpu is not None and not str(self.gpu).strip():
             raise KvsimError("--gpu is empty: name a catalog GPU (kvsim catalog)")
         for k, v in self.slo:
@@ -255,7 +260,8 @@ def configure(policy: str | PolicySpec = "dense-offload", policy_options: dict |
     ``batch``, the traffic's (``context``, ``output_len``, ``qps``, ``concurrency``,
     ``requests``, ``workload_csv``, ``workload_format``, ``time_scale``, ``workload_limit``),
     the engine's (``engine``, ``decide_ms``, ``step_overhead_ms``, ``link_gbps``), every field
-    of :class:`~kvsim.sim.rules.Scheduling` and :class:`~kvsim.sim.records.Deployment`,
+    of :class:`~kvsim.sim.rules.Scheduling`, :class:`~kvsim.sim.records.Deployment` and
+    :class:`~kvsim.sim.records.PrefixCaching`,
     ``trace``, ``policy_profile``, ``kv_read_frac``, ``kv_read_everywhere``, ``seed`` and
     ``slo`` ({metric: limit}). An unknown name is a TypeError (a caller's bug); a bad value
     is one KvsimError line."""
@@ -263,7 +269,8 @@ def configure(policy: str | PolicySpec = "dense-offload", policy_options: dict |
     from kvsim.policies import make
     groups = {"traffic": (Traffic, TRAFFIC), "engine": (EngineChoice, ENGINE),
               "scheduling": (Scheduling, {f.name: f.name for f in fields(Scheduling)}),
-              "deployment": (Deployment, {f.name: f.name for f in fields(Deployment)})}
+              "deployment": (Deployment, {f.name: f.name for f in fields(Deployment)}),
+              "caching": (PrefixCaching, {f.name: f.name for f in fields(PrefixCaching)})}
     built = {}
     for group, (cls, names) in groups.items():
         built[group] = cls(**{names[k]: options.pop(k) for k in list(options) if k in names})

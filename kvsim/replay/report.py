@@ -12,6 +12,7 @@ import numpy as np
 from kvsim.hw import catalog
 from kvsim.hw.catalog import GiB
 from kvsim.replay.result import HEADLINE, TABLE2, MemoryUse, ReplayResult, Serving, flatten
+from kvsim.sim.records import DISK_GBPS, POOL_GBPS
 
 __all__ = ["HEADLINE", "TABLE2", "add_intervals", "add_profile", "build", "flatten",
            "simulation"]
@@ -239,10 +240,61 @@ def build(cfg, trace_path, tr, analysis, model, costs, cost_source, mem, work,
     lengths = token_lengths(cfg, work)
     context = lengths["context"]
     read = float(cost.tokens("host_read", context)) / context  # as charged here
-    return ReplayResult(cfg, costs.gpu_name, model.name, costs.engine.name, serving, mem_use,
-                        analysis, stats, read, provenance=prov,
-                        warnings=warnings(cfg, tr, model, costs, cost_source, res, prov, cost,
-                                          stats, work), lengths=lengths)
+    out = ReplayResult(cfg, costs.gpu_name, model.name, costs.engine.name, serving, mem_use,
+                       analysis, stats, read, provenance=prov,
+                       warnings=warnings(cfg, tr, model, costs, cost_source, res, prov, cost,
+                                         stats, work), lengths=lengths)
+    add_prefix_cache(out, cfg, res, work, model, costs)
+    return out
+
+
+def add_prefix_cache(out: ReplayResult, cfg, res, work, model, costs) -> None:
+    """What prefix caching did (:func:`prefix_cache`), and where its tiers' figures came from;
+    a warning where the workload names prefix blocks but the run could not cache them."""
+    c = cfg.caching
+    if res.cache is None:
+        if work.prefix_hashes is not None and c.prefix_caching == "auto":
+            why = "not modelled for this policy" if cfg.policy.name != "dense-resident" else \
+                "off"
+            out.warnings.append(
+                f"the workload names prefix blocks but prefix caching is {why}: every prompt "
+                f"token is prefilled (dense-resident caches them)")
+        out.provenance["prefix_cache"] = "off" if work.prefix_hashes is not None else \
+            "off (the workload names no prefix blocks)"
+        return
+    out.prefix_cache = prefix_cache(res.cache, work.prefix_block, model)
+    link = costs.links["h2d"]
+    tiers = ["GPU: the HBM its running requests leave free, least recently used evicted"]
+    if c.cache_host_gib:
+        tiers.append(f"host {c.cache_host_gib:g} GiB per GPU over the host link "
+                     f"({link.beta / 1e9:.1f} GB/s, {link.source})")
+    for name, gib, gbps, default, what in (
+            ("pool", c.cache_pool_gib, c.cache_pool_gbps, POOL_GBPS, "a 200 Gb/s RDMA NIC"),
+            ("disk", c.cache_disk_gib, c.cache_disk_gbps, DISK_GBPS, "a PCIe 4.0 x4 NVMe")):
+        if gib:
+            where = "in all, shared by the replicas" if name == "pool" else "per GPU"
+            said = "override" if gbps != default else f"default: {what}"
+            tiers.append(f"{name} {gib:g} GiB {where}, {gbps:g} GB/s per replica ({said})")
+    out.provenance["prefix_cache"] = (
+        f"{work.prefix_block}-token blocks named by the workload's prefix hashes; "
+        + "; ".join(tiers))
+
+
+def prefix_cache(counts, block: int, model) -> dict:
+    """The prefix cache's figures: the share of admitted prompt tokens each tier served, the
+    tokens prefilled, and the bytes each tier's link moved (GiB, per GPU, all replicas)."""
+    prompt = counts.prompt_tokens or float("nan")
+    hits = counts.hit_tokens
+    return {
+        "prefix_hit_frac": sum(hits.values()) / prompt,
+        **{f"prefix_hit_frac_{t}": v / prompt for t, v in hits.items()},
+        "prefix_block_tokens": block, "prefix_prompt_tokens": counts.prompt_tokens,
+        "prefix_tokens_prefilled": counts.prefilled_tokens,
+        "prefix_tokens_recomputed": counts.recomputed_tokens,
+        **{f"prefix_loaded_gib_{t}": v / GiB for t, v in counts.loaded_bytes.items()},
+        **{f"prefix_written_gib_{t}": v / GiB for t, v in counts.written_bytes.items()},
+        "prefix_load_s": counts.load_seconds, "prefix_write_s": counts.write_seconds,
+    }
 
 
 def token_lengths(cfg, work) -> dict:

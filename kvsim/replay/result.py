@@ -8,6 +8,7 @@ its table row (a plan's ``results.csv``) are made here, at the output edge, and 
       policy          PolicyResult: the statistics (measured on a trace or from a profile), the
                       decode cost for the planned model, where they came from, timings
       bounds          {figure: (lo, hi)}: prediction intervals (engine error, policy profile)
+      prefix_cache    with prefix caching: the hit share per tier, tokens prefilled, bytes moved
       provenance      {input: where it came from}; warnings; the timeline file if one was drawn
 
 The JSON keeps the headline figures at its top level (they repeat values of its groups) and
@@ -118,6 +119,7 @@ class ReplayResult:
     timeline: str | None = None
     lengths: dict = field(default_factory=dict)  # context, output_len (a workload's means) and
     # a workload's prompt_tokens and output_tokens: mean, p50, p99, max
+    prefix_cache: dict | None = None  # with prefix caching: hit shares per tier, tokens, bytes
 
     @property
     def context(self) -> int:
@@ -151,12 +153,16 @@ class ReplayResult:
         for key in ("prompt_tokens", "output_tokens"):  # a workload's
             if key in self.lengths:
                 out[key] = self.lengths[key]
+        if self.prefix_cache is not None:
+            out["prefix_hit_frac"] = self.prefix_cache["prefix_hit_frac"]
         for key, (lo, hi) in self.bounds.items():
             out[f"{key}_lo"], out[f"{key}_hi"] = lo, hi
         out |= {"sim": sim, "memory": mem,
                 "policy_cost": dataclasses.asdict(cost) | {"scaling": cost.scaling()},
                 "policy_stats": stats, "policy_timings": self.policy.timings,
                 "provenance": dict(self.provenance), "warnings": list(self.warnings)}
+        if self.prefix_cache is not None:
+            out["prefix_cache"] = dict(self.prefix_cache)
         if self.profile is not None:
             out["policy_profile"] = self.profile
         if self.interval:
@@ -189,7 +195,8 @@ def flatten(report: dict, skip=("provenance", "warnings", "policy_options")) -> 
                 put(prefix + k, v)
 
     walk({k: v for k, v in report.items() if k not in skip and not isinstance(v, dict)}, "")
-    for group in ("sim", "memory", "policy_cost", "policy_stats", "policy_timings"):
+    for group in ("sim", "memory", "policy_cost", "policy_stats", "policy_timings",
+                  "prefix_cache"):
         walk(report.get(group) or {}, "")
     return row
 

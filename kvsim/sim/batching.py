@@ -64,10 +64,11 @@ class Run:
     it has served what it was given. A run alone keeps its time on a :class:`Clock`."""
 
     SLOTS = ("arrival", "first_token", "admitted", "ctx", "prompt", "target", "prefilled",
-             "left", "output", "held_hbm", "held_host", "order", "swap_host")
+             "left", "output", "held_hbm", "held_host", "order", "swap_host", "item", "pins",
+             "load")
 
     def __init__(self, sim, work, env=None, routed: bool = False,
-                 requests: Requests | None = None):
+                 requests: Requests | None = None, cache=None):
         self.sim, self.work, self.n = sim, work, work.n
         # the workload's columns as Python lists (a turn reads a few scalars of them)
         self.arrivals, self.prompts, self.outputs = (np.asarray(work.arrival, float).tolist(),
@@ -107,8 +108,11 @@ class Run:
         self.wake = self.env.event() if routed else None
         self.one_step = getattr(self.scheduler_rule, "one_step", None)  # where the rule has one
         # the turns of a closed loop alone with reserve admission, in short (_closed_turns)
+        # prefix caching (kvsim.sim.prefix): the cache, the workload's block ids, and how many
+        # admitted requests still wait for lower-tier blocks to load
+        self.cache, self.hashes, self.loading = cache, work.prefix_hashes, 0
         self.closed_turns = not routed and not self.open and not self.growing and \
-            not sim.kv.fixed and self.one_step is not None
+            not sim.kv.fixed and self.one_step is not None and cache is None
         if work.concurrency is not None and not routed:
             for i in range(min(work.concurrency, self.n)):
                 self.arrive(i)
@@ -132,7 +136,7 @@ class Run:
         old = self.slots
         new = self.slots = max(2 * old, 256)
         for name in self.SLOTS:
-            zero = 0.0 if name in ("arrival", "first_token", "admitted", "ctx") else 0
+            zero = 0.0 if name in ("arrival", "first_token", "admitted", "ctx", "load") else 0
             getattr(self, name).extend([zero] * (new - old))
         self.free.extend(range(new - 1, old - 1, -1))
 
@@ -148,6 +152,7 @@ class Run:
         self.first_token[s] = self.admitted[s] = math.nan
         self.prompt[s] = self.target[s] = self.prompts[i]
         self.output[s] = self.left[s] = self.outputs[i]
+        self.item[s] = i
         self.waiting.append(s)
         if mark:
             self.mark(+1, at)
@@ -202,6 +207,9 @@ class Run:
         run_ctx, first, prompt = self.run_ctx, self.first_token, self.prompt
         if at is not None:
             del self.prefilling[:len(ids)]
+            if self.cache is not None:
+                for i in ids:
+                    self.pins[i] = self.cache.prefilled(self.hashes[self.item[i]], self.pins[i])
         for i in ids:
             if at is not None and first[i] != first[i]:  # (math.isnan, without the call)
                 first[i] = at
@@ -281,13 +289,25 @@ class Run:
             self.admissions += 1
             self.order[i] = self.admissions
             self.prefilled[i] = 0
+            if self.cache is not None:
+                self.reuse(i)
             self.prefilling.append(i)
         self.used_hbm = used_hbm = self.cap_hbm - free_hbm
+        if self.cache is not None:
+            self.cache.trim_gpu(free_hbm)
         self.used_host = used_host = self.cap_host - free_host
         if used_hbm > self.peak_hbm:
             self.peak_hbm = used_hbm
         if used_host > self.peak_host:
             self.peak_host = used_host
+
+    def reuse(self, i: int) -> None:
+        """Prefix caching: admitted request ``i`` starts its prefill after its cached prefix,
+        whose lower-tier blocks load while its first chunk prefills."""
+        hit, load, self.pins[i] = self.cache.admit(self.hashes[self.item[i]], self.prompt[i])
+        self.prefilled[i] = hit
+        self.load[i] = load
+        self.loading += load > 0
 
     # ------------------------------------------------------------------------------ steps
     def prefill_steps(self) -> float:
@@ -297,6 +317,8 @@ class Run:
         emits a token and decodes from the next step. The run ends with the prefills, at a
         decode's completion, at the step after the next arrival, or after one step when memory
         grows per token (grow admission)."""
+        if self.loading:
+            return self._loading_step()
         got = self.one_step(self, self.growing) if self.one_step else None  # (carried out)
         if got is not None:
             return self._one(*got)
@@ -310,15 +332,34 @@ class Run:
         return self._one(D, tokens, ctok, cflops, len(assign), done, lengths, read, fetch,
                          written)
 
+    def _loading_step(self) -> float:
+        """One step while admitted prompts wait for cached blocks from a lower tier: a prompt's
+        first chunk waits for its blocks (they load layer by layer while it computes, so the
+        step takes at least the load)."""
+        p = self.scheduler_rule.plan(self, True)[0]
+        load = 0.0
+        for i, size in p.assign:
+            self.prefilled[i] += size
+            if self.load[i]:
+                load = max(load, self.load[i])
+                self.load[i] = 0.0
+                self.loading -= 1
+        return self._one(p.decodes, p.decode_tokens, p.chunk_tokens, p.chunk_flops,
+                         len(p.assign), p.done, p.done_lengths, p.read_tokens, p.fetch_tokens,
+                         p.written_tokens, load)
+
     def _one(self, D: int, tokens: float, ctok: int, cflops: float, count: int, done: list,
-             lengths: list, read=None, fetch=None, written=None) -> float:
+             lengths: list, read=None, fetch=None, written=None, load: float = 0.0) -> float:
         """The rest of a step whose chunks went to the prompts (``D`` decodes holding ``tokens``,
         ``count`` chunks of ``ctok`` tokens and ``cflops`` of attention, prompts ``done``
         finishing, of ``lengths``; ``read``, ``fetch``, ``written``: a :class:`StepPlan`'s
-        charges), in scalars: costed, logged and carried out; its seconds returned."""
+        charges; ``load``: seconds of cached blocks loading beside it), in scalars: costed,
+        logged and carried out; its seconds returned."""
         sim, t0 = self.sim, self.env.now
         step, gpu, link, alone = sim.steps.step(D, tokens, ctok, cflops, count, lengths, read,
                                                 fetch, written)
+        if load:
+            step, link = max(step, load), link + load
         sim.chunks.add(t0, step, 1 if D else 0, D, gpu, link, "mixed" if D else "prefill", None,
                        ctok, alone)
         self.token_gaps(step, D)
@@ -432,8 +473,11 @@ class Run:
 
     def recompute(self, victim: int) -> None:
         """An evicted request's cache is dropped: it waits first, to prefill again (its prompt
-        and generated tokens once it has emitted any)."""
+        and generated tokens once it has emitted any; its prompt's blocks stay cached where
+        memory allows)."""
         self.release([victim], host=False)
+        if self.cache is not None:
+            self.unpin(victim)
         if not math.isnan(self.first_token[victim]):
             self.target[victim] = int(self.ctx[victim]) - 1
         self.waiting.appendleft(victim)
@@ -489,6 +533,8 @@ class Run:
             self.output
         for i in ids:
             records.append((arrival[i], admitted[i], first[i], now, output[i]))
+            if self.cache is not None:
+                self.unpin(i)
             used_hbm -= held_hbm[i]  # (release, in scalars)
             used_host -= held_host[i]
             held_hbm[i] = held_host[i] = 0
@@ -508,6 +554,14 @@ class Run:
         for i in range(self.next, self.next + more):
             self.arrive(i, mark=False)
         self.next += more
+
+    def unpin(self, i: int) -> None:
+        """Request ``i`` no longer holds its cached blocks (done, or preempted)."""
+        if self.load[i]:  # preempted before its first chunk: its load is not waited for
+            self.load[i] = 0.0
+            self.loading -= 1
+        self.cache.finish(self.hashes[self.item[i]], self.pins[i])
+        self.pins[i] = 0
 
     def hand_over(self) -> None:
         """The finished requests' metrics to ``requests``, in a block."""

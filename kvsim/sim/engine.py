@@ -59,12 +59,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvsim.contract import DecodeCost, PrefillWork
-from kvsim.errors import Infeasible
+from kvsim.errors import Infeasible, KvsimError
 from kvsim.hw.catalog import GiB, ModelSpec
 from kvsim.hw.costs import CostModel
 from kvsim.sim import segments
 from kvsim.sim.metrics import Requests
-from kvsim.sim.records import ChunkLog, Memory, SimResult, default_token_budget
+from kvsim.sim.records import ChunkLog, Memory, PrefixCaching, SimResult, default_token_budget
 from kvsim.sim.rules import Scheduling
 from kvsim.sim.single import run_one
 from kvsim.sim.steps import KvBytes, StepCosts
@@ -82,6 +82,7 @@ class Simulator:
     prefill_work: PrefillWork = field(default_factory=PrefillWork)
     chunks: ChunkLog = field(default_factory=ChunkLog)
     jobs: int | None = None  # processes for a long open loop (kvsim.sim.segments); None: the CPUs
+    caching: PrefixCaching = field(default_factory=PrefixCaching)
 
     def __post_init__(self):
         self.scheduling.check()
@@ -120,13 +121,47 @@ class Simulator:
         fit_host = cap_host // host if host > 0 else np.inf
         return int(min(fit_hbm, fit_host, 1e9))
 
+    def caches(self, workload: Workload) -> bool:
+        """Whether runs of ``workload`` cache prefixes: ``--prefix-caching`` on, or auto where
+        the workload names its prefix blocks; only where the policy keeps the whole KV cache
+        in HBM (:meth:`caching_refused` says why not)."""
+        mode = self.caching.prefix_caching
+        if mode == "off" or (mode == "auto" and workload.prefix_hashes is None):
+            return False
+        why = self.caching_refused(workload)
+        if why and mode == "on":
+            raise KvsimError(f"--prefix-caching on: {why}")
+        return not why
+
+    def caching_refused(self, workload: Workload) -> str | None:
+        """Why this simulator cannot cache ``workload``'s prefixes (None: it can)."""
+        if workload.prefix_hashes is None:
+            return ("the workload names no prefix blocks: give a Mooncake trace (hash_ids) "
+                    "or --reuse")
+        p = self.policy
+        if p.fixed or p.resident_frac != 1 or p.host_frac or p.host_read_frac:
+            return ("prefix caching is modelled for policies that keep the whole KV cache in "
+                    "HBM (dense-resident), not for one that offloads or compresses it")
+        return None
+
+    def prefix_cache(self, workload: Workload, pool=None):
+        """A run's prefix cache (:mod:`kvsim.sim.prefix`), or None where it caches nothing."""
+        if not self.caches(workload):
+            return None
+        from kvsim.sim import prefix
+        block = workload.prefix_block
+        if pool is None:  # (replicas pass the one they share)
+            pool = prefix.pool_tier(self, self.caching, block)
+        return prefix.build(self, self.caching, block, pool)
+
     # ------------------------------------------------------------------------- run
     def run(self, workload: Workload, requests: Requests | None = None) -> SimResult:
         """Simulate ``workload``; ``requests``: where the finished requests' metrics go (its SLO
         and measured window), a plain one if not given. A long open loop runs in pieces over
         ``jobs`` processes, with the same result (:mod:`kvsim.sim.segments`)."""
         requests = requests if requests is not None else Requests()
-        if workload.concurrency is None and workload.n >= 2 * segments.PIECE:
+        if workload.concurrency is None and workload.n >= 2 * segments.PIECE and \
+                not self.caches(workload):  # (a cache's state spans any cut)
             self.check_feasible(workload)  # before any process starts
             return segments.run(self, workload, requests, self.jobs)
         return self.run_whole(workload, requests)

@@ -17,7 +17,11 @@ from kvsim.errors import KvsimError
 from kvsim.hw.catalog import GiB
 
 MAX_CHUNK = 2048  # decode steps computed at once (bounds the size of the vectorised arrays)
-ROUTERS = ("round-robin", "least-loaded")
+ROUTERS = ("round-robin", "least-loaded", "prefix-aware")
+CACHE_MODES = ("auto", "on", "off")
+# stated public figures for the tiers below host memory (each a flag to override):
+DISK_GBPS = 7.0  # one PCIe 4.0 x4 NVMe SSD, sequential read (Samsung 990 PRO: 7,450 MB/s)
+POOL_GBPS = 25.0  # one 200 Gb/s RDMA NIC (ConnectX-6/7 HDR/NDR200) per replica
 KV_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1}
 WEIGHT_DTYPES = {"bf16": 2, "fp16": 2, "fp8": 1, "int4": 0.5}
 DEFAULT_HOST_GIB = 256.0  # a 2 TiB host shared by 8 GPUs
@@ -62,9 +66,11 @@ class Deployment:
         "holds 1/N of the weights and KV heads, all-reduces go over the catalog's peer link; "
         "memory and HBM figures are per GPU [default: 1]"})
     router: str = field(default="round-robin", metadata={
-        "choices": list(ROUTERS), "help": "how --replicas share the requests: round-robin, or "
+        "choices": list(ROUTERS), "help": "how --replicas share the requests: round-robin; "
         "least-loaded (each arrival to the replica with the fewest requests in its system; "
-        "open loops) [default: round-robin]"})
+        "open loops); prefix-aware (with prefix caching: to the replica caching the longest "
+        "prefix of the prompt, unless loads are out of balance, as SGLang's router) "
+        "[default: round-robin]"})
     replicas: int = field(default=1, metadata={
         "metavar": "R", "help": "data-parallel replicas (each of --tp GPUs) behind the "
         "--router; throughput and latencies over all, utilisation and memory per replica "
@@ -94,6 +100,58 @@ class Deployment:
             if v is not None and not (math.isfinite(v) and v >= 0):
                 raise KvsimError(f"--{name.replace('_', '-')} must be a finite size >= 0, "
                                  f"got {v}")
+
+
+@dataclass(frozen=True)
+class PrefixCaching:
+    """Prefix caching and the tiers of the KV cache below the GPU (:mod:`kvsim.sim.prefix`);
+    each field is also a command-line flag of ``kvsim replay`` and ``kvsim plan``."""
+    prefix_caching: str = field(default="auto", metadata={
+        "choices": list(CACHE_MODES), "help": "reuse the KV of cached prompt prefixes (blocks "
+        "named by the workload's prefix hashes: a Mooncake trace's hash_ids or --reuse's); "
+        "auto: on where the workload has them, as vLLM and SGLang do by default [default: "
+        "auto]"})
+    cache_host_gib: float = field(default=0.0, metadata={
+        "metavar": "GIB", "help": "host memory per GPU for prefix blocks evicted from HBM, "
+        "loaded back over the GPU's host link [default: 0, none]"})
+    cache_disk_gib: float = field(default=0.0, metadata={
+        "metavar": "GIB", "help": "local SSD per GPU for blocks evicted from host memory "
+        "[default: 0, none]"})
+    cache_pool_gib: float = field(default=0.0, metadata={
+        "metavar": "GIB", "help": "a DRAM pool shared by all replicas (Mooncake Store), in "
+        "all, for blocks evicted from the tiers above [default: 0, none]"})
+    cache_disk_gbps: float = field(default=DISK_GBPS, metadata={
+        "metavar": "GB/S", "help": f"one replica's SSD read and write rate [default: "
+        f"{DISK_GBPS:g}, a PCIe 4.0 x4 NVMe]"})
+    cache_pool_gbps: float = field(default=POOL_GBPS, metadata={
+        "metavar": "GB/S", "help": f"one replica's network rate to the pool [default: "
+        f"{POOL_GBPS:g}, a 200 Gb/s RDMA NIC]"})
+
+    def check(self) -> None:
+        if self.prefix_caching not in CACHE_MODES:
+            raise KvsimError(f"--prefix-caching must be one of {', '.join(CACHE_MODES)}, got "
+                             f"{self.prefix_caching!r}")
+        for name in ("cache_host_gib", "cache_disk_gib", "cache_pool_gib"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v)
+                                           and v >= 0):
+                raise KvsimError(f"--{name.replace('_', '-')} must be a finite size >= 0, "
+                                 f"got {v!r}")
+        for name in ("cache_disk_gbps", "cache_pool_gbps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v)
+                                           and v > 0):
+                raise KvsimError(f"--{name.replace('_', '-')} must be a finite rate > 0, "
+                                 f"got {v!r}")
+        if self.prefix_caching == "off" and any(
+                getattr(self, n) for n in ("cache_host_gib", "cache_disk_gib",
+                                           "cache_pool_gib")):
+            raise KvsimError("--cache-host-gib, --cache-disk-gib and --cache-pool-gib hold "
+                             "prefix blocks: they need --prefix-caching on or auto")
+
+    def tiers(self) -> bool:
+        """Whether any tier below the GPU is configured."""
+        return bool(self.cache_host_gib or self.cache_disk_gib or self.cache_pool_gib)
 
 
 class StepPlan(NamedTuple):
@@ -221,3 +279,4 @@ class SimResult:
     preemptions: int = 0
     replicas: int = 1  # data-parallel replicas merged into this result (kvsim.sim.replicas)
     pieces: int = 1  # simulated in pieces cut where the server was empty (kvsim.sim.segments)
+    cache: object = None  # with prefix caching: what it did (kvsim.sim.prefix.Counts)

@@ -6,9 +6,18 @@ every request and whose utilisations are per replica.
 * ``least-loaded``: each arrival goes to the replica with the fewest requests in its system
   (waiting, prefilling, decoding or swapped out; the lowest index on a tie), decided at the
   arrival from the replicas' state then, so all replicas run on one simpy clock
-  (:func:`least_loaded`). A closed loop keeps round-robin: each completion's replacement
+  (:func:`routed`). A closed loop keeps round-robin: each completion's replacement
   arrives where the completion freed its seat, which is what the even split of the
-  concurrency already does."""
+  concurrency already does.
+* ``prefix-aware`` (with prefix caching): SGLang's cache-aware router. While loads are in
+  balance, an arrival goes to the replica whose own cache (GPU and the tiers below, not a pool
+  they share) holds the longest prefix of its prompt, if that is more than ``CACHE_THRESHOLD``
+  of the prompt (ties: the least loaded); else to the least loaded. Loads are out of balance
+  when the most loaded replica has more than ``BALANCE_ABS`` requests more than the least and
+  more than ``BALANCE_REL`` times as many: then it goes to the least loaded.
+
+With prefix caching every router runs the replicas on one clock (a pool of cached blocks is
+shared in time order; round-robin still assigns request ``i`` to replica ``i mod R``)."""
 
 from __future__ import annotations
 
@@ -47,19 +56,48 @@ def split(work: Workload, replicas: int) -> list[Workload]:
     return out
 
 
-def least_loaded(sims: list, work: Workload, requests: Requests) -> list[SimResult]:
-    """The result of each replica of an open-loop ``work`` routed least-loaded; ``requests``:
-    the metrics' SLO and window (each replica gets its own)."""
+# SGLang's router defaults (sgl-router: cache_threshold, balance_abs_threshold,
+# balance_rel_threshold)
+CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL = 0.3, 64, 1.5
+
+
+def choose(router: str, runs: list, i: int) -> int:
+    """The replica that request ``i`` goes to (``router``: one of ``ROUTERS``)."""
+    if router == "round-robin":
+        return i % len(runs)
+    loads = [run.in_system for run in runs]
+    least = min(range(len(runs)), key=lambda j: (loads[j], j))
+    if router == "least-loaded" or runs[0].cache is None:
+        return least
+    lo, hi = loads[least], max(loads)
+    if hi - lo > BALANCE_ABS and hi > BALANCE_REL * lo:
+        return least
+    ids = runs[0].hashes[i]
+    matched = [run.cache.match(ids) for run in runs]
+    best = max(range(len(runs)), key=lambda j: (matched[j], -loads[j], -j))
+    block, prompt = runs[0].cache.block, runs[0].prompts[i]
+    return best if min(matched[best] * block, prompt) > CACHE_THRESHOLD * prompt else least
+
+
+def routed(sims: list, work: Workload, requests: Requests,
+           router: str = "least-loaded") -> list[SimResult]:
+    """The result of each replica of an open-loop ``work`` behind ``router`` on one simpy clock;
+    ``requests``: the metrics' SLO and window (each replica gets its own)."""
     import simpy
 
     env = simpy.Environment()
     fits = [s.check_feasible(work) for s in sims]
-    runs = [Run(s, work, env=env, routed=True, requests=requests.fresh()) for s in sims]
+    pool = None
+    if sims[0].caches(work) and sims[0].caching.cache_pool_gib:
+        from kvsim.sim import prefix
+        pool = prefix.pool_tier(sims[0], sims[0].caching, work.prefix_block)
+    runs = [Run(s, work, env=env, routed=True, requests=requests.fresh(),
+                cache=s.prefix_cache(work, pool)) for s in sims]
 
-    def router():
+    def route():
         for i in range(work.n):
             yield env.timeout(max(float(work.arrival[i]) - env.now, 0.0))
-            r = min(range(len(runs)), key=lambda j: (runs[j].in_system, j))
+            r = choose(router, runs, i)
             for run in runs:
                 run.next = i + 1  # the next arrival any replica may look ahead to
             runs[r].assigned += 1
@@ -69,7 +107,7 @@ def least_loaded(sims: list, work: Workload, requests: Requests) -> list[SimResu
             if not run.wake.triggered:
                 run.wake.succeed()
 
-    env.process(router())
+    env.process(route())
     env.run(until=simpy.AllOf(env, [env.process(on_simpy(env, run.scheduler()))
                                     for run in runs]))
     return [result(sim, run, fit) for run, sim, fit in zip(runs, sims, fits) if run.assigned]
@@ -82,4 +120,17 @@ def merge(results: list[SimResult]) -> SimResult:
         ChunkLog.merged([r.chunks for r in results]),
         max(r.peak_hbm_bytes for r in results), max(r.peak_host_bytes for r in results),
         sum(r.in_system_area for r in results), min(r.max_batch_fit for r in results),
-        sum(r.preemptions for r in results), replicas=len(results))
+        sum(r.preemptions for r in results), replicas=len(results),
+        cache=merged_counts([r.cache for r in results]))
+
+
+def merged_counts(counts: list):
+    """The replicas' prefix-cache counts summed (None without caching)."""
+    counts = [c for c in counts if c is not None]
+    if not counts:
+        return None
+    from kvsim.sim.prefix import Counts
+    out = Counts()
+    for c in counts:
+        out.add(c)
+    return out

@@ -14,12 +14,13 @@ def result(sim, run: Run, max_fit: int) -> SimResult:
     run.mark(0)
     m = sim.memory
     return SimResult(run.requests, sim.chunks, m.weights_bytes + m.workspace_bytes + run.peak_hbm,
-                     float(run.peak_host), run.area, max_fit, run.preemptions)
+                     float(run.peak_host), run.area, max_fit, run.preemptions,
+                     cache=None if run.cache is None else run.cache.counts)
 
 
 def run_one(sim, work: Workload, requests: Requests) -> SimResult:
     """``work`` served by ``sim`` (a :class:`kvsim.sim.engine.Simulator`) in one piece."""
     max_fit = sim.check_feasible(work)
-    r = Run(sim, work, requests=requests)
+    r = Run(sim, work, requests=requests, cache=sim.prefix_cache(work))
     r.env.run(r.scheduler())
     return result(sim, r, max_fit)

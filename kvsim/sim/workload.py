@@ -18,7 +18,7 @@ kvsim's CSV or a public trace as published (names and units from the publishers'
   ``{"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1, ...]}``,
   ``timestamp`` in ms since the first request, ``hash_ids`` the prompt's 512-token blocks, shared
   ids a shared prefix (NVIDIA Dynamo ``benchmarks/data_generator/README.md``); kept as
-  ``Workload.prefix_hashes`` for prefix-cache modelling, unused by the simulator so far.
+  ``Workload.prefix_hashes`` for prefix caching (:mod:`kvsim.sim.prefix`).
 
 Traces' arrivals count from the earliest request; requests are sorted by arrival (stable), the
 first ``limit`` kept, arrivals multiplied by ``time_scale`` (0.5: twice the rate). A bad value is
@@ -57,8 +57,10 @@ class Workload:
     output: np.ndarray  # output tokens per request (>= 1; the first comes from prefill)
     concurrency: int | None  # closed loop: this many requests in the system at all times
     description: str
-    # Mooncake: per request, its prompt's 512-token block ids (not used by the simulator yet)
+    # per request, its prompt's block ids (Mooncake's hash_ids, or kvsim.sim.reuse's): equal
+    # ids are equal prefixes; ``prefix_block`` tokens per block
     prefix_hashes: list | None = None
+    prefix_block: int = 512
 
     @property
     def n(self) -> int:
@@ -146,7 +148,7 @@ def from_file(path: str | Path, fmt: str = "auto", time_scale: float = 1.0,
              + (" from the earliest request" if spec.relative else ""),
              f"time scale {float(time_scale):g}" + (" (as recorded)" if time_scale == 1 else
                                                     " (--time-scale)"),
-             *(["hash_ids kept as prefix hashes (not used by the simulator)"] if hashes else [])]
+             *(["hash_ids kept as 512-token prefix blocks"] if hashes else [])]
     return Workload(arrival, prompt[order], output[order], None, "; ".join(words), hashes)
 
 
