@@ -45,6 +45,8 @@ class Traffic:
     workload_format: str = "auto"  # auto | kvsim | azure | burstgpt | mooncake
     time_scale: float = 1.0
     limit: int | None = None
+    reuse: str | None = None  # Poisson arrivals with prefix reuse (kvsim.sim.reuse's spec)
+    block_tokens: int = 512  # tokens per prefix block of --reuse
 
     def check(self) -> None:
         for name in ("context", "output_len", "requests", "concurrency"):
@@ -68,9 +70,21 @@ class Traffic:
                                       or self.limit is not None):
             raise KvsimError("--workload-format, --time-scale and --limit apply to a --workload "
                              "file")
+        if self.reuse is not None and (self.qps is None or self.workload is not None):
+            raise KvsimError("--reuse generates Poisson arrivals with prefix reuse: give --qps "
+                             "(and --requests), not --workload or --concurrency")
+        if isinstance(self.block_tokens, bool) or not isinstance(self.block_tokens, int) or \
+                self.block_tokens < 1:
+            raise KvsimError(f"--block-tokens must be a whole number >= 1, got "
+                             f"{self.block_tokens!r}")
 
     def build(self, batch: int, seed: int) -> workload.Workload:
-        """The requests themselves (:func:`kvsim.sim.workload.build`)."""
+        """The requests themselves (:func:`kvsim.sim.workload.build`, or
+        :func:`kvsim.sim.reuse.parse` for ``reuse``)."""
+        if self.reuse is not None:
+            from kvsim.sim import reuse
+            return reuse.parse(self.reuse, self.qps, self.requests or 64, self.block_tokens,
+                               seed)
         return workload.build(self.workload, self.qps, self.concurrency, batch, self.requests,
                               self.context, self.output_len, seed, self.workload_format,
                               self.time_scale, self.limit)
@@ -246,7 +260,7 @@ def with_dtypes(model: ModelSpec, kv: str | None, weight: str | None) -> ModelSp
 TRAFFIC = {"context": "context", "output_len": "output_len", "qps": "qps",
            "concurrency": "concurrency", "requests": "requests", "workload_csv": "workload",
            "workload_format": "workload_format", "time_scale": "time_scale",
-           "workload_limit": "limit"}
+           "workload_limit": "limit", "reuse": "reuse", "block_tokens": "block_tokens"}
 ENGINE = {"engine": "name", "decide_ms": "decide_ms", "step_overhead_ms": "step_overhead_ms",
           "link_gbps": "link_gbps"}
 

@@ -301,7 +301,7 @@ def token_lengths(cfg, work) -> dict:
     """The prompt and output lengths a replay served: the configuration's, or a workload
     file's, then with their distribution (mean, p50, p99, max) and its mean prompt and output
     standing for ``context`` and ``output_len``."""
-    if not cfg.traffic.workload:
+    if not cfg.traffic.workload and not cfg.traffic.reuse:
         return {"context": cfg.context, "output_len": cfg.traffic.output_len}
 
     def spread(x):
