@@ -295,3 +295,62 @@ def test_the_json_names_the_hit_per_tier_and_the_bytes_moved():
                 "prefix_written_gib_pool", "prefix_load_s"):
         assert key in r or key in pc or key in r["sim"]
     assert "pool 100 GiB" in r["provenance"]["prefix_cache"]
+
+
+# --------------------------------------------------------------------------- the plan
+def _trace_slice(path, n):
+    with open(CONVERSATION) as f:
+        path.write_text("".join(next(f) for _ in range(n)))
+    return path
+
+
+def test_a_plan_on_a_trace_with_hashes_sweeps_host_caches_and_prices_them(tmp_path):
+    """With a workload that names its prefix blocks, the deployment search sweeps host-cache
+    sizes per GPU (0, 64, 256 GiB unless told) and tries the prefix-aware router; each fleet
+    is priced with its memory (GiB x GPUs x the DRAM price), and the answer names the host
+    cache it needs, what it costs and what it serves."""
+    wl = _trace_slice(tmp_path / "conv.jsonl", 1200)
+    out = tmp_path / "plan"
+    code, stdout, err = run_cli(
+        "plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--workload", wl, "--policy",
+        "dense-resident", "--batch", "16", "--tp", "1", "--slo-tpot-ms", "60",
+        "--slo-ttft-ms", "20000", "--slo-requests", "300", "--target-qps", "2", "--out", out,
+        "--memory-price", "0.01", "--jobs", "1")
+    assert code == 0, err
+    import pandas as pd
+    df = pd.read_csv(out / "results.csv")
+    sizes = df.get("cache_host_gib", pd.Series(0.0, index=df.index)).fillna(0.0)
+    assert sorted(sizes) == [0.0, 64.0, 256.0]
+    assert all("prefix-aware" in str(r) for r in df.routers_tried)
+    ok = df[df.replicas_needed.notna()]
+    assert len(ok)
+    for _, r in ok.iterrows():
+        gpus = r.replicas_needed * r.tp
+        assert r.cache_usd_per_hour == pytest.approx(gpus * sizes[_] * 0.01)
+        assert r.usd_per_hour == pytest.approx(gpus * r.price_usd_per_gpu_hour
+                                               + r.cache_usd_per_hour)
+    a = json.loads((out / "answer.json").read_text())
+    pc = a["prefix_cache"]
+    host = pc["tiers"]["host"]
+    assert host["gib_per_gpu"] in (0.0, 64.0, 256.0)
+    assert host["gib_in_all"] == host["gib_per_gpu"] * a["gpus"]
+    assert 0 < pc["hit_frac"] <= 1 and "--memory-price" in pc["price_source"]
+    assert "Prefix cache:" in stdout
+
+
+def test_a_plan_without_a_router_tries_every_router_that_applies():
+    """--router unset: the deployment search tries every router (prefix-aware only where the
+    plan caches prefixes); given, only those named."""
+    from kvsim.cli import build_parser
+    from kvsim.commands.plan import sweep_spec
+    from kvsim.plan.deployment import target_of
+
+    def routers(*extra):
+        args = build_parser(["plan"]).parse_args(
+            ["plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--policy", "dense-resident",
+             "--target-qps", "3", "--slo-ttft-ms", "15000", "--out", "x", *extra])
+        return target_of(sweep_spec(args)).routers
+    assert routers("--context", "1000") == ("round-robin", "least-loaded")
+    assert routers("--workload", CONVERSATION) == ("round-robin", "least-loaded",
+                                                   "prefix-aware")
+    assert routers("--context", "1000", "--router", "least-loaded") == ("least-loaded",)

@@ -35,8 +35,8 @@ def parse_list(kind_, text: str) -> list:
 def policy_help() -> str:
     """What ``--policy`` accepts: the spec syntax, and where each policy's options are listed."""
     aliases = ", ".join(f"{a} = {b}" for a, b in ALIASES.items())
-    return (f"NAME[:KEY=VALUE...]: a policy and its own options, e.g. quest:token_budget=2048 "
-            f"(they override the shared flags; {aliases}); {WHERE}")
+    return (f"NAME[:KEY=VALUE...], e.g. quest:token_budget=2048 (over the shared flags; "
+            f"{aliases}); {WHERE}")
 
 
 def add_policy_flags(parser: argparse.ArgumentParser, lists: bool = False) -> None:

@@ -91,14 +91,28 @@ def add_parser(sub) -> None:
     slo_group.add_argument("--slo-requests", type=int, default=1000, metavar="N",
                            help="requests per SLO probe; a rate that passes is run again twice "
                                 "as long and must pass there too [default: 1000]")
-    from kvsim.commands.replay import add_deployment_flags, add_engine_flags, add_scheduling_flags
+    from kvsim.commands.replay import (
+        add_caching_flags,
+        add_deployment_flags,
+        add_engine_flags,
+        add_scheduling_flags,
+    )
     add_deployment_flags(p)
     add_scheduling_flags(p)
-    from kvsim.plan.sweep import DEPLOYMENT_AXES, SCHEDULING_AXES
-    kinds = {"kv_dtype": str, "host_gib": float, "router": str}
+    add_caching_flags(p)
+    from kvsim.plan.sweep import CACHING_AXES, DEPLOYMENT_AXES, SCHEDULING_AXES
+    kinds = {"kv_dtype": str, "host_gib": float, "router": str,
+             **dict.fromkeys(CACHING_AXES, float)}
     for action in p._actions:  # plan sweeps these: comma-separated values
-        if action.dest in DEPLOYMENT_AXES + SCHEDULING_AXES + ("router",):
+        if action.dest == "cache_host_gib":
+            action.help = action.help.replace(
+                "[default: 0, none]", f"[default: with --target-qps and a workload that names "
+                f"its prefix blocks, {','.join(map(str, DEFAULT_CACHE_HOST_GIB))} (the answer "
+                f"names the size), else 0]")
+        if action.dest in DEPLOYMENT_AXES + SCHEDULING_AXES + CACHING_AXES + ("router",):
             action.type, action.choices = lst(kinds.get(action.dest, int)), None
+            if action.dest == "router":  # (argparse would convert a text default: unset is
+                action.default = None  # every router, for a deployment search)
             action.metavar = f"{action.metavar or action.dest.upper()}[,...]"
     add_engine_flags(p)
     cost_group = p.add_argument_group(
@@ -110,6 +124,14 @@ def add_parser(sub) -> None:
     cost_group.add_argument("--prices", metavar="FILE",
                             help="prices from a JSON object {gpu: usd_per_gpu_hour}; --price "
                                  "entries win over it")
+    from kvsim.plan.cost import DISK_GIB_HOUR, MEMORY_GIB_HOUR
+    cost_group.add_argument("--memory-price", type=float, default=MEMORY_GIB_HOUR,
+                            metavar="USD", help="a prefix cache's host memory and pool, per "
+                            f"GiB-hour [default: {MEMORY_GIB_HOUR:g}, Google Cloud N2 on-demand "
+                            "memory, us-central1]")
+    cost_group.add_argument("--disk-price", type=float, default=DISK_GIB_HOUR, metavar="USD",
+                            help=f"a prefix cache's disk, per GiB-hour [default: "
+                                 f"{DISK_GIB_HOUR:.3g}, $0.04 per GiB-month]")
     p.add_argument("--quality", nargs="+", metavar="JSON",
                    help="kvsim eval --json results for the quality-vs-throughput plot")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (resumable: "
@@ -129,6 +151,7 @@ def add_parser(sub) -> None:
 
 
 DEFAULT_BATCHES = (4, 16, 64)  # a deployment search's batches when --batch is not given
+DEFAULT_CACHE_HOST_GIB = (0, 64, 256)  # and its host cache per GPU, for a workload with hashes
 NODE_TP = (1, 2, 4, 8)  # a deployment search's TP sizes when --tp is not given: a node's GPUs
 
 
@@ -142,7 +165,7 @@ def sweep_spec(args):
     from kvsim.errors import KvsimError
     from kvsim.plan.slo import parse_limit
     from kvsim.plan.sweep import SweepSpec
-    from kvsim.sim.records import Deployment
+    from kvsim.sim.records import Deployment, PrefixCaching
     from kvsim.sim.rules import Scheduling
     limits = [parse_limit(m, getattr(args, f"slo_{m}"))
               for m in ("tpot_ms", "ttft_ms", "e2e_s", "itl_ms")
@@ -166,6 +189,13 @@ def sweep_spec(args):
     if args.target_qps is not None and "tp" not in deployment:
         deployment["tp"] = [t for t in NODE_TP if _splits(args.model, t)]
         defaulted.add("tp")
+    caching = changed_options(args, PrefixCaching)
+    if args.target_qps is not None and "cache_host_gib" not in caching and \
+            caching.get("prefix_caching") != "off" and args.workload is not None:
+        from kvsim.replay.configuration import file_workload
+        if file_workload(args.workload).prefix_hashes is not None:
+            caching["cache_host_gib"] = [float(g) for g in DEFAULT_CACHE_HOST_GIB]
+            defaulted.add("cache_host_gib")
     return SweepSpec(gpus=args.gpu, models=args.model, contexts=args.context or [],
                      policies=args.policy, batches=batches, qps=args.qps,
                      option_grid=policy_options(args), output_len=args.output_len,
@@ -173,7 +203,7 @@ def sweep_spec(args):
                      slo_requests=args.slo_requests, scheduling=journal_key(args, Scheduling),
                      engine=engine_options(args), deployment=deployment,
                      target_qps=args.target_qps, workload=args.workload, routers=routers,
-                     defaulted=frozenset(defaulted))
+                     defaulted=frozenset(defaulted), caching=caching)
 
 
 def _splits(models: list[str], tp: int) -> bool:
@@ -198,10 +228,16 @@ def run(args) -> int:
     prices = (load_prices(args.prices) if args.prices else {}) | \
         dict(parse_price(text) for text in args.price)
     resolve(spec.gpus, prices)  # an unknown GPU's price fails before the sweep
+    from kvsim.plan.cost import MemoryPrices, parse_memory_price
+    memory = MemoryPrices(parse_memory_price(args.memory_price, "--memory-price"),
+                          parse_memory_price(args.disk_price, "--disk-price"))
+    if (memory.memory, memory.disk) != (MemoryPrices.memory, MemoryPrices.disk):
+        memory = MemoryPrices(memory.memory, memory.disk, f"user: DRAM ${memory.memory:g}/GiB-h, "
+                              f"disk ${memory.disk:g}/GiB-h (--memory-price, --disk-price)")
     executor = make_executor(args.executor, args.jobs)
     command = "kvsim " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     done = plan(spec, args.out, executor, args.quality, progress=not args.json,
-                command=command, force=args.force, prices=prices)
+                command=command, force=args.force, prices=prices, memory=memory)
     summary, df = done.summary, done.table.copy()
     failed = df[df["status"] == "failed"] if "status" in df else df.iloc[:0]
     if args.json:
@@ -212,7 +248,8 @@ def run(args) -> int:
         cols = summary_columns(df)
         # a swept setting's values (as run: the default resolved), after the batch
         for flag, col, group in (("--host-gib", "host_capacity_gib", spec.deployment),
-                                 ("--max-batched-tokens", "max_batched_tokens", spec.scheduling)):
+                                 ("--max-batched-tokens", "max_batched_tokens", spec.scheduling),
+                                 ("--cache-host-gib", "cache_host_gib", spec.caching)):
             swept = group.get(col.replace("_capacity", ""))
             if isinstance(swept, list) and len(swept) > 1 and col in df:
                 df[flag] = df[col]

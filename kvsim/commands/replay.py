@@ -58,16 +58,19 @@ def add_parser(sub) -> None:
                       help="requests from a file, in a format of --workload-format")
     p.add_argument("--workload-format", default="auto", metavar="F",
                    choices=["auto", "kvsim", "azure", "burstgpt", "mooncake"],
-                   help="the --workload file's format: kvsim (CSV: arrival s, prompt, output "
-                        "tokens), azure (Azure LLM inference CSV), burstgpt (CSV), mooncake "
-                        "(JSONL) or auto (told by its header or first line) [default: auto]")
+                   help="kvsim (CSV: arrival s, prompt, output), azure, burstgpt, mooncake, "
+                        "or auto (by its first line) [default: auto]")
     p.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="multiply the --workload file's arrival times by X (0.5: twice the "
                         "rate) [default: 1]")
     p.add_argument("--limit", type=int, metavar="N",
                    help="only the --workload file's first N requests by arrival")
     p.add_argument("--requests", type=int, metavar="N",
-                   help="requests to simulate (default: 2 x concurrency, or 64 with --qps)")
+                   help="requests [default: 2 x concurrency, or 64 with --qps]")
+    p.add_argument("--reuse", metavar="SPEC", help="with --qps: prompts reusing prefixes: "
+                   "conversations[:KEY=V,...] or shared-prompts[:...]")
+    p.add_argument("--block-tokens", type=int, default=512, metavar="N",
+                   help="--reuse's prefix block [default: 512]")
     add_scheduling_flags(p)
     add_caching_flags(p)
     add_engine_flags(p)
@@ -76,15 +79,13 @@ def add_parser(sub) -> None:
         p.add_argument(f"--slo-{metric}", type=float, metavar=unit,
                        help=f"per-request {what} limit for goodput")
     p.add_argument("--timeline", metavar="JSON",
-                   help="write a Chrome/Perfetto trace of the first decode steps, layer by layer")
+                   help="write a Perfetto trace of the first decode steps")
     p.add_argument("--timeline-steps", type=int, default=16, metavar="N",
                    help="decode steps in the timeline [default: 16]")
     p.add_argument("--force", action="store_true", help="overwrite an existing --timeline file")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="[default: 0]")
     p.add_argument("--jobs", type=int, metavar="N",
-                   help="processes for an open loop of 100,000 requests or more (in pieces "
-                        "cut where the server was empty; the serial run's result) [default: "
-                        "the CPUs]")
+                   help="processes for 100,000+ requests, open loop [default: CPUs]")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_policy_flags(p)
     p.set_defaults(run=run)
@@ -94,8 +95,7 @@ def add_scheduling_flags(p) -> None:
     """How the engine batches (:class:`kvsim.sim.rules.Scheduling`): shared by replay and plan."""
     from kvsim.commands._option_flags import add_option_flags
     from kvsim.sim.rules import Scheduling
-    add_option_flags(p, Scheduling, "scheduling", "how the simulated engine batches (vLLM's "
-                                                  "defaults)")
+    add_option_flags(p, Scheduling, "scheduling", "how the engine batches (vLLM's defaults)")
     _compact(p._action_groups[-1])
 
 
@@ -104,8 +104,7 @@ def add_deployment_flags(p) -> None:
     (:class:`kvsim.sim.records.Deployment`): shared by replay and plan."""
     from kvsim.commands._option_flags import add_option_flags
     from kvsim.sim.records import Deployment
-    add_option_flags(p, Deployment, "deployment", "element types, memory and how many GPUs "
-                                                  "serve")
+    add_option_flags(p, Deployment, "deployment", "element types, memory, how many GPUs")
     _compact(p._action_groups[-1])
 
 
@@ -114,9 +113,8 @@ def add_caching_flags(p) -> None:
     shared by replay and plan."""
     from kvsim.commands._option_flags import add_option_flags
     from kvsim.sim.records import PrefixCaching
-    add_option_flags(p, PrefixCaching, "prefix caching", "cached prompt prefixes are not "
-                     "prefilled again; blocks evicted from HBM go down the tiers given a size "
-                     "(host, pool, disk) and load back while the rest of the prompt prefills")
+    add_option_flags(p, PrefixCaching, "prefix caching", "cached prefixes are not prefilled; "
+                     "blocks evicted from HBM go to the tiers below (host, pool, disk)")
     _compact(p._action_groups[-1])
 
 
@@ -143,19 +141,15 @@ def add_engine_flags(p) -> None:
         "engine", "what the serving engine adds to the hardware (kvsim fit writes a profile); "
                   "each override below is recorded in provenance as such")
     g.add_argument("--engine", metavar="NAME|JSON",
-                   help="engine profile: vllm, sglang, trtllm (fitted to published measurements, "
-                        "data/published.csv), vllm-paper (the VerKV paper's vLLM on one H100), "
-                        "roofline (the bare hardware) or a file from kvsim fit [default: trtllm, "
-                        "the best-checked, with a catalog GPU; roofline with a profiled "
-                        "trace's hardware]")
+                   help="vllm, sglang, trtllm (fitted to data/published.csv), vllm-paper "
+                        "(the VerKV paper's), roofline or a kvsim fit file [default: trtllm; "
+                        "roofline with a profiled trace]")
     g.add_argument("--policy-profile", metavar="FILE|default|none",
-                   help="policy statistics from this profile (kvsim policy-profile), fitted to "
-                        "the planned context with a 90%% interval; 'none': from the trace only "
-                        "[default: the shipped profile when no trace is named]")
+                   help="policy statistics fitted to the context with a 90%% interval; "
+                        "'none': the trace's [default: the shipped one without a trace]")
     g.add_argument("--kv-read-frac", type=float, metavar="F",
-                   help="the policy's KV read per decode step, as a share of the cache "
-                        "(replaces the trace's measured fetch fraction; plan: for the policies "
-                        "that fetch per step)")
+                   help="the policy's KV read per decode step, a share of the cache "
+                        "(replaces the trace's; plan: policies that fetch)")
     g.add_argument("--decide-ms", type=float, metavar="MS",
                    help="decide time per request and decode step, all layers")
     g.add_argument("--step-overhead-ms", type=float, metavar="MS",
@@ -197,7 +191,8 @@ def run(args) -> int:
                     concurrency=args.concurrency, requests=args.requests,
                     output_len=args.output_len, workload_csv=args.workload, seed=args.seed,
                     workload_format=args.workload_format, time_scale=args.time_scale,
-                    workload_limit=args.limit, **option_values(args, Scheduling),
+                    workload_limit=args.limit, reuse=args.reuse,
+                    block_tokens=args.block_tokens, **option_values(args, Scheduling),
                     **option_values(args, Deployment), **option_values(args, PrefixCaching),
                     **engine_options(args),
                     slo={k: v for k, v in (("tpot_ms", args.slo_tpot_ms),

@@ -2,14 +2,16 @@
 or the user's), per hour, per million output tokens and per request.
 
 A configuration of ``replicas`` replicas of ``tp`` GPUs costs ``replicas x tp x price`` per hour
-whatever its load; per token and per request it is priced at the rate it serves: the SLO
-search's sustained rate where there is one (or the target rate, when the replicas were sized
+whatever its load, plus the tiers of its prefix cache (:class:`MemoryPrices`: host memory and
+disk per GPU, a pool once); per token and per request it is priced at the rate it serves: the
+SLO search's sustained rate where there is one (or the target rate, when the replicas were sized
 for it), else the rate the run measured.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +20,52 @@ import pandas as pd
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 
-COLUMNS = ["price_usd_per_gpu_hour", "price_source", "gpus", "usd_per_hour", "usd_per_m_tokens",
-           "usd_per_request"]
+COLUMNS = ["price_usd_per_gpu_hour", "price_source", "gpus", "cache_usd_per_hour",
+           "usd_per_hour", "usd_per_m_tokens", "usd_per_request"]
+# example prices of a prefix cache's tiers, each a flag to replace (--memory-price, --disk-price)
+MEMORY_GIB_HOUR = 0.004237  # USD per GiB-hour of DRAM: Google Cloud N2 on-demand memory,
+# us-central1, as OpenCost's default price sheet holds it ("RAM": "0.004237")
+DISK_GIB_HOUR = 0.04 / 730  # USD per GiB-hour of storage: OpenCost's default ($0.04 per
+# GiB-month, "storage": "0.00005479452")
+
+
+@dataclass(frozen=True)
+class MemoryPrices:
+    """USD per GiB-hour of a prefix cache's tiers: host memory and a pool's DRAM (``memory``),
+    local disk (``disk``); where each came from."""
+    memory: float = MEMORY_GIB_HOUR
+    disk: float = DISK_GIB_HOUR
+    source: str = ("example prices: DRAM $0.004237/GiB-h (Google Cloud N2 on-demand memory, "
+                   "us-central1, OpenCost's default sheet), disk $0.04/GiB-month (OpenCost's "
+                   "default storage)")
+
+    def per_gpu(self, r) -> float:
+        """USD per hour of one GPU's host-memory and disk tiers (a row or a mapping)."""
+        return _size(r, "cache_host_gib") * self.memory + _size(r, "cache_disk_gib") * self.disk
+
+    def fixed(self, r) -> float:
+        """USD per hour of what the replicas share: the pool."""
+        return _size(r, "cache_pool_gib") * self.memory
+
+
+def _size(r, key: str) -> float:
+    v = r.get(key) if hasattr(r, "get") else None
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return 0.0
+    return v if math.isfinite(v) else 0.0
+
+
+def parse_memory_price(text, flag: str) -> float:
+    """A tier's price (``--memory-price``, ``--disk-price``): USD per GiB-hour, >= 0."""
+    try:
+        v = float(text)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        raise KvsimError(f"{flag} must be a price >= 0 in US dollars per GiB-hour, got {text!r}")
+    return v
 
 
 def _usd(text, where: str) -> float:
@@ -72,10 +118,11 @@ def resolve(gpus: list[str], overrides: dict[str, float]) -> dict[str, tuple[flo
 
 
 def add_costs(df: pd.DataFrame, prices: dict[str, tuple[float | None, str]],
-              target_qps: float | None = None) -> pd.DataFrame:
+              target_qps: float | None = None,
+              memory: MemoryPrices = MemoryPrices()) -> pd.DataFrame:
     """``df`` with :data:`COLUMNS`. ``target_qps``: each row is priced as the fleet that
     carries the target rate (``replicas_needed``, found by the deployment search:
-    :mod:`kvsim.plan.fleet`), at that rate."""
+    :mod:`kvsim.plan.fleet`), at that rate; ``memory``: the prices of its cache's tiers."""
     df = df.copy()
     price = df["gpu"].map(lambda g: prices.get(g, (None, ""))[0]).astype(float)
     df["price_usd_per_gpu_hour"] = price
@@ -92,7 +139,9 @@ def add_costs(df: pd.DataFrame, prices: dict[str, tuple[float | None, str]],
         rate = sustained.where(sustained.notna(), measured)
     replicas = df["replicas_needed"] if target_qps is not None else _num(df, "replicas", 1.0)
     df["gpus"] = replicas * tp
-    df["usd_per_hour"] = df["gpus"] * price
+    tiers = [(memory.per_gpu(r), memory.fixed(r)) for r in df.to_dict("records")]
+    df["cache_usd_per_hour"] = df["gpus"] * [t[0] for t in tiers] + [t[1] for t in tiers]
+    df["usd_per_hour"] = df["gpus"] * price + df["cache_usd_per_hour"]
     ok = (df["status"] == "ok") & (rate > 0) if "status" in df else rate > 0
     per_request = df["usd_per_hour"] / 3600 / rate
     df["usd_per_request"] = per_request.where(ok)

@@ -166,7 +166,11 @@ def decided_by(rows: list[dict], answer: int) -> list[dict]:
     give."""
     def without(r, group, knob):  # the configuration's key but for the knob, and its value
         key = json.loads(r["key"])  # (Configuration.key: JSON of its typed fields)
-        value = key[group].pop(knob, None)
+        value = key.get(group, {}).pop(knob, None)  # (caching: only where set)
+        if not key.get(group, True):
+            del key[group]
+        if group == "caching" and value is None:
+            value = 0.0
         return json.dumps(key, sort_keys=True), value
 
     a = rows[answer]
@@ -234,7 +238,26 @@ def _entry(r, cfg, ends) -> dict:
            "one_fewer": ({"replicas": n - 1, "meets_slo": False,
                           "why": r["fewer_fails_because"]} if n > 1 else None),
            "routers": r.get("routers_tried")}
+    if _finite(r.get("fleet_prefix_hit_frac")):
+        out["prefix_cache"] = prefix_cache_answer(r, cfg, n)
     return out
+
+
+def prefix_cache_answer(r, cfg, replicas: int) -> dict:
+    """What the answer buys for its prefix cache: each tier's size per GPU, per replica and in
+    all, its cost per hour, and the share of prompt tokens each tier served in its fleet
+    replay at the target rate."""
+    c, tp = cfg.caching, cfg.deployment.tp
+    tiers = {}
+    for name in ("host", "disk"):
+        gib = getattr(c, f"cache_{name}_gib")
+        tiers[name] = {"gib_per_gpu": gib, "gib_per_replica": gib * tp,
+                       "gib_in_all": gib * tp * replicas}
+    tiers["pool"] = {"gib_in_all": c.cache_pool_gib}
+    return {"tiers": tiers, "usd_per_hour": r.get("cache_usd_per_hour"),
+            "hit_frac": r["fleet_prefix_hit_frac"],
+            "hit_frac_by_tier": {t: r.get(f"fleet_prefix_hit_frac_{t}")
+                                 for t in ("gpu", "host", "pool", "disk")}}
 
 
 def _uncertainty(r, ends) -> dict:

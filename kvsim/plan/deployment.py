@@ -52,7 +52,8 @@ def target_of(spec: SweepSpec) -> Target | None:
     requests = 2 * spec.slo_requests
     if spec.workload is not None:
         requests = min(requests, file_workload(spec.workload).n)
-    return Target(spec.target_qps, tuple(spec.routers or ROUTERS), requests)
+    routers = spec.routers or [r for r in ROUTERS if r != "prefix-aware" or spec.caches()]
+    return Target(spec.target_qps, tuple(routers), requests)
 
 
 @dataclass
@@ -146,13 +147,19 @@ def fleet_columns(task: SearchTask) -> dict:
         **{f"fleet_{k}_{end}": v for k, ends in r.bounds.items()
            if k in ("tpot_ms", "ttft_ms", "throughput_tok_s")
            for end, v in zip(("lo", "hi"), ends)},
-        "engine_spread": r.interval.get("spread"), "engine_check": r.interval.get("engine_check")}
+        "engine_spread": r.interval.get("spread"), "engine_check": r.interval.get("engine_check"),
+        **({"fleet_prefix_hit_frac": r.prefix_cache["prefix_hit_frac"],
+            **{f"fleet_prefix_hit_frac_{t}": r.prefix_cache[f"prefix_hit_frac_{t}"]
+               for t in ("gpu", "host", "pool", "disk")}} if r.prefix_cache else {})}
 
 
 def search(spec: SweepSpec, todo: list[Configuration], executor, progress: bool, on_rows,
-           status, prices: dict) -> list[dict]:
+           status, prices: dict, memory=None) -> list[dict]:
     """Every configuration's row with its fleet (the module's two passes); ``on_rows`` gets
-    each finished row (the plan's journal); ``prices``: GPU -> (USD per GPU-hour, source)."""
+    each finished row (the plan's journal); ``prices``: GPU -> (USD per GPU-hour, source);
+    ``memory``: the prices of the prefix cache's tiers (:class:`kvsim.plan.cost.MemoryPrices`)."""
+    from kvsim.plan.cost import MemoryPrices
+    memory = memory or MemoryPrices()
     target = target_of(spec)
     limits = list(spec.slo)
     firsts = run_all(executor, first_row, [FirstTask(c, limits, target) for c in todo],
@@ -161,13 +168,13 @@ def search(spec: SweepSpec, todo: list[Configuration], executor, progress: bool,
     rows = {r["key"]: r for r in firsts}
     costs: list[float] = []  # the fleets found so far, cheapest first (a heap)
 
-    def per_replica(r):  # USD per hour of one replica
+    def per_replica(r):  # USD per hour of one replica: its GPUs and their cache tiers
         price = prices.get(r["gpu"], (None, ""))[0]
-        return None if price is None else price * r.get("tp", 1)
+        return None if price is None else (price + memory.per_gpu(r)) * r.get("tp", 1)
 
     def lower(r):
         usd = per_replica(r)
-        return math.inf if usd is None else usd * r["fleet_start"]
+        return math.inf if usd is None else usd * r["fleet_start"] + memory.fixed(r)
 
     queue = sorted((r for r in firsts if r.get("status") == "ok"), key=lower)
     done = [r for r in firsts if r.get("status") != "ok"]
@@ -183,7 +190,8 @@ def search(spec: SweepSpec, todo: list[Configuration], executor, progress: bool,
                 if on_rows is not None:
                     on_rows([r])
                 continue
-            cap = None if bound is None else max(r["fleet_start"], math.floor(bound / usd))
+            cap = None if bound is None else max(r["fleet_start"],
+                                                 math.floor((bound - memory.fixed(r)) / usd))
             yield SearchTask(by_key[r["key"]], limits, target, r["fleet_start"],
                              (r["single_ok"], r["single_why"]), cap, bound)
 
@@ -191,7 +199,7 @@ def search(spec: SweepSpec, todo: list[Configuration], executor, progress: bool,
         r = rows[found["key"]]
         r.update(found)
         if math.isfinite(r.get("replicas_needed", math.nan)):
-            heapq.heappush(costs, r["replicas_needed"] * per_replica(r))
+            heapq.heappush(costs, r["replicas_needed"] * per_replica(r) + memory.fixed(r))
         if on_rows is not None:
             on_rows([r])
 

@@ -87,13 +87,15 @@ class Outcome:
 
 def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None = None,
          progress: bool = True, command: str = "", force: bool = False,
-         prices: dict[str, float] | None = None) -> Outcome:
+         prices: dict[str, float] | None = None, memory=None) -> Outcome:
     """Run the sweep into ``out``: each finished group of configurations is appended to a
     journal (flushed, fsynced) so a killed plan resumes; results.csv, the plots and the report
     are written at the end, in the sweep's order whatever the order of running. ``prices``:
-    USD per GPU-hour replacing the catalog's examples (:mod:`kvsim.plan.cost`)."""
+    USD per GPU-hour replacing the catalog's examples (:mod:`kvsim.plan.cost`); ``memory``:
+    the prices of a prefix cache's tiers (:class:`kvsim.plan.cost.MemoryPrices`)."""
     from kvsim.plan import cost
     gpu_prices = cost.resolve(spec.gpus, prices or {})
+    memory = memory or cost.MemoryPrices()
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise KvsimError(f"--out {out} exists and is not a directory")
@@ -104,11 +106,12 @@ def plan(spec: SweepSpec, out: str | Path, executor, quality: list[str] | None =
     except OSError as e:
         raise KvsimError(f"--out {out}: cannot make the directory ({e.strerror})") from None
     with only_plan(out):
-        return _plan(spec, out, executor, quality, progress, command, force, gpu_prices)
+        return _plan(spec, out, executor, quality, progress, command, force, gpu_prices,
+                     memory)
 
 
 def _plan(spec, out: Path, executor, quality, progress, command, force,
-          gpu_prices) -> Outcome:
+          gpu_prices, memory) -> Outcome:
     from kvsim.plan import cost
     written, settings, old = _previous_rows(out, spec, force)
     configs = {c.key(): c for c in expand(spec)}
@@ -123,18 +126,20 @@ def _plan(spec, out: Path, executor, quality, progress, command, force,
     with journal:
         new = sweep(spec, executor, set(old["key"]) if len(old) else set(), progress, on_rows,
                     configs=list(configs.values()),
-                    status=lambda: best_so_far(seen, gpu_prices) if spec.target_qps else "",
-                    search=_fleet_search(spec, gpu_prices))
+                    status=lambda: best_so_far(seen, gpu_prices, memory) if spec.target_qps
+                    else "", search=_fleet_search(spec, gpu_prices, memory))
     df = pd.concat([old, new], ignore_index=True) if len(old) else new
     if df.empty:
         raise KvsimError("the sweep has no configurations")
     df = _in_sweep_order(df, configs)
     df["qps"] = pd.to_numeric(df["qps"], errors="coerce")
     df = cost.add_costs(df.drop(columns=[c for c in cost.COLUMNS if c in df]), gpu_prices,
-                        spec.target_qps)
+                        spec.target_qps, memory)
     answer = None
     if spec.target_qps is not None and df.status.isin(DONE).any():
         df, answer = decide_plan(df, spec, configs)
+        if answer.get("prefix_cache"):
+            answer["prefix_cache"]["price_source"] = memory.source
         text = json.dumps(answer, indent=1, default=jsonable) + "\n"
         atomic_write(out / "answer.json", lambda f: f.write(text.encode()), force=True)
     _write_table(df, out)
@@ -162,7 +167,7 @@ def _plan(spec, out: Path, executor, quality, progress, command, force,
         "crossings": series.get("crossover", {}).get("_crossings", {})}, df)
 
 
-def _fleet_search(spec: SweepSpec, prices: dict):
+def _fleet_search(spec: SweepSpec, prices: dict, memory):
     """With a target rate, the deployment search that runs the sweep's configurations (the
     smallest fleet of each, :mod:`kvsim.plan.deployment`); None without."""
     if spec.target_qps is None:
@@ -170,16 +175,17 @@ def _fleet_search(spec: SweepSpec, prices: dict):
     import functools
 
     from kvsim.plan import deployment
-    return functools.partial(deployment.search, spec, prices=prices)
+    return functools.partial(deployment.search, spec, prices=prices, memory=memory)
 
 
-def best_so_far(rows: list[dict], prices: dict) -> str:
+def best_so_far(rows: list[dict], prices: dict, memory=None) -> str:
     """The cheapest fleet among the configurations searched so far, in words."""
-    best = None
+    from kvsim.plan.cost import MemoryPrices
+    memory, best = memory or MemoryPrices(), None
     for r in rows:
         n, price = r.get("replicas_needed"), prices.get(r.get("gpu"), (None, ""))[0]
         if r.get("status") == "ok" and n == n and n is not None and price is not None:
-            usd = n * r.get("tp", 1) * price
+            usd = n * r.get("tp", 1) * (price + memory.per_gpu(r)) + memory.fixed(r)
             if best is None or usd < best[0]:
                 best = (usd, r)
     if best is None:

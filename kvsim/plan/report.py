@@ -117,6 +117,8 @@ def answer_lines(answer: dict) -> list[str]:
              f"the target rate kept up (completions "
              f"{100 * answer['check']['served_frac_window']:.0f}% of arrivals over its measured "
              f"window) within the SLO."]
+    if answer.get("prefix_cache"):
+        lines.append(cache_line(answer["prefix_cache"]))
     if answer.get("runner_up"):
         lines.append("Runner-up: " + one(answer["runner_up"]) + ".")
     lines += [f"Grid edge: {w}." for w in answer.get("grid_edges", [])]
@@ -132,6 +134,25 @@ def answer_lines(answer: dict) -> list[str]:
         lines.append(f"Decided by {flag} {d['value'] if d['value'] is not None else '(default)'}"
                      f": with {alt}.")
     return lines
+
+
+def cache_line(pc: dict) -> str:
+    """The answer's prefix cache in one sentence: what to buy and what it serves."""
+    t = pc["tiers"]
+    buy = []
+    for name, what in (("host", "host memory"), ("disk", "local disk")):
+        if t[name]["gib_per_gpu"]:
+            buy.append(f"{t[name]['gib_per_gpu']:g} GiB of {what} per GPU "
+                       f"({t[name]['gib_in_all']:,.0f} GiB in all)")
+    if t["pool"]["gib_in_all"]:
+        buy.append(f"a {t['pool']['gib_in_all']:,.0f} GiB pool shared by the replicas")
+    served = ", ".join(f"{tier} {100 * v:.1f}%" for tier, v in pc["hit_frac_by_tier"].items()
+                       if v)
+    cost = pc.get("usd_per_hour")
+    return (f"Prefix cache: {'; '.join(buy) if buy else 'GPU memory only (no tier below)'}"
+            + (f", ${cost:.2f}/h" if buy and cost == cost and cost is not None else "")
+            + f"; at the target rate {100 * pc['hit_frac']:.1f}% of prompt tokens hit the cache"
+            + (f" ({served})" if served else "") + ".")
 
 
 def _report_blocks(df, series, out: Path, command: str, spec: SweepSpec, quality,

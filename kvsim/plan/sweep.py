@@ -36,7 +36,9 @@ from kvsim.sim.records import ROUTERS
 
 DEPLOYMENT_AXES = ("tp", "replicas", "kv_dtype", "host_gib")  # a plan sweeps lists of these
 SCHEDULING_AXES = ("max_batched_tokens",)
-KNOBS = (("scheduling", "max_batched_tokens"), ("deployment", "host_gib"))  # swept settings
+CACHING_AXES = ("cache_host_gib", "cache_disk_gib", "cache_pool_gib")
+KNOBS = (("scheduling", "max_batched_tokens"), ("deployment", "host_gib"),  # swept settings
+         *(("caching", k) for k in CACHING_AXES))
 KEYS = "typed configurations"  # how rows are keyed (a plan keyed otherwise is another plan)
 
 
@@ -64,6 +66,8 @@ class SweepSpec:
     routers: list[str] | None = None  # the routers a deployment search tries (None: all)
     defaulted: frozenset = frozenset()  # axes the command filled in (not the user's choice)
     workload: str | None = None  # a workload file (kvsim replay --workload) instead of contexts
+    caching: dict = field(default_factory=dict)  # PrefixCaching's fields set (configure's
+    # names); a list of values sweeps that field (the tiers' sizes)
 
     def settings(self) -> dict:
         """What makes two plans the same plan, whatever configurations each lists: everything
@@ -79,6 +83,8 @@ class SweepSpec:
                 "slo": [lim.words() for lim in self.slo], "slo_requests": self.slo_requests,
                 "target_qps": self.target_qps, "routers": self.routers,
                 "workload": self.workload,
+                **({"caching": {k: v for k, v in self.caching.items() if k not in CACHING_AXES}}
+                   if self.caching else {}),
                 "keys": KEYS}
 
     def input_files(self) -> list[Path]:
@@ -110,9 +116,17 @@ class SweepSpec:
     def schedulings(self) -> list[dict]:
         """One scheduling per combination of the listed values (a single value: the fields as
         given, so the configuration keys of earlier plans hold)."""
-        names = list(self.scheduling)
-        axes = [v if isinstance(v, list) else [v] for v in self.scheduling.values()]
-        return [dict(zip(names, combo)) for combo in itertools.product(*axes)]
+        return _combinations(self.scheduling)
+
+    def cachings(self) -> list[dict]:
+        """One prefix-caching setting per combination of the listed tier sizes."""
+        return _combinations(self.caching)
+
+    def caches(self) -> bool:
+        """Whether the plan's runs cache prefixes: a workload that names its prefix blocks,
+        unless --prefix-caching off (the policies that cannot are told in their rows)."""
+        return self.workload is not None and self.caching.get("prefix_caching") != "off" \
+            and file_workload(self.workload).prefix_hashes is not None
 
     def policy_specs(self) -> list[PolicySpec]:
         """One validated spec per policy and combination of the option grid's values."""
@@ -145,6 +159,12 @@ class SweepSpec:
         if self.slo_requests < 10:
             raise KvsimError(f"--slo-requests must be at least 10 (the first fifth warms the "
                              f"system up); got {self.slo_requests}")
+        cachings = self.cachings()
+        if not cachings:
+            raise KvsimError("--cache-host-gib, --cache-disk-gib and --cache-pool-gib need at "
+                             "least one value each")
+        for c in cachings:
+            configure(policy="dense-resident", **c)
         schedulings = self.schedulings()
         if not schedulings:
             raise KvsimError("--max-batched-tokens needs at least one value")
@@ -185,6 +205,12 @@ class SweepSpec:
             load(self.engine["engine"])  # an unreadable engine file fails before the sweep
 
 
+def _combinations(fields_: dict) -> list[dict]:
+    names = list(fields_)
+    axes = [v if isinstance(v, list) else [v] for v in fields_.values()]
+    return [dict(zip(names, combo)) for combo in itertools.product(*axes)]
+
+
 def expand(spec: SweepSpec) -> list[Configuration]:
     """Every configuration of the sweep, each checked and with its policy built once."""
     spec.validate()
@@ -192,9 +218,9 @@ def expand(spec: SweepSpec) -> list[Configuration]:
     loads = [("batch", b) for b in spec.batches] if not spec.qps else \
         [("qps", q) for q in spec.qps]
     goodput = slo.goodput_limits(spec.slo)
-    for gpu, model, ctx, pol, dep, sched in itertools.product(
+    for gpu, model, ctx, pol, dep, sched, caching in itertools.product(
             spec.gpus, spec.models, spec.file_contexts(), spec.policy_specs(),
-            spec.deployments(), spec.schedulings()):
+            spec.deployments(), spec.schedulings(), spec.cachings()):
         hardware = str(gpu).endswith(".npz")  # a profiled trace stands for its GPU
         for kind, value in loads:
             configs.append(configure(
@@ -204,7 +230,7 @@ def expand(spec: SweepSpec) -> list[Configuration]:
                 qps=float(value) if kind == "qps" else None, output_len=spec.output_len,
                 requests=spec.requests, seed=spec.seed, workload_csv=spec.workload,
                 slo=goodput, kv_read_everywhere=False,  # --kv-read-frac: the fetching ones
-                **sched, **spec.engine, **dep))
+                **sched, **spec.engine, **dep, **caching))
     return configs
 
 
@@ -233,14 +259,17 @@ def columns(cfg: Configuration) -> dict:
             "engine": json.dumps(engine, sort_keys=True),
             "deployment": json.dumps(set_deployment, sort_keys=True),
             "tp": d.tp, "replicas": d.replicas, "kv_dtype": d.kv_dtype or "bf16",
+            **{k: getattr(cfg.caching, k) for k in CACHING_AXES if getattr(cfg.caching, k)},
             "knobs": " ".join(f"{k} {v:g}" for k, v in knobs(cfg).items()),
             "label": label(cfg.policy.name, cfg.options), "key": cfg.key()}
 
 
 def knobs(cfg: Configuration) -> dict:
-    """The scheduling and memory settings a plan sweeps (:data:`KNOBS`) that ``cfg`` sets."""
+    """The scheduling and memory settings a plan sweeps (:data:`KNOBS`) that ``cfg`` sets (a
+    cache tier where it has a size)."""
     return {knob: v for group, knob in KNOBS
-            if (v := getattr(getattr(cfg, group), knob)) is not None}
+            if (v := getattr(getattr(cfg, group), knob)) is not None
+            and (group != "caching" or v)}
 
 
 def gpu_of(cfg: Configuration) -> str:

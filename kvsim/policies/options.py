@@ -49,9 +49,8 @@ SHARED = {
         "all of it)", float, lambda v: _finite(v) and v >= 1,
         "be >= 1 (the budget is 1/compression of the cache)"),
     "eps": Shared(
-        "tolerance eps on the relative error of the attention denominator: policies that "
-        "fetch do so until their certificate is below it; those that never fetch only report "
-        "the share of decisions whose true error exceeds it", float,
+        "tolerance on the attention denominator's relative error: fetching policies fetch "
+        "until their certificate is below it; others report how often it is exceeded", float,
         lambda v: _finite(v) and v > 0, "be > 0"),
     "delta": Shared(
         "failure probability delta of the Bernstein certificate, in (0, 1)", float,

@@ -56,25 +56,21 @@ class Deployment:
     """How many GPUs serve and in which element types; each field is also a command-line flag
     of ``kvsim replay`` and ``kvsim plan`` (:mod:`kvsim.commands._option_flags`)."""
     kv_dtype: str | None = field(default=None, metadata={
-        "choices": list(KV_DTYPES), "help": "KV-cache element type (bytes in HBM, host memory "
-        "and over the link) [default: the model's dtype]"})
+        "choices": list(KV_DTYPES), "help": "KV-cache element type [default: the model's]"})
     weight_dtype: str | None = field(default=None, metadata={
-        "choices": list(WEIGHT_DTYPES), "help": "layer weights' element type (embeddings and "
-        "LM head keep the model's) [default: the model's dtype]"})
+        "choices": list(WEIGHT_DTYPES), "help": "layer weights' element type (not embeddings "
+        "and LM head) [default: the model's]"})
     tp: int = field(default=1, metadata={
-        "metavar": "N", "help": "tensor parallelism: N GPUs of a node serve one replica; each "
-        "holds 1/N of the weights and KV heads, all-reduces go over the catalog's peer link; "
-        "memory and HBM figures are per GPU [default: 1]"})
+        "metavar": "N", "help": "tensor parallelism: N GPUs of a node serve one replica (1/N "
+        "of weights and KV heads each, all-reduces over the peer link; figures per GPU) "
+        "[default: 1]"})
     router: str = field(default="round-robin", metadata={
         "choices": list(ROUTERS), "help": "how --replicas share the requests: round-robin; "
-        "least-loaded (each arrival to the replica with the fewest requests in its system; "
-        "open loops); prefix-aware (with prefix caching: to the replica caching the longest "
-        "prefix of the prompt, unless loads are out of balance, as SGLang's router) "
-        "[default: round-robin]"})
+        "least-loaded (fewest requests in the system); prefix-aware (the longest cached "
+        "prefix unless loads are out of balance, as SGLang's) [default: round-robin]"})
     replicas: int = field(default=1, metadata={
-        "metavar": "R", "help": "data-parallel replicas (each of --tp GPUs) behind the "
-        "--router; throughput and latencies over all, utilisation and memory per replica "
-        "[default: 1]"})
+        "metavar": "R", "help": "data-parallel replicas of --tp GPUs behind the --router; "
+        "latencies over all, utilisation and memory per replica [default: 1]"})
     tp_link: str = field(default="own", metadata={
         "choices": ["own", "shared"], "help": "with --tp: each GPU on its own host link, or "
         "one shared by the group [default: own]"})
@@ -107,25 +103,19 @@ class PrefixCaching:
     """Prefix caching and the tiers of the KV cache below the GPU (:mod:`kvsim.sim.prefix`);
     each field is also a command-line flag of ``kvsim replay`` and ``kvsim plan``."""
     prefix_caching: str = field(default="auto", metadata={
-        "choices": list(CACHE_MODES), "help": "reuse the KV of cached prompt prefixes (blocks "
-        "named by the workload's prefix hashes: a Mooncake trace's hash_ids or --reuse's); "
-        "auto: on where the workload has them, as vLLM and SGLang do by default [default: "
-        "auto]"})
+        "choices": list(CACHE_MODES), "help": "auto (on where the workload names prefix "
+        "blocks, as engines do by default), on, off [default: auto]"})
     cache_host_gib: float = field(default=0.0, metadata={
-        "metavar": "GIB", "help": "host memory per GPU for prefix blocks evicted from HBM, "
-        "loaded back over the GPU's host link [default: 0, none]"})
+        "metavar": "GIB", "help": "host memory per GPU [default: 0]"})
     cache_disk_gib: float = field(default=0.0, metadata={
-        "metavar": "GIB", "help": "local SSD per GPU for blocks evicted from host memory "
-        "[default: 0, none]"})
+        "metavar": "GIB", "help": "local SSD per GPU [default: 0]"})
     cache_pool_gib: float = field(default=0.0, metadata={
-        "metavar": "GIB", "help": "a DRAM pool shared by all replicas (Mooncake Store), in "
-        "all, for blocks evicted from the tiers above [default: 0, none]"})
+        "metavar": "GIB", "help": "DRAM pool shared by the replicas, in all [default: 0]"})
     cache_disk_gbps: float = field(default=DISK_GBPS, metadata={
-        "metavar": "GB/S", "help": f"one replica's SSD read and write rate [default: "
-        f"{DISK_GBPS:g}, a PCIe 4.0 x4 NVMe]"})
+        "metavar": "GB/S", "help": f"SSD rate per replica [default: {DISK_GBPS:g}, PCIe 4 NVMe]"})
     cache_pool_gbps: float = field(default=POOL_GBPS, metadata={
-        "metavar": "GB/S", "help": f"one replica's network rate to the pool [default: "
-        f"{POOL_GBPS:g}, a 200 Gb/s RDMA NIC]"})
+        "metavar": "GB/S", "help": f"pool rate per replica [default: {POOL_GBPS:g}, 200 Gb/s "
+        "RDMA]"})
 
     def check(self) -> None:
         if self.prefix_caching not in CACHE_MODES:

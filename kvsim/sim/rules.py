@@ -53,7 +53,7 @@ class ArrivalOrder(deque):
 class ShortestPromptFirst:
     """The waiting request with the shortest prompt first (ties in arrival order); a preempted
     request goes back to the front, as in arrival order."""
-    summary = "the shortest prompt first"
+    summary = "shortest prompt"
 
     def __init__(self, run):
         self.prompt, self.heap, self.count = run.prompt, [], 0
@@ -120,7 +120,7 @@ def _whole(run, decodes: int) -> StepPlan:
 class Chunked:
     """vLLM's: each step's token budget goes to the decodes first, then to chunks of the prompts
     in order; a prompt that finishes emits a token and decodes from the next step."""
-    summary = "a token budget per step, decodes first, then prefill chunks (vLLM)"
+    summary = "a token budget per step, decodes first, then prompt chunks (vLLM)"
     decodes_while_prefilling = True
 
     def plan(self, run, single: bool) -> list[StepPlan]:
@@ -229,7 +229,7 @@ class Chunked:
 @rule("scheduler", "prefill-first")
 class PrefillFirst:
     """The earlier model: admitted prompts prefill together, whole, while every decode waits."""
-    summary = "admitted prompts prefill whole while decodes wait"
+    summary = "prompts prefill whole, decodes wait"
     decodes_while_prefilling = False
 
     def plan(self, run, single: bool) -> list[StepPlan]:
@@ -242,14 +242,14 @@ class Reserve:
     """HBM for a request's whole length (prompt + output) from admission on: never preempted.
     (A rule that ``grows`` holds the tokens to prefill at admission and has ``fit`` and
     ``grow`` for the decode steps; the run asks only such a rule.)"""
-    summary = "HBM for a request's whole length at admission, never preempted"
+    summary = "HBM for the whole request at admission"
     grows = False
 
 
 @rule("admission", "grow")
 class Grow:
     """vLLM's: HBM for the tokens to prefill at admission, and a token more per decode step."""
-    summary = "per token as vLLM, preempting when HBM runs out"
+    summary = "per token (vLLM), preempting when HBM runs out"
     grows = True
 
     def fit(self, run, k: int) -> int:
@@ -297,14 +297,14 @@ class Preemption:
 class Recompute(Preemption):
     """The victim's KV is dropped; it waits at the front and prefills prompt and generated
     tokens again."""
-    summary = "drop the victim's KV and prefill it again"
+    summary = "prefill the victim again"
 
 
 @rule("preemption", "swap")
 class Swap(Preemption):
     """The victim's HBM state is copied to host memory and back when it fits again (resumed
     where it was); recomputed where host memory has no room."""
-    summary = "copy it to host memory over the link and back"
+    summary = "copy it to host memory and back"
     swaps = True
 
 
@@ -329,12 +329,12 @@ class Scheduling:
     ``kvsim plan`` (:mod:`kvsim.commands._option_flags`)."""
     scheduler: str = _rule_field("scheduler", "chunked")
     max_batched_tokens: int | None = field(default=None, metadata={
-        "kind": int, "metavar": "N", "help": "chunked: tokens per step [default: vLLM's for the "
-        "GPU: 8192 on GPUs of 70 GiB or more other than A100, else 2048]"})
+        "kind": int, "metavar": "N", "help": "chunked: tokens per step [default: vLLM's: 8192 "
+        "on GPUs of 70+ GiB but A100, else 2048]"})
     admission: str = _rule_field("admission", "reserve")
     preemption: str = _rule_field("preemption", "recompute", "grow admission: ")
-    admission_order: str = _rule_field("order", "arrival", "which waiting request is admitted "
-                                       "next: ", keyed="when set")
+    admission_order: str = _rule_field("order", "arrival", "admitted next: ",
+                                       keyed="when set")
 
     def check(self) -> None:
         for f in fields(Scheduling):  # (also the fields of a class made of more options)
