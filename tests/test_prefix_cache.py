@@ -354,3 +354,23 @@ def test_a_plan_without_a_router_tries_every_router_that_applies():
     assert routers("--workload", CONVERSATION) == ("round-robin", "least-loaded",
                                                    "prefix-aware")
     assert routers("--context", "1000", "--router", "least-loaded") == ("least-loaded",)
+
+
+@pytest.mark.parametrize("gap", [2.0, 0.002])
+def test_a_long_loop_in_pieces_is_the_serial_run_with_the_cache_carried_over(gap):
+    """Pieces cut where the server empties, run in order from the cache the last one left,
+    give the serial run's requests and cache counts (busy, most cuts fail and their pieces
+    run again as one from the copy taken before)."""
+    from kvsim.sim import segments
+    from kvsim.sim.metrics import Requests
+    work = conversations(n=400, gap=gap)
+    caching = PrefixCaching("on", cache_host_gib=0.2)
+    whole = sim_for(caching, hbm_gib=0.6).run_whole(work, Requests())
+    pieces = segments.run_cached(sim_for(caching, hbm_gib=0.6), work, Requests(), piece=40)
+    assert (gap > 1) == (pieces.pieces > 3), pieces.pieces  # (busy: cuts fail)
+    assert pieces.requests.count == whole.requests.count == work.n
+    assert pieces.requests.ttft.mean() == pytest.approx(whole.requests.ttft.mean(), rel=1e-12)
+    assert pieces.requests.last_finish == whole.requests.last_finish
+    for name in ("prompt_tokens", "prefilled_tokens", "hit_tokens", "loaded_bytes",
+                 "written_bytes", "evicted_blocks"):
+        assert getattr(pieces.cache, name) == getattr(whole.cache, name), name

@@ -256,7 +256,9 @@ def _search_blocks(df, spec: SweepSpec) -> list:
     target = target_of(spec)
     items = []
     for r in df[df.status == "ok"].itertuples():
-        name = f"{r.gpu} TP{r.tp}, {r.label}, batch {r.batch}"
+        knobs = getattr(r, "knobs", "")
+        name = f"{r.gpu} TP{r.tp}, {r.label}, batch {r.batch}" + (
+            f", {knobs}" if isinstance(knobs, str) and knobs else "")
         n = getattr(r, "replicas_needed", float("nan"))
         if n == n:
             items.append(f"{name}: {int(n)} replica(s) behind {r.router} "

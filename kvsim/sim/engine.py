@@ -160,8 +160,9 @@ class Simulator:
         and measured window), a plain one if not given. A long open loop runs in pieces over
         ``jobs`` processes, with the same result (:mod:`kvsim.sim.segments`)."""
         requests = requests if requests is not None else Requests()
-        if workload.concurrency is None and workload.n >= 2 * segments.PIECE and \
-                not self.caches(workload):  # (a cache's state spans any cut)
+        if workload.concurrency is None and workload.n >= 2 * segments.PIECE:
+            if self.caches(workload):  # in order: each piece from the cache the last left
+                return segments.run_cached(self, workload, requests)
             self.check_feasible(workload)  # before any process starts
             return segments.run(self, workload, requests, self.jobs)
         return self.run_whole(workload, requests)

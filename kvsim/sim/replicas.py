@@ -37,7 +37,7 @@ def take(work: Workload, idx, **changes) -> Workload:
     replica's share here, a piece in :mod:`kvsim.sim.segments`)."""
     h = work.prefix_hashes
     if h is not None:
-        changes["prefix_hashes"] = h[idx] if isinstance(idx, slice) else [h[i] for i in idx]
+        changes["prefix_hashes"] = h[idx]
     return dataclasses.replace(work, arrival=work.arrival[idx], prompt=work.prompt[idx],
                                output=work.output[idx], **changes)
 

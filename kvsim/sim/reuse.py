@@ -44,10 +44,11 @@ import math
 import numpy as np
 
 from kvsim.errors import KvsimError
-from kvsim.sim.workload import Workload
+from kvsim.sim.workload import PrefixBlocks, Workload
 
 BLOCK = 512  # tokens per block (Mooncake's hash_ids)
 CHUNK = 4096  # new sessions drawn at a time: a fixed size, so a seed's sessions do not depend on n
+CHUNK_REQUESTS = 1 << 16  # requests whose block ids are made at a time (whole sessions)
 MAX_TURNS = 1000  # mean turns per session at most
 MAX_ROWS = 20_000_000  # turns drawn for the sessions under way at time 0, expected, at most
 
@@ -108,11 +109,19 @@ def _within(x: np.ndarray, first_row: np.ndarray, length: np.ndarray) -> np.ndar
     return c - np.repeat(c[first_row] - x[first_row], length)
 
 
-def _chain(shared: list, tokens: int, block: int, fresh: int) -> tuple[list, int]:
-    """A prompt of ``tokens`` tokens whose leading blocks are ``shared`` and whose other blocks
-    get new ids from ``fresh`` on: (its ids, the next new id)."""
-    more = -(-tokens // block) - len(shared)
-    return shared + list(range(fresh, fresh + more)), fresh + more
+def _layout(prompt: np.ndarray, shared: np.ndarray, block: int, first_fresh: int):
+    """Requests of ``prompt`` tokens whose first ``shared`` blocks come from elsewhere: each
+    block's request and position, where each request's blocks start, which blocks are shared,
+    and ids for the rest, new and consecutive from ``first_fresh`` in request order."""
+    count = -(-prompt // block)
+    starts = np.zeros(len(prompt) + 1, np.int64)
+    np.cumsum(count, out=starts[1:])
+    req = np.repeat(np.arange(len(prompt)), count)
+    pos = np.arange(int(starts[-1])) - starts[req]
+    is_shared = pos < np.minimum(shared, count)[req]
+    ids = np.zeros(len(pos), np.int64)
+    ids[~is_shared] = first_fresh + np.arange(int((~is_shared).sum()))
+    return req, pos, starts, is_shared, ids
 
 
 # --- conversations ----------------------------------------------------------------------------
@@ -155,19 +164,47 @@ def _sessions(rng, start, done, total, c: dict) -> tuple:
 
 
 def _conversation_ids(session: np.ndarray, prompt: np.ndarray, system: int,
-                      block: int) -> list:
+                      block: int) -> PrefixBlocks:
     """Block ids of requests listed by session then turn, each session's turns consecutive:
-    a session's first listed turn shares only the system prompt's full blocks (its earlier
-    turns, if any, are not in the workload), each later one its previous turn's full blocks."""
-    system_ids = list(range(system // block))
-    fresh, out = len(system_ids), []
-    before, ids, tokens = -1, system_ids, 0
-    for s, p in zip(session.tolist(), prompt.tolist()):
-        shared = ids[:tokens // block] if s == before else system_ids
-        ids, fresh = _chain(shared, p, block, fresh)
-        out.append(ids)
-        before, tokens = s, p
-    return out
+    a session's first listed turn shares only the system prompt's full blocks (ids 0, 1, ...;
+    its earlier turns, if any, are not in the workload), each later one its previous turn's
+    full blocks; the rest are new ids. Made in runs of whole sessions (bounded temporaries)."""
+    new = np.flatnonzero(np.diff(session)) + 1  # where a session's turns begin
+    cuts = [0, *new[np.searchsorted(new, np.arange(CHUNK_REQUESTS, len(prompt),
+                                                   CHUNK_REQUESTS))].tolist(), len(prompt)]
+    parts, fresh = [], system // block
+    for a, b in zip(cuts, cuts[1:]):
+        if b > a:
+            part = _session_ids(session[a:b], prompt[a:b], system, block, fresh)
+            parts.append(part)
+            fresh = max(fresh, int(part.ids.max()) + 1) if len(part.ids) else fresh
+    counts = np.concatenate([p.counts() for p in parts])
+    starts = np.zeros(len(prompt) + 1, np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return PrefixBlocks(np.concatenate([p.ids for p in parts]), starts)
+
+
+def _session_ids(session: np.ndarray, prompt: np.ndarray, system: int, block: int,
+                 first_fresh: int) -> PrefixBlocks:
+    """:func:`_conversation_ids` of whole sessions, new ids from ``first_fresh``."""
+    same = np.zeros(len(prompt), bool)
+    same[1:] = session[1:] == session[:-1]
+    previous = np.concatenate([[0], prompt[:-1]])
+    shared = np.where(same, previous // block, system // block)
+    req, pos, starts, is_shared, ids = _layout(prompt, shared, block, first_fresh)
+    # a shared block of a later turn is its previous turn's block at that position: follow
+    # those links (pointer jumping, log2 of the longest chain of turns) to where the id was
+    # made: a new block, or the system prompt's (whose id is its position)
+    link = np.arange(len(pos))
+    later = is_shared & same[req]
+    link[later] = starts[req[later] - 1] + pos[later]
+    ids[is_shared & ~same[req]] = pos[is_shared & ~same[req]]
+    while True:
+        nxt = link[link]
+        if np.array_equal(nxt, link):
+            break
+        link = nxt
+    return PrefixBlocks(ids[link], starts)
 
 
 def conversations(n: int, sessions_per_s: float | None = None, *, qps: float | None = None,
@@ -232,7 +269,7 @@ def conversations(n: int, sessions_per_s: float | None = None, *, qps: float | N
     order = np.argsort(arrival, kind="stable")[:n]  # ties: by session then turn
     listed = np.sort(order)  # by session then turn, each session's kept turns consecutive
     ids = _conversation_ids(session[listed], prompt[listed], c["shared_system_tokens"], block)
-    hashes = [ids[i] for i in np.searchsorted(listed, order).tolist()]
+    hashes = ids[np.searchsorted(listed, order)]
 
     rate_words = (f"{qps:g} req/s overall = {rate:.6g} sessions/s x {mean:.6g} mean turns"
                   if qps is not None else f"{rate:g} sessions/s (x {mean:.6g} mean turns = "
@@ -285,12 +322,11 @@ def shared_prompts(n: int, qps: float, *, prompts: int = 10, system_tokens: int 
     system = _sizes(rng, system_tokens, spread, prompts)
     prompt = system[which] + _sizes(rng, user_tokens, spread, n)
     output = _sizes(rng, output_tokens, spread, n)
-    full = system // block
-    system_ids = [list(range(a - f, a)) for a, f in zip(np.cumsum(full).tolist(), full.tolist())]
-    fresh, hashes = int(full.sum()), []
-    for k, p in zip(which.tolist(), prompt.tolist()):
-        ids, fresh = _chain(system_ids[k], p, block, fresh)
-        hashes.append(ids)
+    full = system // block  # system prompt k's blocks: ids first[k], first[k] + 1, ...
+    first = np.cumsum(full) - full
+    req, pos, starts, is_shared, ids = _layout(prompt, full[which], block, int(full.sum()))
+    ids[is_shared] = first[which][req[is_shared]] + pos[is_shared]
+    hashes = PrefixBlocks(ids, starts)
 
     popularity = (f"Zipf popularity, exponent {zipf:g} (prompt k of 1..{prompts} with "
                   f"probability ~ k^-{zipf:g})" if zipf else "uniform popularity (zipf 0)")

@@ -12,6 +12,12 @@ count and percentile equal, sums equal to rounding (they are added in another or
 
 The cuts depend on the workload alone, not on the number of processes, so the same command
 gives the same JSON on any machine. A loaded server that never empties keeps one piece.
+
+With prefix caching (:func:`run_cached`) the pieces run one after another in this process,
+each from the cache the one before left: the server is empty at a cut that holds, so nothing
+is pinned and the cache, which keeps no time, is the serial run's there. Before each piece the
+cache is copied (it is bounded by its tiers' capacities), so a cut that fails runs again, as
+one piece with the next, from that copy.
 Workers are forked (Linux; elsewhere the pieces run here, one after another): they run only the
 simulator, never torch, so a fork after torch was imported is safe, and no script needs a
 ``__main__`` guard.
@@ -108,6 +114,44 @@ def run(sim, work: Workload, requests: Requests, jobs: int | None = None,
             pool.shutdown()
             gc.unfreeze()
     parts = [done[(a, b)] for a, b in pairwise(bounds)]
+    return merge(parts)
+
+
+def run_cached(sim, work: Workload, requests: Requests, piece: int | None = None) -> SimResult:
+    """:func:`run`'s result for a simulator that caches prefixes: the pieces in order, each
+    from the cache the one before left (the module's docstring)."""
+    import copy
+
+    from kvsim.sim.batching import Run
+    from kvsim.sim.prefix import Counts
+    from kvsim.sim.single import result
+    fit = sim.check_feasible(work)
+    bounds, cache, log = cuts(work.arrival, piece or PIECE), sim.prefix_cache(work), sim.chunks
+    parts, start, end = [], 0, 1
+    sketched = work.n > metrics.EXACT
+    try:
+        while start < len(bounds) - 1:
+            a, b = bounds[start], bounds[end]
+            before = copy.deepcopy(cache)
+            cache.counts, sim.chunks = Counts(), ChunkLog(keep=log.keep)
+            run = Run(sim, replicas.take(work, slice(a, b)), requests=requests.fresh(),
+                      cache=cache)
+            run.env.run(run.scheduler())
+            res = result(sim, run, fit)
+            if b < work.n and res.requests.last_finish > work.arrival[b]:
+                cache, end = before, end + 1  # the cut failed: again, through the next one
+                continue
+            if sketched:
+                res.requests.fold()
+            parts.append(res)
+            start, end = end, end + 1
+    finally:
+        sim.chunks = log
+    seen = 0
+    for res in parts:  # only the run's first ``keep`` chunks are kept
+        if seen >= log.keep:
+            res.chunks.kept = []
+        seen += res.chunks.count
     return merge(parts)
 
 

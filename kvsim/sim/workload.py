@@ -50,6 +50,69 @@ MAX_TOKENS = 2**31 - 1  # a token count above this is a broken file, not a reque
 MAX_SECONDS = 1e10  # a time beyond this (300 years; the epoch is 1.8e9 s) is a broken file
 
 
+GATHER = 1 << 16  # requests gathered at a time (PrefixBlocks)
+
+
+class PrefixBlocks:
+    """Each request's prompt blocks, packed: ``ids`` holds every request's block ids, request
+    after request, and request ``i``'s are ``ids[starts[i]:starts[i + 1]]`` (a few bytes per
+    block: a 10-day stream of millions of requests holds its ids in tens of MB, where lists of
+    Python ints would take ten times more). Indexed by a request, a list of its ids; by a slice
+    or an index array, the requests it names."""
+
+    def __init__(self, ids: np.ndarray, starts: np.ndarray):
+        small = ids.dtype == np.int32 or len(ids) == 0 or (
+            int(ids.min()) >= -2**31 and int(ids.max()) < 2**31)
+        self.ids = np.ascontiguousarray(ids, np.int32 if small else np.int64)
+        self.starts = np.asarray(starts, np.int64)
+
+    @classmethod
+    def of(cls, lists) -> PrefixBlocks:
+        """From one list of ids per request."""
+        counts = np.fromiter(map(len, lists), np.int64, len(lists))
+        starts = np.zeros(len(lists) + 1, np.int64)
+        np.cumsum(counts, out=starts[1:])
+        ids = np.fromiter((b for ids in lists for b in ids), np.int64, int(starts[-1]))
+        return cls(ids, starts)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def counts(self) -> np.ndarray:
+        """Blocks per request."""
+        return np.diff(self.starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, (int, np.integer)):
+            return self.ids[self.starts[i]:self.starts[i + 1]].tolist()
+        if isinstance(i, slice) and i.step in (None, 1):  # a view
+            a, b, _ = i.indices(len(self))
+            b = max(a, b)
+            return PrefixBlocks(self.ids[self.starts[a]:self.starts[b]],
+                                self.starts[a:b + 1] - self.starts[a])
+        idx = np.arange(len(self))[i] if isinstance(i, slice) else np.asarray(i, np.int64)
+        counts = self.counts()[idx]
+        starts = np.zeros(len(idx) + 1, np.int64)
+        np.cumsum(counts, out=starts[1:])
+        ids = np.empty(int(starts[-1]), self.ids.dtype)
+        for a in range(0, len(idx), GATHER):  # in chunks: no temporary of the whole size
+            b = min(a + GATHER, len(idx))
+            at = np.repeat(self.starts[idx[a:b]] - starts[a:b], counts[a:b]) + \
+                np.arange(starts[a], starts[b])
+            ids[starts[a]:starts[b]] = self.ids[at]
+        return PrefixBlocks(ids, starts)
+
+    def __iter__(self):
+        ids, s = self.ids, self.starts.tolist()
+        for a, b in zip(s, s[1:]):
+            yield ids[a:b].tolist()
+
+    def __eq__(self, other) -> bool:
+        return len(self) == len(other) and all(a == list(b) for a, b in zip(self, other))
+
+    __hash__ = None
+
+
 @dataclass
 class Workload:
     arrival: np.ndarray  # seconds (open loop); ignored for a closed loop
@@ -59,7 +122,7 @@ class Workload:
     description: str
     # per request, its prompt's block ids (Mooncake's hash_ids, or kvsim.sim.reuse's): equal
     # ids are equal prefixes; ``prefix_block`` tokens per block
-    prefix_hashes: list | None = None
+    prefix_hashes: PrefixBlocks | None = None
     prefix_block: int = 512
 
     @property
@@ -137,7 +200,7 @@ def from_file(path: str | Path, fmt: str = "auto", time_scale: float = 1.0,
     seconds = (time - time.min() if spec.relative else time) * spec.unit
     order = np.argsort(seconds, kind="stable")[:limit]
     arrival = seconds[order] * float(time_scale)
-    hashes = None if hashes is None else [hashes[i] for i in order]
+    hashes = None if hashes is None else PrefixBlocks.of(hashes)[order]
     read, span = len(time) + skipped, float(arrival[-1] - arrival[0])
     words = [f"{spec.title} ({fmt}) {path}: {len(order)} requests used of {read} read",
              *([f"the first {len(order)} by arrival (--limit)"] if len(order) < len(time)
