@@ -10,6 +10,7 @@ bounds what is left to search by the fleets found so far).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import sys
 import time
@@ -39,8 +40,12 @@ class LocalExecutor:
                     yield t, fut.result()
             return
         import multiprocessing as mp
+
+        from kvsim.plan.reaper import Reaper
         ctx = mp.get_context("spawn")  # fork is unsafe once torch has started threads
-        with cf.ProcessPoolExecutor(self.jobs, mp_context=ctx) as pool:
+        reaper = Reaper()  # the workers die with this process, even by kill -9
+        with contextlib.closing(reaper), cf.ProcessPoolExecutor(self.jobs, mp_context=ctx) \
+                as pool:
             futures: dict = {}
 
             def fill():  # one task per free worker, taken when it frees
@@ -74,10 +79,20 @@ class RayExecutor:
             raise KvsimError("--executor ray needs Ray: pip install 'kvsim[ray]'") from None
         self.ray = ray
         self.jobs = max(1, jobs or os.cpu_count() or 1)  # tasks in flight at once
+        self.reaper = None
         if not ray.is_initialized():
+            if address:
+                _answers(address)
             kw = {"address": address} if address else {"num_cpus": jobs or os.cpu_count()}
-            ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
-                     **kw)
+            if not address:  # kvsim starts Ray: its processes die with this one
+                from kvsim.plan.reaper import Reaper
+                self.reaper = Reaper()
+            try:
+                ray.init(include_dashboard=False, log_to_driver=False,
+                         ignore_reinit_error=True, **kw)
+            except Exception as e:  # Ray's own start-up failures, in one line
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                raise KvsimError(f"Ray did not start ({type(e).__name__}: {first})") from None
 
     def map(self, fn: Callable, tasks: Iterable) -> Iterator[tuple[object, object]]:
         remote, tasks = self.ray.remote(_apply), iter(tasks)
@@ -105,6 +120,31 @@ class RayExecutor:
                     from None
             yield refs.pop(done[0]), result
             fill()
+
+
+RAY_CONNECT_S = 10.0  # how long a Ray address may take to answer before it is refused
+
+
+def _answers(address: str) -> None:
+    """Refuse, in one line and within :data:`RAY_CONNECT_S`, a Ray address (``RAY_ADDRESS``)
+    where nothing listens (Ray itself retries for minutes, saying nothing). ``auto`` and
+    ``local`` are Ray's own words, left to it (it answers at once)."""
+    import socket
+    text = address.strip()
+    if text in ("auto", "local"):
+        return
+    host, sep, port = text.split("://", 1)[-1].rstrip("/").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise KvsimError(f"RAY_ADDRESS={address!r}: give HOST:PORT (a Ray head's GCS "
+                         f"address, e.g. 10.0.0.5:6379), ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_S).close()
+    except OSError as e:
+        why = f"no answer within {RAY_CONNECT_S:g} s" if isinstance(e, TimeoutError) else \
+            (e.strerror or str(e))
+        raise KvsimError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({why}); "
+                         f"start one (ray start --head) or unset RAY_ADDRESS to run Ray on "
+                         f"this machine") from None
 
 
 def make_executor(name: str, jobs: int | None = None) -> LocalExecutor | RayExecutor:
