@@ -77,6 +77,16 @@ def positive(v, name: str = "") -> float:
     return real(v, name, above=0.0, what="positive")
 
 
+def distinct(values: list, name: str) -> list:
+    """``values`` (a list flag's, in order), refusing one given twice: a list is a set."""
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise KvsimError(f"{name}: {_shown(v)} is listed twice; give each value once")
+        seen.add(v)
+    return values
+
+
 def flag_type(check, **bounds):
     """An argparse ``type`` that converts a flag's text with ``check`` (one line, exit 2)."""
     def convert(text: str):

@@ -61,6 +61,20 @@ def _nan(text: str) -> float:
     return math.nan if text == "NaN" else _refuse(text)
 
 
+class _Duplicate(ValueError):
+    pass
+
+
+def _unique(pairs: list) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice (which would silently take
+    the last)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        raise _Duplicate(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
+
+
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string (escapes included)
 
 
@@ -96,7 +110,10 @@ def loads_json(text: str | bytes, where: str, what: str, top: type | None = dict
         raise KvsimError(f"{where}: {what} nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         obj = json.loads(text, parse_float=_finite if huge else None,
-                         parse_constant=_nan if nan else _refuse)
+                         parse_constant=_nan if nan else _refuse, object_pairs_hook=_unique)
+    except _Duplicate as e:
+        raise KvsimError(f"{where}: {what} gives the key {str(e)[:40]!r} twice in one object; "
+                         f"give each key once") from None
     except _NotFinite as e:
         shown = str(e) if len(str(e)) <= 40 else str(e)[:37] + "..."
         raise KvsimError(f"{where}: {what} holds {shown}; every number must be finite") \
@@ -241,3 +258,22 @@ def fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def finite_json(x, at: str = ""):
+    """``x`` as plain JSON values: NaN (not measured) as null; an infinite number is an error
+    naming where it is (a result holding one is no answer; JSON has no infinity)."""
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        if math.isnan(x):
+            return None
+        raise KvsimError(f"the result's {at.lstrip('.') or 'value'} is {x:g}: an input is "
+                         f"beyond what kvsim models (no result written)")
+    if isinstance(x, dict):
+        return {str(k): finite_json(v, f"{at}.{k}") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite_json(v, f"{at}[{i}]") for i, v in enumerate(x)]
+    if hasattr(x, "tolist"):
+        return finite_json(x.tolist(), at)
+    return x

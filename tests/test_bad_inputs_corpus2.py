@@ -254,7 +254,7 @@ PLAN = ["plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context", "1024",
 PLAN_FLAGS = [
     (["--slo-tpot-ms", "50@p77"], "--slo-tpot-ms"), (["--slo-tpot-ms", "@p99"], "--slo-tpot-ms"),
     (["--slo-tpot-ms", "abc"], "--slo-tpot-ms"), (["--slo-ttft-ms", "inf"], "--slo-ttft-ms"),
-    (["--slo-e2e-s", "-5@p50"], "--slo-e2e-s"), (["--slo-tpot-ms", "50@"], None),
+    (["--slo-e2e-s", "-5@p50"], "--slo-e2e-s"), (["--slo-tpot-ms", "50@"], "--slo-tpot-ms"),
     (["--tp", "1,x"], "--tp"), (["--tp", "1,-2"], "--tp"), (["--tp", "1,0"], "tp"),
     (["--replicas", "0"], "--replicas"), (["--batch", "4,-1"], "--batch"),
     (["--batch", "4,1.5"], "--batch"), (["--qps", "1,nan"], "finite"),
@@ -351,7 +351,7 @@ FIT_CELLS = [("batch", "1e12", "beyond"), ("batch", "0", "batch"), ("batch", "1.
              ("batch", "-4", "batch"), ("batch", "abc", "batch"),
              ("context", "1e30", "beyond"), ("context", "nan", "context"),
              ("tpot_ms", "nan", "finite"), ("tpot_ms", "inf", "finite"),
-             ("tpot_ms", "-1", "positive"), ("tpot_ms", "fast", "tpot_ms"),
+             ("tpot_ms", "-1", "tpot_ms must be a number in"), ("tpot_ms", "fast", "tpot_ms"),
              ("kv_read_frac", "2", "share"), ("kv_read_frac", "nan", "finite"),
              ("tp", "0", "tp"), ("tp", "1e9", "tp"), ("gpu", "h900", "h900"),
              ("policy", "magic", "magic"), ("model", "", "model is empty")]

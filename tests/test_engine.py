@@ -165,7 +165,7 @@ def test_fit_refuses_what_it_cannot_fit(tmp_path):
         (f"{HEADER}\nh1000,qwen3-4b,dense,32768,1,5\n", "row 2: unknown GPU"),
         (f"{HEADER}\nh100-sxm,qwen9,dense,32768,1,5\n", "row 2: unknown model"),
         (f"{HEADER}\nh100-sxm,qwen3-4b,warpdrive,32768,1,5\n", "row 2: unknown policy"),
-        (f"{HEADER}\nh100-sxm,qwen3-4b,dense,32768,1,-5\n", "row 2: tpot_ms must be positive"),
+        (f"{HEADER}\nh100-sxm,qwen3-4b,dense,32768,1,-5\n", "row 2: tpot_ms must be a number in [0.001"),
         (f"{HEADER}\nh100-sxm,qwen3-4b,dense,32768,1.5,5\n", "batch must be a whole number"),
         (f"{HEADER},colour\nh100-sxm,qwen3-4b,dense,32768,1,5,red\n", "unknown column"),
         ("gpu,model,policy,batch,tpot_ms\nh100-sxm,qwen3-4b,dense,1,5\n", "missing column"),

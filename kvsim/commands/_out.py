@@ -7,23 +7,10 @@ import math
 import sys
 
 
-def _jsonable(x):
-    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if hasattr(x, "tolist"):
-        return _jsonable(x.tolist())
-    return x
-
-
 def print_json(obj) -> None:
-    json.dump(_jsonable(obj), sys.stdout, indent=2, sort_keys=True)
-    sys.stdout.write("\n")
+    from kvsim.io import finite_json
+    text = json.dumps(finite_json(obj), indent=2, sort_keys=True, allow_nan=False)
+    sys.stdout.write(text + "\n")
 
 
 def fmt(x) -> str:

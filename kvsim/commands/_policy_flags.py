@@ -23,13 +23,23 @@ WHERE = "'kvsim policies [NAME]' lists the policies or one's options"
 
 def parse_list(kind_, text: str) -> list:
     """``"8,16,32"`` -> [8.0, 16.0, 32.0] for a float option (bools: true/false); each number
-    checked as a single flag's is (:func:`kvsim.checks.checked_flags`)."""
+    checked as a single flag's is (:func:`kvsim.checks.checked_flags`). A list is a set: an
+    item given twice (``4,4``, ``64,64.0``) is refused, naming it; so is a list with no item."""
     from kvsim.checks import flag_type, real, whole
     one = {int: flag_type(whole), float: flag_type(real)}.get(kind_)
     try:
-        return [one(v) if one else convert(kind_, v) for v in text.split(",") if v.strip()]
+        items = [one(v) if one else convert(kind_, v) for v in text.split(",") if v.strip()]
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r} holds no value (a comma-separated list)")
+    seen = set()
+    for v, written in zip(items, (v.strip() for v in text.split(",") if v.strip())):
+        if v in seen:
+            raise argparse.ArgumentTypeError(f"{written} is listed twice in {text!r}; each "
+                                             f"value once")
+        seen.add(v)
+    return items
 
 
 def policy_help() -> str:

@@ -74,7 +74,8 @@ def parse_capacities(text: str) -> list[float]:
         if math.isinf(v):
             raise KvsimError(f"--capacity-tokens: {word} overflows; write inf for unlimited")
         out.append(v)
-    return out
+    from kvsim.checks import distinct
+    return distinct(out, "--capacity-tokens")
 
 
 def _check(args) -> list[float]:
@@ -134,8 +135,8 @@ def run(args) -> int:
     prompt_tokens = int(sum(int(p) for p in w.prompt))
     if args.json:
         from kvsim.commands._out import print_json
-        print_json({"capacity_tokens": [int(c) if math.isfinite(c) and c.is_integer() else c
-                                        for c in caps],
+        print_json({"capacity_tokens": [(int(c) if c.is_integer() else c) if math.isfinite(c)
+                                        else None for c in caps],  # null: unlimited
                     "hit_frac": hit, "unlimited_hit_frac": unlimited, "block_tokens": block,
                     "requests": w.n, "prompt_tokens": prompt_tokens, "source": w.description})
     else:

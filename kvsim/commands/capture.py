@@ -123,7 +123,8 @@ def _ints(text: str, flag: str) -> list[int]:
         raise KvsimError(f"{flag} {text!r}: give whole numbers separated by commas") from None
     if not vals:
         raise KvsimError(f"{flag} is empty")
-    return vals
+    from kvsim.checks import distinct
+    return distinct(vals, flag)
 
 
 def _run_nested(args, out: Path, given: list[int] | None) -> int:

@@ -123,7 +123,7 @@ def run(args) -> int:
     from kvsim.fit.solve import fit
     from kvsim.hw.engine import Value, load
     _check(args)  # before the work
-    points = read_points(args.measured)
+    points = _fittable(args, read_points(args.measured))
     if any(p.engine for p in points):
         return _run_families(args, points)
     if args.family:
@@ -182,6 +182,23 @@ def run(args) -> int:
         _print_cv(cv)
     print(f"\nwrote {args.out}")
     return 0
+
+
+def _fittable(args, points: list) -> list:
+    """``points``, refused where nothing can be fitted, or where ``--cv`` cannot hold a group
+    out and still fit on the rest."""
+    from kvsim.errors import KvsimError
+    if not any(p.use == "fit" for p in points):
+        raise KvsimError(f"{args.measured}: no rows to fit (every row has use=check)")
+    if args.cv:
+        groups = {p.meta.get(args.cv) for p in points}
+        fitted = {p.meta.get(args.cv) for p in points if p.use == "fit"}
+        if len(groups) < 2 or not any(fitted - {g} for g in groups):
+            shown = ", ".join(sorted(str(g) for g in groups))
+            raise KvsimError(f"--cv {args.cv}: {args.measured} holds one {args.cv} ({shown}) "
+                             f"among its fit rows and the rest; leaving it out leaves nothing "
+                             f"to fit: give points of two {args.cv}s or more")
+    return points
 
 
 def _print_cv(cv: dict) -> None:

@@ -54,6 +54,8 @@ def _decide_kernels(text: str | None) -> dict:
     names = [resolve(n.strip()).name for n in text.split(",") if n.strip()]
     if not names:
         raise KvsimError("--policies is empty")
+    from kvsim.checks import distinct
+    distinct(names, "--policies")
     for n in names:
         if n not in fetching:
             raise KvsimError(f"--policies: {n} has no decide kernel to time (policies with one: "

@@ -40,6 +40,10 @@ from kvsim.sim.steps import StepCosts
 
 REQUIRED = ("gpu", "model", "policy", "context", "batch")
 MEASURED = ("tpot_ms", "ttft_ms", "latency_s", "throughput_tok_s", "fetch_ms", "decide_ms")
+# what a measured value can be: no step, kernel or request is faster than a microsecond or
+# slower than a day, and no GPU serves a billion tokens a second
+MEASURED_RANGE = {**dict.fromkeys(("tpot_ms", "ttft_ms", "fetch_ms", "decide_ms"), (1e-3, 8.64e7)),
+                  "latency_s": (1e-6, 86400.0), "throughput_tok_s": (1e-3, 1e9)}
 HEADLINE = ("tpot_ms", "throughput_tok_s", "latency_s", "ttft_ms")  # what a row is judged by
 SETUP = ("tp", "weight_dtype", "kv_dtype", "engine", "attention", "routing", "weight_only")
 ROUTING = ("uniform", "shared")  # ModelSpec.routing
@@ -103,7 +107,11 @@ def _number(row: int, col: str, text: str, kind=float):
     from kvsim.sim.workload import MAX_TOKENS
     name = f"row {row}: {col}"
     if kind is not int:
-        return checks.positive(checks.parse(text), name)
+        lo, hi = MEASURED_RANGE.get(col, (None, None))
+        if lo is None:
+            return checks.positive(checks.parse(text), name)
+        return checks.real(checks.parse(text), name, least=lo, most=hi,
+                           what=f"a number in [{lo:g}, {hi:g}]")
     return checks.whole(checks.parse(text), name, 1, {"batch": MAX_BATCH}.get(col, MAX_TOKENS))
 
 

@@ -66,8 +66,10 @@ class DecideModel:
     def __post_init__(self):
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise KvsimError(f"decide model: {f.name} must be a number >= 0, got {v!r}")
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) and 0 <= v <= 1e6):
+                raise KvsimError(f"decide model: {f.name} must be a number in [0, 1e6] "
+                                 f"(microseconds), got {v!r}")
         if self.serial_share > 1:
             raise KvsimError(f"decide model: serial_share must be in [0, 1], got "
                              f"{self.serial_share}")
@@ -129,37 +131,54 @@ def _nonneg(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
+MIN_EFFICIENCY = 0.01  # below 1% of a spec rate no engine runs: a typo, or times that overflow
+
+
+def _share_floor(v):
+    return _positive(v) and MIN_EFFICIENCY <= v <= 1
+
+
+def _upto(most: float):  # a time or size >= 0 within what any engine step holds
+    return lambda v: _nonneg(v) and v <= most
+
+
+def _gbps(v):  # a link's rate: above 100 TB/s no link runs
+    return _positive(v) and v <= 1e5
+
+
 FIELDS = {
-    "step_overhead_ms": (_nonneg, "a number >= 0 (ms per engine step, whatever its batch)"),
-    "hbm_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of spec HBM"),
-    "flop_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of spec compute"),
-    "layer_overhead_us": (_nonneg, "a number >= 0 (us per layer and step: launches no graph "
-                                   "hides, whatever the batch)"),
-    "token_overhead_us": (_nonneg, "a number >= 0 (us per sequence that emits a token in a "
-                          "step: sampling, detokenising, the scheduler's bookkeeping)"),
-    "allreduce_us": (_nonneg, "microseconds >= 0 an engine's all-reduce adds to the NCCL "
-                     "measurement per call (its launch, synchronisation, no custom kernel)"),
+    "step_overhead_ms": (_upto(1e3), "a number in [0, 1000] (ms per engine step, whatever its "
+                         "batch)"),
+    "hbm_efficiency": (_share_floor, f"a share in [{MIN_EFFICIENCY:g}, 1] of spec HBM"),
+    "flop_efficiency": (_share_floor, f"a share in [{MIN_EFFICIENCY:g}, 1] of spec compute"),
+    "layer_overhead_us": (_upto(1e5), "a number in [0, 1e5] (us per layer and step: launches "
+                          "no graph hides, whatever the batch)"),
+    "token_overhead_us": (_upto(1e5), "a number in [0, 1e5] (us per sequence that emits a "
+                          "token in a step: sampling, detokenising, the scheduler's bookkeeping)"),
+    "allreduce_us": (_upto(1e5), "microseconds in [0, 1e5] an engine's all-reduce adds to the "
+                     "NCCL measurement per call (its launch, synchronisation, no custom "
+                     "kernel)"),
     "gemm_overlap": (lambda v: _nonneg(v) and v <= 1, "a share in [0, 1] of the smaller of a "
                      "matmul's compute and weight-read times hidden under the larger"),
-    "gemm_half_tokens": (_nonneg, "tokens >= 0 per matmul at which it reaches half its "
+    "gemm_half_tokens": (_upto(1e7), "tokens in [0, 1e7] per matmul at which it reaches half its "
                          "large-shape compute efficiency (0: flat)"),
-    "moe_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of the dense "
+    "moe_efficiency": (_share_floor, f"a share in [{MIN_EFFICIENCY:g}, 1] of the dense "
                        "matmuls' compute efficiency that grouped expert matmuls reach"),
     "attention": (lambda v: v in ATTENTION, f"one of {', '.join(ATTENTION)}"),
     "head_reread_share": (lambda v: _nonneg(v) and v <= 1, "a share in [0, 1] of a per-query-"
                           "head kernel's repeat reads of a KV head that reach HBM (the rest hit "
                           "the L2 cache)"),
-    "attention_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of the HBM "
+    "attention_efficiency": (_share_floor, f"a share in [{MIN_EFFICIENCY:g}, 1] of the HBM "
                              "rate of the weight reads that decode attention reaches on the KV"),
-    "prefill_attention_efficiency": (lambda v: _positive(v) and v <= 1, "a share in (0, 1] of "
+    "prefill_attention_efficiency": (_share_floor, f"a share in [{MIN_EFFICIENCY:g}, 1] of "
                                      "the matmuls' compute rate that prefill attention reaches"),
     "link_launches": (lambda v: v in LAUNCHES, f"one of {', '.join(LAUNCHES)}"),
     "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
-    **{f"link.{p}.gbps": (_positive, "GB/s > 0") for p in PATHS},
-    **{f"link.{p}.launch_us": (_nonneg, "microseconds >= 0 per launch") for p in PATHS},
-    "link_gbps": (_positive, "GB/s > 0 (a what-if: every path, gather keeping its ratio)"),
-    "decide_layer_us": (_nonneg, "microseconds >= 0 per request and layer (a what-if: the "
-                                 "decide step of whichever policy is planned)"),
+    **{f"link.{p}.gbps": (_gbps, "GB/s in (0, 1e5]") for p in PATHS},
+    **{f"link.{p}.launch_us": (_upto(1e5), "microseconds in [0, 1e5] per launch") for p in PATHS},
+    "link_gbps": (_gbps, "GB/s in (0, 1e5] (a what-if: every path, gather keeping its ratio)"),
+    "decide_layer_us": (_upto(1e6), "microseconds in [0, 1e6] per request and layer (a what-"
+                        "if: the decide step of whichever policy is planned)"),
 }
 
 
@@ -249,6 +268,10 @@ class Engine:
         layers = over.pop("layers", None)
         if over.get("step_overhead_ms") is not None:
             fields["step_overhead_ms"] = Value(float(over["step_overhead_ms"]), "override")
+            try:
+                check("step_overhead_ms", fields["step_overhead_ms"])
+            except KvsimError as e:
+                raise KvsimError(f"--step-overhead-ms: {e}") from None
         if over.get("link_gbps") is not None:
             from kvsim.checks import positive
             x = positive(over["link_gbps"], "--link-gbps")
@@ -293,6 +316,72 @@ def check(key: str, val: Value) -> None:
         raise KvsimError(f"engine field {key}: {val.value!r} is not {what}")
 
 
+MAX_RECORD_NUMBER = 1e12  # no figure of a fit record (errors in %, ms, tokens) comes near
+
+
+def _record(fit, where: str) -> dict:
+    """An engine file's ``fit`` record, checked where kvsim reads it (the points' errors, the
+    cross-validation's log errors, the configurations checked, the fitted ranges) and bounded
+    everywhere else: it is printed and passed on."""
+    def bad(what: str):
+        raise KvsimError(f"{where}: fit.{what}")
+
+    def walk(v, at: str):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(x, f"{at}.{k}")
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                walk(x, f"{at}[{i}]")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and \
+                abs(v) > MAX_RECORD_NUMBER:
+            bad(f"{at.lstrip('.')}: {v:g} is beyond any figure of a fit record")
+    if not isinstance(fit, dict):
+        bad(f" must be an object, got {type(fit).__name__}")
+    walk(fit, "")
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def items(key: str) -> list:
+        got = fit.get(key, [])
+        if not isinstance(got, list) or not all(isinstance(x, dict) for x in got):
+            bad(f"{key} must be a list of objects")
+        return got
+    for i, pt in enumerate(items("points")):
+        for k in ("loo_tpot_pct", "err_tpot_ms_pct", "err_pct"):
+            if pt.get(k) is not None and not (number(pt[k]) and pt[k] > -100):
+                bad(f"points[{i}].{k} must be a percentage error > -100, got {pt[k]!r}")
+        for k in ("use", "certainty", "source"):
+            if pt.get(k) is not None and not isinstance(pt[k], str):
+                bad(f"points[{i}].{k} must be text, got {pt[k]!r}")
+    for i, v in enumerate(items("cv")):
+        if not (number(v.get("log_err")) and abs(v["log_err"]) <= 20):
+            bad(f"cv[{i}].log_err must be a log ratio within +-20, got {v.get('log_err')!r}")
+        if not isinstance(v.get("regime"), str):
+            bad(f"cv[{i}].regime must be text, got {v.get('regime')!r}")
+    items("cv_summary")
+    for key in ("checked", "checked_family"):
+        got = fit.get(key)
+        if got is None:
+            continue
+        if not isinstance(got, dict) or set(got) != {"gpu", "weight_dtype", "kv_dtype", "tp",
+                                                     "moe"}:
+            bad(f"{key} must name gpu, weight_dtype, kv_dtype, tp and moe")
+        if not all(isinstance(got[k], list) and all(isinstance(x, str) for x in got[k])
+                   for k in ("gpu", "weight_dtype", "kv_dtype")) or \
+                not (isinstance(got["tp"], list) and all(type(x) is int for x in got["tp"])) \
+                or not isinstance(got["moe"], bool):
+            bad(f"{key}: gpu, weight_dtype and kv_dtype are lists of names, tp a list of whole "
+                f"numbers, moe true or false")
+    spans = fit.get("range", {})
+    if not isinstance(spans, dict) or not all(
+            isinstance(s, dict) and all(isinstance(r, list) and len(r) == 2 and all(map(
+                number, r)) and r[0] <= r[1] for r in s.values()) for s in spans.values()):
+        bad("range must map each policy to {figure: [low, high]}")
+    return fit
+
+
 def from_json(obj: dict, origin: str) -> Engine:
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise KvsimError(f"{origin}: not a kvsim engine profile (no \"format\": \"{FORMAT}\")")
@@ -303,11 +392,22 @@ def from_json(obj: dict, origin: str) -> Engine:
     for key, v in (obj.get("fields") or {}).items():
         if not isinstance(v, dict) or "value" not in v or "source" not in v:
             raise KvsimError(f"{origin}: field {key} needs a value and a source")
+        if not isinstance(v.get("note", ""), str) or not isinstance(v["source"], str) or \
+                len(v.get("note", "")) > 10_000:
+            raise KvsimError(f"{origin}: field {key}: its source and note must be text (a note "
+                             f"at most 10,000 characters)")
         fields[key] = Value(v["value"], v["source"], v.get("note", ""))
+    for key in ("name", "description"):
+        if not isinstance(obj.get(key, ""), str) or len(obj.get(key, "")) > 10_000:
+            raise KvsimError(f"{origin}: {key} must be text (at most 10,000 characters)")
+    fitted_on = obj.get("fitted_on") or {}
+    if not isinstance(fitted_on, dict) or not all(
+            isinstance(v, (str, list)) for v in fitted_on.values()):
+        raise KvsimError(f"{origin}: fitted_on must map gpu, model ... to names")
     try:
         return Engine(str(obj.get("name") or Path(origin).stem), fields,
-                      str(obj.get("description", "")), dict(obj.get("fitted_on") or {}),
-                      dict(obj.get("fit") or {}), origin)
+                      str(obj.get("description", "")), dict(fitted_on),
+                      _record(obj.get("fit") or {}, origin), origin)
     except KvsimError as e:
         raise KvsimError(f"{origin}: {e}") from None
 

@@ -116,8 +116,8 @@ def parse(cfg: dict, where: str) -> ModelSpec:
     if experts:
         per_tok = _int(cfg, "num_experts_per_tok" if "num_experts_per_tok" in cfg
                        else "moe_topk", where)
-        size = _int(cfg, "moe_intermediate_size" if cfg.get("moe_intermediate_size")
-                    else "intermediate_size", where)
+        size = _int(cfg, "moe_intermediate_size" if "moe_intermediate_size" in cfg
+                    and cfg["moe_intermediate_size"] is not None else "intermediate_size", where)
         if per_tok > experts:
             raise KvsimError(f"{where}: {per_tok} experts per token but only {experts} experts")
         n_shared = next((k for k in ("n_shared_experts", "num_shared_expert") if cfg.get(k)), "")

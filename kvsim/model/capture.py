@@ -33,9 +33,11 @@ def parse_layers(text: str | None, total: int) -> list[int]:
     if not text or text == "all":
         return list(range(total))
     try:
-        layers = sorted({int(x) for x in text.split(",") if x.strip()})
+        given = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise KvsimError(f"--layers {text!r}: give layer numbers separated by commas") from None
+    from kvsim.checks import distinct
+    layers = sorted(distinct(given, "--layers"))
     bad = [l for l in layers if not 0 <= l < total]
     if bad or not layers:
         raise KvsimError(f"--layers {text!r}: the model has layers 0..{total - 1}")

@@ -20,6 +20,9 @@ import pandas as pd
 from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 
+MAX_USD_PER_GPU_HOUR = 1e4  # a thousand times any list price: beyond, a typo (and sums overflow)
+MAX_USD_PER_GIB_HOUR = 100.0  # memory or disk: 20,000 times DRAM's cloud price
+
 COLUMNS = ["price_usd_per_gpu_hour", "price_source", "gpus", "cache_usd_per_hour",
            "usd_per_hour", "usd_per_m_tokens", "usd_per_request"]
 # example prices of a prefix cache's tiers, each a flag to replace (--memory-price, --disk-price)
@@ -63,8 +66,9 @@ def parse_memory_price(text, flag: str) -> float:
         v = float(text)
     except (TypeError, ValueError):
         v = math.nan
-    if not (math.isfinite(v) and v >= 0):
-        raise KvsimError(f"{flag} must be a price >= 0 in US dollars per GiB-hour, got {text!r}")
+    if not (math.isfinite(v) and 0 <= v <= MAX_USD_PER_GIB_HOUR):
+        raise KvsimError(f"{flag} must be a price >= 0 in US dollars per GiB-hour, at most "
+                         f"{MAX_USD_PER_GIB_HOUR:g}, got {text!r}")
     return v
 
 
@@ -73,9 +77,9 @@ def _usd(text, where: str) -> float:
         v = float(text)
     except (TypeError, ValueError):
         v = math.nan
-    if isinstance(text, bool) or not (math.isfinite(v) and v > 0):
+    if isinstance(text, bool) or not (math.isfinite(v) and 0 < v <= MAX_USD_PER_GPU_HOUR):
         raise KvsimError(f"{where}: the price must be a positive number of US dollars per "
-                         f"GPU-hour, got {text!r}")
+                         f"GPU-hour, at most {MAX_USD_PER_GPU_HOUR:,.0f}, got {text!r}")
     return v
 
 

@@ -147,9 +147,14 @@ def decide(df: pd.DataFrame, target_qps: float, limits: list, configs: dict,
     if order:
         answer |= entry(order[0])
         answer["runner_up"] = entry(order[1]) if len(order) > 1 else None
-    else:
+    else:  # the nearest miss says why: the configuration that needs the fewest GPUs
+        near = min(ranked, key=lambda i: (rows[i].get("status") != "ok",
+                                          _gpus_at_least(rows[i]), i), default=None)
         answer |= {"gpu": None, "why": "no configuration carries the target rate within the SLO "
-                                       "at a known price"}
+                                       "at a known price" + (
+                                           f"; the nearest, {describe(rows[near])}: "
+                                           f"{rows[near]['why_lost']}" if near is not None
+                                           else "")}
     answer["decided_by"] = decided_by(rows, order[0]) if order else []
     answer["rejected"] = [{"configuration": describe(rows[i]), "binding": rows[i]["binding"],
                            "why": rows[i]["why_lost"]} for i in ranked if i not in order]
@@ -189,6 +194,12 @@ def decided_by(rows: list[dict], answer: int) -> list[dict]:
                for o in others):
             out.append({"knob": knob, "value": mine, "otherwise": others})
     return out
+
+
+def _gpus_at_least(r: dict) -> float:
+    """The GPUs a configuration's fleet needs at least (its search's start); inf if unknown."""
+    start = r.get("fleet_start")
+    return start * int(r.get("tp", 1)) if _finite(start) else math.inf
 
 
 def _finite(v) -> bool:

@@ -176,8 +176,12 @@ def search(spec: SweepSpec, todo: list[Configuration], executor, progress: bool,
         usd = per_replica(r)
         return math.inf if usd is None else usd * r["fleet_start"] + memory.fixed(r)
 
-    queue = sorted((r for r in firsts if r.get("status") == "ok"), key=lower)
-    done = [r for r in firsts if r.get("status") != "ok"]
+    for r in firsts:  # bounded before any fleet's engines are built
+        if r.get("status") == "ok" and r["fleet_start"] > fleet.MAX_REPLICAS:
+            r |= _beyond(r, target.qps)
+    queue = sorted((r for r in firsts if r.get("status") == "ok"
+                    and r.get("fleet_runs") != 0), key=lower)
+    done = [r for r in firsts if r.get("status") != "ok" or r.get("fleet_runs") == 0]
     if done and on_rows is not None:
         on_rows(done)
 
@@ -190,8 +194,8 @@ def search(spec: SweepSpec, todo: list[Configuration], executor, progress: bool,
                 if on_rows is not None:
                     on_rows([r])
                 continue
-            cap = None if bound is None else max(r["fleet_start"],
-                                                 math.floor((bound - memory.fixed(r)) / usd))
+            cap = None if bound is None else min(fleet.MAX_REPLICAS, max(
+                r["fleet_start"], math.floor((bound - memory.fixed(r)) / usd)))
             yield SearchTask(by_key[r["key"]], limits, target, r["fleet_start"],
                              (r["single_ok"], r["single_why"]), cap, bound)
 
@@ -206,6 +210,16 @@ def search(spec: SweepSpec, todo: list[Configuration], executor, progress: bool,
     run_all(executor, search_row, tasks(), progress, desc="plan (fleets)", on_result=merged,
             status=status, total=len(queue))
     return [rows[c.key()] for c in todo]
+
+
+def _beyond(r: dict, qps: float) -> dict:
+    """A configuration whose fleet would exceed :data:`kvsim.plan.fleet.MAX_REPLICAS` by work
+    conservation alone: not searched, and why."""
+    why = (f"not searched: one replica completes {r['requests_per_s']:.3g} req/s at "
+           f"{qps:g} req/s offered, so work conservation needs at least {r['fleet_start']:,} "
+           f"replicas, beyond the {fleet.MAX_REPLICAS:,} a fleet search simulates")
+    return {"replicas_needed": math.nan, "router": None, "fewer_fails_because": why,
+            "usd_per_hour_at_least": None, "fleet_runs": 0}
 
 
 def _not_searched(r: dict, usd: float | None, bound: float | None, least: float) -> dict:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from kvsim.plan import slo
 
 MAX_REPLICAS = 4096  # a fleet search gives up beyond this many replicas
+MAX_TARGET_QPS = 1e6  # --target-qps at most: 244 req/s per replica of the largest fleet
 GROWTH = 1.5  # the search goes up by this factor (at least one replica) until a fleet passes
 
 

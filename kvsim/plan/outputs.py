@@ -97,8 +97,11 @@ def differences(old: dict, new: dict) -> list[str]:
             for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
-def record(out: Path, written: set[str], settings: dict) -> None:
-    present = sorted(n for n in set(written) | set(outputs()) if (out / n).exists())
+def record(out: Path, written: set[str], settings: dict, claim: bool = False) -> None:
+    """The manifest: the output names this DIR's plans wrote (``claim``: every output name,
+    recorded before any is written, so that a plan stopped mid-write, by a full disk or a kill,
+    still knows its own files when it runs again) and the plan's settings."""
+    present = sorted(n for n in set(written) | set(outputs()) if claim or (out / n).exists())
     atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(
         {"written_by": "kvsim plan", "files": present, "plan": settings}, indent=1).encode()),
         force=True)

@@ -140,11 +140,12 @@ def _plan(spec, out: Path, executor, quality, progress, command, force,
         df, answer = decide_plan(df, spec, configs)
         if answer.get("prefix_cache"):
             answer["prefix_cache"]["price_source"] = memory.source
-        text = json.dumps(answer, indent=1, default=jsonable) + "\n"
+        from kvsim.io import finite_json
+        text = json.dumps(finite_json(answer), indent=1, default=jsonable, allow_nan=False) + "\n"
         atomic_write(out / "answer.json", lambda f: f.write(text.encode()), force=True)
     _write_table(df, out)
     jpath.unlink(missing_ok=True)
-    record(out, written, settings)
+    record(out, written, settings, claim=True)  # (the plots and report are still to come)
     any_done = bool(df.status.isin(DONE).any())
     series = {}
     if any_done:
@@ -218,7 +219,8 @@ def _previous_rows(out: Path, spec: SweepSpec, force: bool) -> tuple[set, dict, 
         for name in ("results.csv", "answer.json", JOURNAL):
             (out / name).unlink(missing_ok=True)
     journaled = pd.DataFrame([r for r in journal_rows(out / JOURNAL) if r.get("status") in DONE])
-    record(out, written, settings)  # a plan killed before its table still names its settings
+    record(out, written, settings, claim=True)  # before any output: a plan stopped mid-write
+    # (a kill, a full disk) still names its settings and its files when it runs again
     old = pd.DataFrame()
     if (out / "results.csv").exists():
         try:

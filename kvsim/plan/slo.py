@@ -58,8 +58,8 @@ class Limit:
 
 def parse_limit(metric: str, text: str) -> Limit:
     """``"50"`` or ``"50@p50"`` for ``--slo-<metric>``; one-line error otherwise."""
-    value, _, at = str(text).partition("@")
-    at = at or "p99"
+    value, sep, at = str(text).partition("@")
+    at = at if sep else "p99"  # (``60@`` names no percentile: refused)
     try:
         v = float(value)
     except ValueError:

@@ -29,6 +29,7 @@ from pathlib import Path
 from kvsim.errors import Infeasible, KvsimError
 from kvsim.hw import catalog
 from kvsim.plan import slo
+from kvsim.plan.fleet import MAX_REPLICAS, MAX_TARGET_QPS
 from kvsim.policies.spec import PolicySpec, parse
 from kvsim.replay import Configuration, configure, run_replay
 from kvsim.replay.configuration import file_workload
@@ -137,11 +138,17 @@ class SweepSpec:
         return specs
 
     def validate(self) -> None:
-        for g in self.gpus:
-            if not Path(g).suffix == ".npz":
-                catalog.gpu(g)
-        for m in self.models:
-            catalog.model(m)
+        named: dict = {}  # what each item resolves to: two items naming one is a duplicate
+        for flag, items, resolve in (
+                ("--gpu", self.gpus, lambda g: g if Path(g).suffix == ".npz" else
+                 catalog.gpu(g).name),
+                ("--model", self.models, lambda m: str(Path(m).resolve()) if Path(m).is_file()
+                 else catalog.model(m).name)):
+            for item in items:
+                same = named.setdefault((flag, resolve(item)), item)
+                if same != item:
+                    raise KvsimError(f"{flag} lists {same} and {item}, which are the same; "
+                                     f"each once")
         self.policy_specs()
         if self.workload is not None:
             work = file_workload(self.workload)
@@ -156,9 +163,12 @@ class SweepSpec:
                              ("--qps", self.qps or [1])):
             if not values or min(values) <= 0:
                 raise KvsimError(f"{name} needs positive values")
-        if self.slo_requests < 10:
+        from kvsim.replay.configuration import MAX_REQUESTS
+        if not 10 <= self.slo_requests <= MAX_REQUESTS // 2:
             raise KvsimError(f"--slo-requests must be at least 10 (the first fifth warms the "
-                             f"system up); got {self.slo_requests}")
+                             f"system up) and at most {MAX_REQUESTS // 2:,} (a rate that "
+                             f"passes runs again twice as long; a replay simulates at most "
+                             f"{MAX_REQUESTS:,} requests); got {self.slo_requests:,}")
         cachings = self.cachings()
         if not cachings:
             raise KvsimError("--cache-host-gib, --cache-disk-gib and --cache-pool-gib need at "
@@ -177,8 +187,11 @@ class SweepSpec:
             for m in self.models:  # element types and the TP split, for every model
                 configure(policy="dense-resident", model=m, **d)
         if self.target_qps is not None:
-            if not (math.isfinite(self.target_qps) and self.target_qps > 0):
-                raise KvsimError(f"--target-qps must be a positive rate, got {self.target_qps}")
+            if not (math.isfinite(self.target_qps) and 0 < self.target_qps <= MAX_TARGET_QPS):
+                raise KvsimError(f"--target-qps must be a positive rate of at most "
+                                 f"{MAX_TARGET_QPS:,.0f} req/s (beyond what a fleet of "
+                                 f"{MAX_REPLICAS:,} replicas can be simulated to carry), got "
+                                 f"{self.target_qps:g}")
             if not self.slo:
                 raise KvsimError("--target-qps needs an SLO to size replicas by: give "
                                  "--slo-tpot-ms, --slo-ttft-ms or --slo-e2e-s")

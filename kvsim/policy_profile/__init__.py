@@ -114,9 +114,16 @@ class Profile:
             cols = data["columns"]
             if cols != COLUMNS:
                 raise KvsimError(f"{where}: columns differ from this kvsim's {COLUMNS}")
-            self.settings = [(n, _with_new_options(n, p))
-                             for n, p in map(_split, data["settings"])]
+            names = data["settings"]
+            if not isinstance(names, list) or not all(isinstance(s, str) for s in names) \
+                    or len(set(names)) != len(names):
+                raise KvsimError(f"{where}: settings must be a list of distinct settings")
+            self.settings = [(n, _with_new_options(n, p)) for n, p in map(_split, names)]
             self.captures = data["captures"]
+            if not isinstance(self.captures, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("task"), str)
+                    for c in self.captures):
+                raise KvsimError(f"{where}: captures must be a list of objects naming a task")
             rows = data["rows"]
             for r in rows:
                 _check_row(r, len(self.settings), len(self.captures), where)
@@ -144,6 +151,10 @@ class Profile:
                 from None
         if not self.cells:
             raise KvsimError(f"{where}: the profile holds no rows")
+        empty = [s for i, s in enumerate(data["settings"]) if i not in self.cells]
+        if empty:
+            raise KvsimError(f"{where}: setting {empty[0][:80]} has no rows ({len(empty)} of "
+                             f"{len(self.settings)} settings have none)")
 
     def of_tasks(self, tasks) -> Profile:
         """This profile with the capture sets of ``tasks`` alone (to set it beside another
@@ -388,13 +399,28 @@ def _at(prof: Profile, name: str, weights_json: str, n: int, head_dim: int) -> A
                    warnings)
 
 
+NULLABLE = ("violation_rate",)  # a policy with no certificate has no violations to count
+
+
 def _check_row(r, n_settings: int, n_captures: int, where: str) -> None:
+    """A row's types, and each statistic's range: shares in [0, 1], counts and relative errors
+    >= 0 (only :data:`NULLABLE` may be null); lengths and layer weights positive."""
     ok = isinstance(r, list) and len(r) == len(COLUMNS) \
         and all(type(x) is int for x in r[:6]) and 0 <= r[0] < n_settings \
-        and 0 <= r[1] < n_captures and isinstance(r[6], (int, float)) and r[7] in PASSES \
-        and all(v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in r[8:])
+        and 0 <= r[1] < n_captures and _number(r[6]) and r[7] in PASSES \
+        and all(v is None or (_number(v) and math.isfinite(v)) for v in r[8:])
     if not ok:
         raise KvsimError(f"{where}: a row does not match the profile's columns: {str(r)[:120]}")
+    if not (r[2] > 0 and r[3] > 0 and r[4] >= 0 and r[5] >= 0 and 0 < r[6] <= 1e6):
+        raise KvsimError(f"{where}: a row's target, context length and layer weight must be "
+                         f"positive: {str(r)[:120]}")
+    for stat, v in zip(STATS, r[8:]):
+        if v is None and stat in NULLABLE:
+            continue
+        if v is None or v < 0 or (stat not in UNBOUNDED and v > 1) or v > 1e9:
+            what = "a number >= 0" if stat in UNBOUNDED else "a share in [0, 1]"
+            raise KvsimError(f"{where}: {stat} must be {what}, got {v!r} (setting {r[0]}, "
+                             f"capture {r[1]}, {r[3]} tokens, layer {r[5]}, {r[7]} pass)")
 
 
 def _number(v) -> bool:

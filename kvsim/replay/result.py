@@ -19,11 +19,13 @@ joins the groups' scalars and refuses a key met twice with two values (:func:`fl
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvsim.contract import PolicyResult
+from kvsim.errors import KvsimError
 
 HEADLINE = ("tpot_ms", "throughput_tok_s", "ttft_ms", "e2e_s", "hbm_gib", "host_gib",
             "link_util", "kv_read_frac", "hbm_meta_gib")
@@ -169,7 +171,30 @@ class ReplayResult:
             out["interval"] = self.interval
         if self.timeline is not None:
             out["timeline"] = self.timeline
+        self._check_edges(out)
         return out
+
+    def _check_edges(self, out: dict) -> None:
+        """The output edge: with requests served, each headline figure is a finite number >= 0
+        (TPOT where a request decoded a token after its first) inside its interval; anything
+        else is an input beyond what kvsim models, refused rather than printed as null."""
+        if not self.serving.requests:
+            return
+        decoded = out.get("output_len", 2) > 1 or out.get("output_tokens", 0) > \
+            self.serving.requests
+        for key in ("tpot_ms", "ttft_ms", "e2e_s", "throughput_tok_s"):
+            v = out.get(key)
+            if key == "tpot_ms" and not decoded:
+                continue
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise KvsimError(f"{key} came out {v!r}: an input (an engine field, a profile "
+                                 f"statistic, a size) is beyond what kvsim models; no result "
+                                 f"is given")
+            lo, hi = self.bounds.get(key, (v, v))
+            if lo is not None and hi is not None and not lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9):
+                raise KvsimError(f"{key}'s interval [{lo:.6g}, {hi:.6g}] does not hold its value "
+                                 f"{v:.6g}: an input (a policy profile, an engine's check) is "
+                                 f"inconsistent; no result is given")
 
     def row(self) -> dict:
         """One row of scalars (a plan's table): :func:`flatten` of the JSON."""

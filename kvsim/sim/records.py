@@ -46,6 +46,20 @@ class Memory:
         return self.hbm_bytes - self.weights_bytes - self.workspace_bytes
 
 
+MAX_GIB = float(2**20)  # a memory tier per GPU (or a pool) of at most 1 PiB
+MAX_GBPS = 1e5  # no link or disk moves more than 100 TB/s
+
+
+def _size(name: str, v) -> None:
+    """A memory size in GiB: finite, >= 0, at most :data:`MAX_GIB` (None: the default)."""
+    if v is None:
+        return
+    if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v)
+                                   and 0 <= v <= MAX_GIB):
+        raise KvsimError(f"--{name.replace('_', '-')} must be a size in [0, {MAX_GIB:,.0f}] "
+                         f"GiB (1 PiB), got {v!r}")
+
+
 def _whole(name: str, v) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise KvsimError(f"--{name} must be a whole number >= 1, got {v!r}")
@@ -92,10 +106,7 @@ class Deployment:
         if self.tp_link not in ("own", "shared"):
             raise KvsimError(f"--tp-link must be own or shared, got {self.tp_link!r}")
         for name in ("host_gib", "workspace_gib"):
-            v = getattr(self, name)
-            if v is not None and not (math.isfinite(v) and v >= 0):
-                raise KvsimError(f"--{name.replace('_', '-')} must be a finite size >= 0, "
-                                 f"got {v}")
+            _size(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -122,17 +133,13 @@ class PrefixCaching:
             raise KvsimError(f"--prefix-caching must be one of {', '.join(CACHE_MODES)}, got "
                              f"{self.prefix_caching!r}")
         for name in ("cache_host_gib", "cache_disk_gib", "cache_pool_gib"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v)
-                                           and v >= 0):
-                raise KvsimError(f"--{name.replace('_', '-')} must be a finite size >= 0, "
-                                 f"got {v!r}")
+            _size(name, getattr(self, name))
         for name in ("cache_disk_gbps", "cache_pool_gbps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v)
-                                           and v > 0):
-                raise KvsimError(f"--{name.replace('_', '-')} must be a finite rate > 0, "
-                                 f"got {v!r}")
+                                           and 0 < v <= MAX_GBPS):
+                raise KvsimError(f"--{name.replace('_', '-')} must be a rate in (0, "
+                                 f"{MAX_GBPS:g}] GB/s, got {v!r}")
         if self.prefix_caching == "off" and any(
                 getattr(self, n) for n in ("cache_host_gib", "cache_disk_gib",
                                            "cache_pool_gib")):
