@@ -338,7 +338,11 @@ PROFILES = {
 
 @pytest.mark.parametrize("name", PROFILES)
 def test_policy_profile_files(name, tmp_path, capsys):
-    content, word = PROFILES[name]
+    replay_profile(*PROFILES[name], tmp_path, capsys)
+
+
+def replay_profile(content, word, tmp_path, capsys):
+    """Replay VerKV with the policy profile ``content``: refused with ``word``."""
     path = _write(tmp_path / "profile.json", content)
     _check(["replay", "--policy-profile", path, "--policy", "verkv", "--sink", "4", "--local",
             "4", "--compression", "16", *FAST], capsys, tmp_path, word)

@@ -11,7 +11,17 @@ import sys
 import time
 
 import pytest
-from test_bad_inputs_corpus2 import ENGINE, FAST, GOOD_CONFIG, MOE, PLAN, _check, _engine, _write
+from test_bad_inputs_corpus2 import (
+    ENGINE,
+    FAST,
+    GOOD_CONFIG,
+    MOE,
+    PLAN,
+    _check,
+    _engine,
+    _write,
+    replay_profile,
+)
 
 from kvsim.errors import KvsimError
 
@@ -200,10 +210,7 @@ PROFILES = {
 def test_policy_profile_files(name, tmp_path, capsys):
     # (before: a negative share was replayed, an interval's low end above its high end, TPOT 20x
     # off; one setting gave KeyError: 11, a null statistic KeyError: 'kv_read_frac')
-    content, word = PROFILES[name]
-    path = _write(tmp_path / "profile.json", content)
-    _check(["replay", "--policy-profile", path, "--policy", "verkv", "--sink", "4", "--local",
-            "4", "--compression", "16", *FAST], capsys, tmp_path, word)
+    replay_profile(*PROFILES[name], tmp_path, capsys)
 
 
 def test_an_interval_that_does_not_hold_its_value_is_no_answer():
