@@ -485,3 +485,24 @@ def test_kvsim_fit_rejects_a_job_count_below_one(tmp_path):
                            "source", "--jobs", "0")
     assert code == 2 and "--jobs" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_the_default_engine_runs_on_the_gpu_it_plans_for(capsys):
+    """No NVIDIA-only engine on an AMD GPU: the default follows the GPU's vendor, and naming
+    TensorRT-LLM for an MI300X is one line naming the default that runs there."""
+    import json
+
+    from conftest import run_cli
+
+    from kvsim.hw.engine import RUNS_ON, default_for
+    for g in catalog.GPUS.values():
+        assert g.vendor in RUNS_ON.get(default_for(g.vendor), (g.vendor,)), g.name
+    assert default_for("amd") == "vllm" and default_for("nvidia") == "trtllm"
+    code, out, err = run_cli("replay", "--gpu", "mi300x", "--model", "qwen3-4b", "--context",
+                             "4096", "--policy", "dense-resident", "--requests", "2",
+                             "--output-len", "4", "--json")
+    assert code == 0 and json.loads(out)["engine"] == "vllm"
+    assert "GPU mi300x (checked on" in err  # the family's points do not cover it: said so
+    code, _, err = run_cli("replay", "--gpu", "mi300x", "--model", "qwen3-4b", "--context",
+                           "4096", "--policy", "dense-resident", "--engine", "trtllm")
+    assert code == 2 and "runs on nvidia GPUs only" in err and "--engine vllm" in err

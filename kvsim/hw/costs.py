@@ -20,7 +20,7 @@ from kvsim.errors import KvsimError
 from kvsim.hw import catalog
 from kvsim.hw.catalog import GB, GiB, GPUSpec, ModelSpec
 from kvsim.hw.collectives import AllReduce
-from kvsim.hw.engine import CATALOG_DEFAULT, ROOFLINE, DecideModel, Engine
+from kvsim.hw.engine import ROOFLINE, DecideModel, Engine, check_runs_on, default_for
 from kvsim.hw.engine import load as load_engine
 from kvsim.hw.fit import fit_alpha_beta
 from kvsim.trace import DECIDE_TABLE, LEGACY_DECIDE_TABLE, decide_tables
@@ -559,7 +559,8 @@ def costs_for(gpu: str | None, hardware, engine=None, overrides: dict | None = N
     when it has one and no other GPU was named, else the catalog entry ``gpu`` (default
     ``DEFAULT_GPU``); then the engine (a name, a file or an :class:`Engine`; default
     ``roofline`` with measured hardware, so a profile's numbers stay as measured, and
-    ``CATALOG_DEFAULT`` with a catalog GPU), with what-if ``overrides``
+    :func:`kvsim.hw.engine.default_for` the GPU's vendor with a catalog GPU: an engine that
+    runs there), with what-if ``overrides``
     (:meth:`Engine.with_overrides`; ``layers``: the planned model's, for ``decide_ms``)."""
     if hardware is not None and (gpu is None or gpu == hardware.device.get("catalog_name")):
         base = catalog.gpu(gpu) if gpu else None
@@ -573,8 +574,10 @@ def costs_for(gpu: str | None, hardware, engine=None, overrides: dict | None = N
                 f"not used: the trace was profiled on {hardware.device.get('name')!r}, "
                 f"the plan is for {costs.gpu_name}")
         source = "catalog" if gpu else "catalog (default GPU)"
-        default = CATALOG_DEFAULT
+        default = default_for(catalog.gpu(gpu or DEFAULT_GPU).vendor)
     eng = load_engine(engine if engine is not None else default)
+    if default is not ROOFLINE:
+        check_runs_on(eng, costs.gpu_name, catalog.gpu(gpu or DEFAULT_GPU).vendor)
     if overrides:
         eng = eng.with_overrides(**overrides, layers=layers)
     costs.apply(eng)

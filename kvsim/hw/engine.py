@@ -47,6 +47,26 @@ BUILTIN = {"vllm": ENGINES_DIR / "vllm.json", "sglang": ENGINES_DIR / "sglang.js
            "trtllm": ENGINES_DIR / "trtllm.json",
            "vllm-paper": ENGINES_DIR / "vllm-paper-h100.json"}
 CATALOG_DEFAULT = "trtllm"  # the default engine with a catalog GPU: the best-checked family
+# engine families that run on some vendors' GPUs only (TensorRT-LLM: NVIDIA's), and the default
+# engine where the best-checked one does not run (vLLM and SGLang run on AMD's ROCm too)
+RUNS_ON = {"trtllm": ("nvidia",)}
+VENDOR_DEFAULT = {"amd": "vllm"}
+
+
+def default_for(vendor: str) -> str:
+    """The default engine for a catalog GPU of ``vendor``: the best-checked one that runs there."""
+    return VENDOR_DEFAULT.get(vendor, CATALOG_DEFAULT)
+
+
+def check_runs_on(engine: Engine, gpu: str, vendor: str) -> None:
+    """Refuse an engine family that does not run on this vendor's GPUs (TensorRT-LLM on an AMD
+    GPU), in one line naming the default that does."""
+    family = engine.fit.get("family") or engine.name
+    vendors = RUNS_ON.get(family)
+    if vendors and vendor not in vendors:
+        raise KvsimError(f"--engine {engine.name}: {family} runs on {' and '.join(vendors)} "
+                         f"GPUs only, not on {gpu} ({vendor}); use --engine "
+                         f"{default_for(vendor)}, the default there")
 BOUNDS = ("plot-kernel",)  # certainties of measured values that only bound TPOT
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 
 from kvsim.errors import KvsimError
 
+VENDORS = ("nvidia", "amd")
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPUSpec:
@@ -46,6 +48,7 @@ class GPUSpec:
     # (``kvsim plan --price GPU=USD`` or ``--prices FILE``)
     usd_per_hour: float | None
     price_source: str
+    vendor: str = "nvidia"  # whose GPU: which engines run on it (kvsim.hw.engine.RUNS_ON)
 
     def __post_init__(self) -> None:
         def bad(field: str, need: str):
@@ -67,6 +70,8 @@ class GPUSpec:
         if isinstance(self.mma_rows, bool) or not isinstance(self.mma_rows, int) or \
                 self.mma_rows < 0:
             raise bad("mma_rows", "a whole number >= 0")
+        if self.vendor not in VENDORS:
+            raise bad("vendor", f"one of {', '.join(VENDORS)}")
         p = self.usd_per_hour
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or
                               not math.isfinite(p) or p <= 0):
@@ -222,7 +227,8 @@ _RECORDS = [
                      "sources: left out (fp8 computes at the bf16 rate)",
         mma_rows=16, mma_source="CDNA3 MFMA 16x16xK or 32x32xK (AMD CDNA3 ISA)",
         usd_per_hour=1.85, price_source="Vultr on-demand MI300X, as quoted by Cliff Center, 'AMD "
-                                        "inference economics' research note (2026-05-18)"),
+                                        "inference economics' research note (2026-05-18)",
+        vendor="amd"),
 ]
 
 
