@@ -3,7 +3,7 @@ when kvsim started Ray) are handed to a small watcher process, which kills them 
 they started when the plan's process ends, however it ends (``kill -9`` included: the watcher
 learns it from its input pipe closing, which no signal can keep open).
 
-The watcher is ``python -m kvsim.plan.reaper PARENT``; it imports nothing of kvsim's. Every
+The watcher is ``python -m kvsim.plan.reaper PARENT``; it imports no other kvsim module. Every
 :data:`POLL_S` it notes the descendants of the plan's process that were not there when it was
 made (a pool's workers; Ray's GCS, raylet, and the agents and workers the raylet starts later),
 each with its start time in clock ticks since boot from ``/proc``, so that a PID the system
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 PROC = Path("/proc")
-POLL_S = 0.5  # how often the watcher looks for processes started by those it was told of
+POLL_S = 0.5  # how often the watcher looks for the plan's new processes
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -95,7 +95,7 @@ def _main(parent: int) -> None:
     known: dict[int, int] = {}
     sessions: set[bytes] = set()
     while True:
-        new = {p: s for p, s in descendants(parent, *known).items()
+        new = {p: s for p, s in descendants(parent, *_live(known)).items()
                if p not in skip and p not in known}
         known |= new
         sessions |= _ray_sessions(new)
@@ -110,7 +110,7 @@ def _main(parent: int) -> None:
     # the plan (Ray ties them to it): a worker the raylet was starting is then init's child,
     # found by its session
     stopped: dict[int, int] = {}
-    while todo := {p: s for p, s in (known | descendants(*known) | _in_sessions(sessions))
+    while todo := {p: s for p, s in (known | descendants(*_live(known)) | _in_sessions(sessions))
                    .items() if p not in stopped and p not in skip}:
         for pid, start in todo.items():
             _signal(pid, start, signal.SIGSTOP)
@@ -118,6 +118,12 @@ def _main(parent: int) -> None:
         known |= todo
     for pid, start in stopped.items():
         _signal(pid, start, signal.SIGKILL)
+
+
+def _live(known: dict[int, int]) -> list[int]:
+    """The PIDs of ``known`` that are still the processes noted (a reused PID's children are
+    not ours)."""
+    return [p for p, s in known.items() if (_stat(p) or (0, None))[1] == s]
 
 
 def _ray_sessions(pids) -> set[bytes]:
