@@ -91,6 +91,8 @@ def test_a_deployment_for_two_workloads_is_refused(flag, values, tmp_path, capsy
     (["--slo-requests", "1000000000", "--slo-tpot-ms", "100"], "--slo-requests must be"),
     (["--slo-tpot-ms", "60@"], "--slo-tpot-ms"),
     (["--step-overhead-ms", "1e300"], "step_overhead_ms"),
+    (["--link-gbps", "1e-300"], "--link-gbps must be"), (["--decide-ms", "1e300"], "--decide-ms"),
+    (["--cache-disk-gbps", "1e-300"], "--cache-disk-gbps"),
 ])
 def test_numbers_beyond_what_can_be_simulated_are_refused_before_work(argv, word, tmp_path,
                                                                       capsys):

@@ -271,7 +271,7 @@ def test_auto_caches_a_trace_with_hashes_and_says_when_the_policy_cannot():
     (["--policy", "dense-offload", "--prefix-caching", "on", "--workload", CONVERSATION,
       "--limit", "10"], "keep the whole KV cache in HBM"),
     (["--cache-host-gib", "-1"], "--cache-host-gib must be a size in [0, "),
-    (["--cache-disk-gbps", "0"], "--cache-disk-gbps must be a rate in (0, "),
+    (["--cache-disk-gbps", "0"], "--cache-disk-gbps must be a rate in [0.01, "),
     (["--prefix-caching", "off", "--cache-host-gib", "8"], "need --prefix-caching on or auto"),
     (["--prefix-caching", "maybe"], "invalid choice"),
 ])

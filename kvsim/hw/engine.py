@@ -162,8 +162,11 @@ def _upto(most: float):  # a time or size >= 0 within what any engine step holds
     return lambda v: _nonneg(v) and v <= most
 
 
-def _gbps(v):  # a link's rate: above 100 TB/s no link runs
-    return _positive(v) and v <= 1e5
+MIN_GBPS, MAX_GBPS = 0.01, 1e5  # no host or peer link runs below 10 MB/s or above 100 TB/s
+
+
+def _gbps(v):
+    return _positive(v) and MIN_GBPS <= v <= MAX_GBPS
 
 
 FIELDS = {
@@ -194,9 +197,10 @@ FIELDS = {
                                      "the matmuls' compute rate that prefill attention reaches"),
     "link_launches": (lambda v: v in LAUNCHES, f"one of {', '.join(LAUNCHES)}"),
     "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
-    **{f"link.{p}.gbps": (_gbps, "GB/s in (0, 1e5]") for p in PATHS},
+    **{f"link.{p}.gbps": (_gbps, f"GB/s in [{MIN_GBPS:g}, {MAX_GBPS:g}]") for p in PATHS},
     **{f"link.{p}.launch_us": (_upto(1e5), "microseconds in [0, 1e5] per launch") for p in PATHS},
-    "link_gbps": (_gbps, "GB/s in (0, 1e5] (a what-if: every path, gather keeping its ratio)"),
+    "link_gbps": (_gbps, f"GB/s in [{MIN_GBPS:g}, {MAX_GBPS:g}] (a what-if: every path, gather "
+                         "keeping its ratio)"),
     "decide_layer_us": (_upto(1e6), "microseconds in [0, 1e6] per request and layer (a what-"
                         "if: the decide step of whichever policy is planned)"),
 }
@@ -293,13 +297,14 @@ class Engine:
             except KvsimError as e:
                 raise KvsimError(f"--step-overhead-ms: {e}") from None
         if over.get("link_gbps") is not None:
-            from kvsim.checks import positive
-            x = positive(over["link_gbps"], "--link-gbps")
+            from kvsim.checks import real
+            x = real(over["link_gbps"], "--link-gbps", least=MIN_GBPS, most=MAX_GBPS)
             fields["link_gbps"] = Value(x, "override", f"--link-gbps {x:g}")
         if over.get("decide_ms") is not None:
             d = float(over["decide_ms"])
-            if not _nonneg(d) or not layers:
-                raise KvsimError(f"--decide-ms must be >= 0, got {d:g}")
+            if not (_nonneg(d) and d <= 1e3) or not layers:
+                raise KvsimError(f"--decide-ms must be in [0, 1000] (ms per request and step), "
+                                 f"got {d:g}")
             fields["decide_layer_us"] = Value(d * 1e3 / layers, "override",
                                               f"--decide-ms {d:g} per request and step")
         return dataclasses.replace(self, fields=fields)

@@ -47,7 +47,7 @@ class Memory:
 
 
 MAX_GIB = float(2**20)  # a memory tier per GPU (or a pool) of at most 1 PiB
-MAX_GBPS = 1e5  # no link or disk moves more than 100 TB/s
+MIN_GBPS, MAX_GBPS = 0.01, 1e5  # no link or disk moves less than 10 MB/s or more than 100 TB/s
 
 
 def _size(name: str, v) -> None:
@@ -137,8 +137,8 @@ class PrefixCaching:
         for name in ("cache_disk_gbps", "cache_pool_gbps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v)
-                                           and 0 < v <= MAX_GBPS):
-                raise KvsimError(f"--{name.replace('_', '-')} must be a rate in (0, "
+                                           and MIN_GBPS <= v <= MAX_GBPS):
+                raise KvsimError(f"--{name.replace('_', '-')} must be a rate in [{MIN_GBPS:g}, "
                                  f"{MAX_GBPS:g}] GB/s, got {v!r}")
         if self.prefix_caching == "off" and any(
                 getattr(self, n) for n in ("cache_host_gib", "cache_disk_gib",
