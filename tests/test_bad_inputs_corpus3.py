@@ -93,6 +93,7 @@ def test_a_deployment_for_two_workloads_is_refused(flag, values, tmp_path, capsy
     (["--step-overhead-ms", "1e300"], "step_overhead_ms"),
     (["--link-gbps", "1e-300"], "--link-gbps must be"), (["--decide-ms", "1e300"], "--decide-ms"),
     (["--cache-disk-gbps", "1e-300"], "--cache-disk-gbps"),
+    (["--qps", "1e-300"], "--qps must be a rate"), (["--qps", "1,1e300"], "--qps must be a rate"),
 ])
 def test_numbers_beyond_what_can_be_simulated_are_refused_before_work(argv, word, tmp_path,
                                                                       capsys):

@@ -29,6 +29,7 @@ from kvsim.sim.rules import Scheduling
 SLO_KEYS = ("tpot_ms", "ttft_ms", "e2e_s")
 MAX_BATCH = 1_000_000  # sequences in one batch: far beyond any GPU's memory
 MAX_REQUESTS = 100_000_000  # per simulation
+MIN_QPS, MAX_QPS = 1e-6, 1e9  # Poisson arrivals: beyond, times overflow what is simulated
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,10 @@ class Traffic:
             v = getattr(self, name)
             if v is not None and v > most:
                 raise KvsimError(f"--{name} {v:,} is beyond what kvsim simulates ({most:,})")
-        if self.qps is not None and not (math.isfinite(self.qps) and self.qps > 0):
-            raise KvsimError(f"--qps must be a finite rate > 0, got {self.qps}")
+        if self.qps is not None and not (math.isfinite(self.qps)
+                                         and MIN_QPS <= self.qps <= MAX_QPS):
+            raise KvsimError(f"--qps must be a rate in [{MIN_QPS:g}, {MAX_QPS:g}] req/s (one "
+                             f"request in 11.6 days to one a nanosecond), got {self.qps:g}")
         if self.qps is not None and self.concurrency is not None:
             raise KvsimError("give either --qps (open loop) or --concurrency (closed loop), "
                              "not both")
