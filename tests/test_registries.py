@@ -66,7 +66,7 @@ def _record(**change) -> GPUSpec:
         peer="Infinity Fabric 4", peer_gbps=448.0,
         fp8_tflops=2615, int8_tops=2615, int4_tops=0.0, rates_source="test record",
         mma_rows=16, mma_source="test record (CDNA3 MFMA)",
-        usd_per_hour=2.25, price_source="test record, 2026-12-07")
+        usd_per_hour=2.25, price_source="test record, 2026-12-07", vendor="amd")
     return GPUSpec(**{**fields, **change})
 
 

@@ -48,7 +48,7 @@ class GPUSpec:
     # (``kvsim plan --price GPU=USD`` or ``--prices FILE``)
     usd_per_hour: float | None
     price_source: str
-    vendor: str = "nvidia"  # whose GPU: which engines run on it (kvsim.hw.engine.RUNS_ON)
+    vendor: str  # whose GPU (VENDORS): which engines run on it (kvsim.hw.engine.RUNS_ON)
 
     def __post_init__(self) -> None:
         def bad(field: str, need: str):
@@ -120,7 +120,8 @@ _RECORDS = [
         peer="NVLink 3", peer_gbps=300.0,
         fp8_tflops=0.0, int8_tops=624, int4_tops=1248, rates_source=_A100,
         mma_rows=16, mma_source=_MMA,
-        usd_per_hour=None, price_source=_NO_PRICE),
+        usd_per_hour=None, price_source=_NO_PRICE,
+        vendor="nvidia"),
     GPUSpec(
         name="a100-80gb", hbm_gib=79.2, hbm_gbps=2039, bf16_tflops=312,
         link="PCIe Gen4 x16", link_theoretical_gbps=31.5, h2d_gbps=25.0, copy_alpha_us=5.0,
@@ -129,7 +130,8 @@ _RECORDS = [
         peer="NVLink 3", peer_gbps=300.0,
         fp8_tflops=0.0, int8_tops=624, int4_tops=1248, rates_source=_A100,
         mma_rows=16, mma_source=_MMA,
-        usd_per_hour=1.39, price_source=f"A100 SXM 80GB: {_RUNPOD}"),
+        usd_per_hour=1.39, price_source=f"A100 SXM 80GB: {_RUNPOD}",
+        vendor="nvidia"),
     GPUSpec(
         name="h100-pcie", hbm_gib=79.6, hbm_gbps=2000, bf16_tflops=756,
         link="PCIe Gen5 x16", link_theoretical_gbps=63.0, h2d_gbps=50.0, copy_alpha_us=5.0,
@@ -138,7 +140,8 @@ _RECORDS = [
         peer="PCIe Gen5 x16", peer_gbps=52.0,
         fp8_tflops=1513, int8_tops=1513, int4_tops=0.0, rates_source=_HOPPER,
         mma_rows=64, mma_source=_WGMMA,
-        usd_per_hour=1.99, price_source=f"H100 PCIe: {_RUNPOD}"),
+        usd_per_hour=1.99, price_source=f"H100 PCIe: {_RUNPOD}",
+        vendor="nvidia"),
     GPUSpec(
         name="h100-sxm", hbm_gib=79.6, hbm_gbps=3350, bf16_tflops=989,
         link="PCIe Gen5 x16", link_theoretical_gbps=63.0, h2d_gbps=52.0, copy_alpha_us=5.0,
@@ -147,7 +150,8 @@ _RECORDS = [
         peer="NVLink 4", peer_gbps=450.0,
         fp8_tflops=1979, int8_tops=1979, int4_tops=0.0, rates_source=_HOPPER,
         mma_rows=64, mma_source=_WGMMA,
-        usd_per_hour=2.69, price_source=f"H100 SXM: {_RUNPOD}"),
+        usd_per_hour=2.69, price_source=f"H100 SXM: {_RUNPOD}",
+        vendor="nvidia"),
     GPUSpec(
         name="h200", hbm_gib=140.4, hbm_gbps=4800, bf16_tflops=989,
         link="PCIe Gen5 x16", link_theoretical_gbps=63.0, h2d_gbps=52.0, copy_alpha_us=5.0,
@@ -159,7 +163,8 @@ _RECORDS = [
                      "https://itkb.uw.cz/2026/06/nvidia-h200-vs-b300-precisions-cores.html; "
                      "INT8 not found in a source, left out",
         mma_rows=64, mma_source=_WGMMA,
-        usd_per_hour=3.59, price_source=f"H200: {_RUNPOD}"),
+        usd_per_hour=3.59, price_source=f"H200: {_RUNPOD}",
+        vendor="nvidia"),
     GPUSpec(
         name="gh200", hbm_gib=95.6, hbm_gbps=4000, bf16_tflops=989,
         link="NVLink-C2C", link_theoretical_gbps=450.0, h2d_gbps=360.0, copy_alpha_us=5.0,
@@ -170,7 +175,8 @@ _RECORDS = [
         rates_source="no published FP8/INT8 rate found for GH200's GPU: left out (fp8 "
                      "computes at the bf16 rate)",
         mma_rows=64, mma_source=_WGMMA,
-        usd_per_hour=None, price_source=_NO_PRICE),
+        usd_per_hour=None, price_source=_NO_PRICE,
+        vendor="nvidia"),
     GPUSpec(
         name="b200", hbm_gib=179.1, hbm_gbps=8000, bf16_tflops=2250,
         link="PCIe Gen5 x16 (host CPU)", link_theoretical_gbps=63.0, h2d_gbps=52.0,
@@ -185,7 +191,8 @@ _RECORDS = [
                      "9,000), from NVIDIA's Blackwell specifications as tabulated at "
                      "https://glennklockwood.com/garden/processors/B200",
         mma_rows=64, mma_source="Blackwell tcgen05.mma, M 64 or 128 per CTA (PTX ISA)",
-        usd_per_hour=5.98, price_source=f"B200: {_RUNPOD}"),
+        usd_per_hour=5.98, price_source=f"B200: {_RUNPOD}",
+        vendor="nvidia"),
     GPUSpec(
         name="h20", hbm_gib=95.6, hbm_gbps=4000, bf16_tflops=148,
         link="PCIe Gen5 x16", link_theoretical_gbps=63.0, h2d_gbps=52.0, copy_alpha_us=5.0,
@@ -199,7 +206,8 @@ _RECORDS = [
                      "taken equal to INT8, as on every Hopper part whose sheet lists both (H100 "
                      "SXM and PCIe above)",
         mma_rows=64, mma_source=_WGMMA,
-        usd_per_hour=None, price_source=_NO_PRICE),
+        usd_per_hour=None, price_source=_NO_PRICE,
+        vendor="nvidia"),
     GPUSpec(
         name="l40s", hbm_gib=45.0, hbm_gbps=864, bf16_tflops=362,
         link="PCIe Gen4 x16", link_theoretical_gbps=31.5, h2d_gbps=25.0, copy_alpha_us=5.0,
@@ -214,7 +222,8 @@ _RECORDS = [
         mma_rows=16, mma_source=_MMA,
         usd_per_hour=0.86, price_source="RunPod on-demand L40S, as tabulated by Modal, 'How much "
                                         "does it cost to run NVIDIA L40S GPUs in 2025?' "
-                                        "(2025-08-12)"),
+                                        "(2025-08-12)",
+        vendor="nvidia"),
     GPUSpec(
         name="mi300x", hbm_gib=191.5, hbm_gbps=5300, bf16_tflops=1307,
         link="PCIe Gen5 x16", link_theoretical_gbps=63.0, h2d_gbps=52.0, copy_alpha_us=5.0,
