@@ -36,7 +36,7 @@ def test_human_output_is_a_table(attn_trace):
     (["--model", "gpt-9"], "unknown model"),
     (["--context", "0"], "--context must be positive"),
     (["--batch", "-3"], "--batch: must be a whole number >= 0, got -3"),
-    (["--qps", "0"], "--qps must be a finite rate > 0"),
+    (["--qps", "0"], "--qps must be a rate in [1e-06"),
     (["--qps", "nan"], "--qps: must be finite, got nan"),
     (["--host-gib", "nan"], "--host-gib: must be finite, got nan"),
     (["--requests", "0"], "--requests must be positive"),
