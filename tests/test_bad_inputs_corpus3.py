@@ -399,3 +399,25 @@ def test_kill_9_of_a_plan_leaves_no_process_behind(executor, tmp_path):
         from kvsim.plan.reaper import _in_sessions
         sessions = {str(s).encode() for s in Path("/tmp/ray").glob(f"session_*_{plan.pid}")}
         assert sessions and not _in_sessions(sessions)
+
+
+@pytest.mark.slow
+def test_a_ray_plan_that_ends_well_exits_0_and_leaves_no_process(tmp_path):
+    """At a normal exit the watcher never signals the plan itself (a Ray driver holds files in
+    its session), and what Ray's shutdown leaves is gone."""
+    pytest.importorskip("ray")
+    from pathlib import Path
+
+    from kvsim.plan.reaper import _in_sessions
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("RAY_ADDRESS", None)
+    plan = subprocess.Popen(
+        [sys.executable, "-m", "kvsim.cli", "plan", "--gpu", "h100-sxm", "--model", "qwen3-4b",
+         "--context", "4096", "--policy", "dense-resident", "--batch", "1,4", "--output-len",
+         "16", "--requests", "20", "--jobs", "2", "--executor", "ray", "--out", tmp_path / "p"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err = plan.communicate(timeout=300)
+    assert plan.returncode == 0, err[-500:]
+    sessions = {str(s).encode() for s in Path("/tmp/ray").glob(f"session_*_{plan.pid}")}
+    time.sleep(2)
+    assert sessions and not _in_sessions(sessions)

@@ -91,7 +91,9 @@ def _main(parent: int) -> None:
     import select
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the terminal is the plan's
     stdin = sys.stdin.buffer.raw
-    skip = {int(p) for p in stdin.readline().split()} | {os.getpid()}
+    # never the parent itself (it may hold files in a Ray session: a driver; at its normal exit
+    # it is still alive when its pipe closes), nor what it had before, nor this watcher
+    skip = {int(p) for p in stdin.readline().split()} | {os.getpid(), parent}
     known: dict[int, int] = {}
     sessions: set[bytes] = set()
     while True:
