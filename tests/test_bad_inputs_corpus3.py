@@ -24,9 +24,9 @@ from test_bad_inputs_corpus2 import (
 )
 
 from kvsim.errors import KvsimError
+from kvsim.policy_profile import DEFAULT as SHIPPED_PROFILE
 
-PROFILE = json.loads((__import__("kvsim.policy_profile", fromlist=["DEFAULT"]).DEFAULT)
-                     .read_text())
+PROFILE = json.loads(SHIPPED_PROFILE.read_text())
 SLO = ["--slo-tpot-ms", "200", "--slo-requests", "20"]
 
 
@@ -54,8 +54,10 @@ def test_a_list_that_names_an_item_twice_is_refused_naming_it(flag, value, tmp_p
 
 
 def test_other_commands_lists_are_sets_too(tmp_path, capsys):
+    from pathlib import Path
+
     from kvsim.model.capture import parse_layers
-    trace = __import__("pathlib").Path(__file__).parents[1] / "data/mooncake/synthetic_trace.jsonl"
+    trace = Path(__file__).parents[1] / "data/mooncake/synthetic_trace.jsonl"
     _check(["cache-curve", trace, "--capacity-tokens", "3e6,1e7,3e6"], capsys, tmp_path,
            "--capacity-tokens: 3e+06 is listed twice")
     with pytest.raises(KvsimError, match="--layers: 2 is listed twice"):
