@@ -60,9 +60,13 @@ class Reaper:
         if not PROC.is_dir():
             return
         before = descendants(os.getpid())
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvsim.plan.reaper", str(os.getpid())],
-                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvsim.plan.reaper", str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+        except OSError:  # no interpreter to start (embedded Python): run without a watcher
+            return
         try:
             self.proc.stdin.write(" ".join(map(str, before)).encode() + b"\n")
             self.proc.stdin.flush()
