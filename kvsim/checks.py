@@ -87,6 +87,22 @@ def distinct(values: list, name: str) -> list:
     return values
 
 
+MAX_GIB = float(2**20)  # a memory tier per GPU, or a pool: at most 1 PiB
+MIN_GBPS, MAX_GBPS = 0.01, 1e5  # no host, peer or storage link below 10 MB/s or above 100 TB/s
+
+
+def size_gib(v, name: str = "") -> float:
+    """A memory size in GiB: finite, in [0, :data:`MAX_GIB`]."""
+    return real(v, name, least=0.0, most=MAX_GIB, what=f"a size in [0, {MAX_GIB:,.0f}] GiB "
+                                                        f"(1 PiB)")
+
+
+def rate_gbps(v, name: str = "") -> float:
+    """A link's, disk's or pool's rate in GB/s, in [:data:`MIN_GBPS`, :data:`MAX_GBPS`]."""
+    return real(v, name, least=MIN_GBPS, most=MAX_GBPS,
+                what=f"a rate in [{MIN_GBPS:g}, {MAX_GBPS:g}] GB/s")
+
+
 def flag_type(check, **bounds):
     """An argparse ``type`` that converts a flag's text with ``check`` (one line, exit 2)."""
     def convert(text: str):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsim.checks import MAX_GBPS, MIN_GBPS
 from kvsim.errors import KvsimError
 
 FORMAT = "kvsim-engine"
@@ -160,9 +161,6 @@ def _share_floor(v):
 
 def _upto(most: float):  # a time or size >= 0 within what any engine step holds
     return lambda v: _nonneg(v) and v <= most
-
-
-MIN_GBPS, MAX_GBPS = 0.01, 1e5  # no host or peer link runs below 10 MB/s or above 100 TB/s
 
 
 def _gbps(v):
@@ -297,8 +295,8 @@ class Engine:
             except KvsimError as e:
                 raise KvsimError(f"--step-overhead-ms: {e}") from None
         if over.get("link_gbps") is not None:
-            from kvsim.checks import real
-            x = real(over["link_gbps"], "--link-gbps", least=MIN_GBPS, most=MAX_GBPS)
+            from kvsim.checks import rate_gbps
+            x = rate_gbps(over["link_gbps"], "--link-gbps")
             fields["link_gbps"] = Value(x, "override", f"--link-gbps {x:g}")
         if over.get("decide_ms") is not None:
             d = float(over["decide_ms"])

@@ -7,12 +7,12 @@ import it (``tests/test_sim_layout.py`` holds the package's imports one way).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
+from kvsim.checks import rate_gbps, size_gib
 from kvsim.errors import KvsimError
 from kvsim.hw.catalog import GiB
 
@@ -44,20 +44,6 @@ class Memory:
     @property
     def kv_hbm_bytes(self) -> float:
         return self.hbm_bytes - self.weights_bytes - self.workspace_bytes
-
-
-MAX_GIB = float(2**20)  # a memory tier per GPU (or a pool) of at most 1 PiB
-MIN_GBPS, MAX_GBPS = 0.01, 1e5  # no link or disk moves less than 10 MB/s or more than 100 TB/s
-
-
-def _size(name: str, v) -> None:
-    """A memory size in GiB: finite, >= 0, at most :data:`MAX_GIB` (None: the default)."""
-    if v is None:
-        return
-    if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v)
-                                   and 0 <= v <= MAX_GIB):
-        raise KvsimError(f"--{name.replace('_', '-')} must be a size in [0, {MAX_GIB:,.0f}] "
-                         f"GiB (1 PiB), got {v!r}")
 
 
 def _whole(name: str, v) -> None:
@@ -106,7 +92,8 @@ class Deployment:
         if self.tp_link not in ("own", "shared"):
             raise KvsimError(f"--tp-link must be own or shared, got {self.tp_link!r}")
         for name in ("host_gib", "workspace_gib"):
-            _size(name, getattr(self, name))
+            if getattr(self, name) is not None:  # (None: the default)
+                size_gib(getattr(self, name), "--" + name.replace("_", "-"))
 
 
 @dataclass(frozen=True)
@@ -133,13 +120,9 @@ class PrefixCaching:
             raise KvsimError(f"--prefix-caching must be one of {', '.join(CACHE_MODES)}, got "
                              f"{self.prefix_caching!r}")
         for name in ("cache_host_gib", "cache_disk_gib", "cache_pool_gib"):
-            _size(name, getattr(self, name))
+            size_gib(getattr(self, name), "--" + name.replace("_", "-"))
         for name in ("cache_disk_gbps", "cache_pool_gbps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v)
-                                           and MIN_GBPS <= v <= MAX_GBPS):
-                raise KvsimError(f"--{name.replace('_', '-')} must be a rate in [{MIN_GBPS:g}, "
-                                 f"{MAX_GBPS:g}] GB/s, got {v!r}")
+            rate_gbps(getattr(self, name), "--" + name.replace("_", "-"))
         if self.prefix_caching == "off" and any(
                 getattr(self, n) for n in ("cache_host_gib", "cache_disk_gib",
                                            "cache_pool_gib")):
