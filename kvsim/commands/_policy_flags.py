@@ -33,13 +33,12 @@ def parse_list(kind_, text: str) -> list:
         raise argparse.ArgumentTypeError(str(e)) from None
     if not items:
         raise argparse.ArgumentTypeError(f"{text!r} holds no value (a comma-separated list)")
-    seen = set()
-    for v, written in zip(items, (v.strip() for v in text.split(",") if v.strip())):
-        if v in seen:
-            raise argparse.ArgumentTypeError(f"{written} is listed twice in {text!r}; each "
-                                             f"value once")
-        seen.add(v)
-    return items
+    from kvsim.checks import distinct
+    from kvsim.errors import KvsimError
+    try:
+        return distinct(items, repr(text))
+    except KvsimError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def policy_help() -> str:

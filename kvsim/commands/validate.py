@@ -19,9 +19,12 @@ def _ints(s: str) -> list[int]:
             from None
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
-    if len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"{s!r} names a value twice; give each once")
-    return out
+    from kvsim.checks import distinct
+    from kvsim.errors import KvsimError
+    try:
+        return distinct(out, repr(s))
+    except KvsimError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 EPILOG = """examples:
