@@ -169,20 +169,11 @@ class SweepSpec:
                              f"system up) and at most {MAX_REQUESTS // 2:,} (a rate that "
                              f"passes runs again twice as long; a replay simulates at most "
                              f"{MAX_REQUESTS:,} requests); got {self.slo_requests:,}")
-        cachings = self.cachings()
-        if not cachings:
-            raise KvsimError("--cache-host-gib, --cache-disk-gib and --cache-pool-gib need at "
-                             "least one value each")
-        for c in cachings:
+        for c in self.cachings():  # (a list flag holds a value at least: parse_list)
             configure(policy="dense-resident", **c)
-        schedulings = self.schedulings()
-        if not schedulings:
-            raise KvsimError("--max-batched-tokens needs at least one value")
-        for sched in schedulings:
+        for sched in self.schedulings():
             configure(policy="dense-resident", **sched, **self.engine)
         deployments = self.deployments()
-        if not deployments:
-            raise KvsimError("--tp, --replicas and --kv-dtype need at least one value each")
         for d in deployments:
             for m in self.models:  # element types and the TP split, for every model
                 configure(policy="dense-resident", model=m, **d)
