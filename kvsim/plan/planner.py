@@ -20,7 +20,6 @@ from kvsim.plan.outputs import (
     differences,
     journal_rows,
     journal_writer,
-    jsonable,
     only_plan,
     record,
 )
@@ -140,8 +139,8 @@ def _plan(spec, out: Path, executor, quality, progress, command, force,
         df, answer = decide_plan(df, spec, configs)
         if answer.get("prefix_cache"):
             answer["prefix_cache"]["price_source"] = memory.source
-        from kvsim.io import finite_json
-        text = json.dumps(finite_json(answer), indent=1, default=jsonable, allow_nan=False) + "\n"
+        from kvsim.io import finite_json  # (numpy scalars as numbers; no infinity)
+        text = json.dumps(finite_json(answer), indent=1, allow_nan=False) + "\n"
         atomic_write(out / "answer.json", lambda f: f.write(text.encode()), force=True)
     _write_table(df, out)
     jpath.unlink(missing_ok=True)
