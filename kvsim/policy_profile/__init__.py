@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,13 +408,19 @@ def _check_row(r, n_settings: int, n_captures: int, where: str) -> None:
     >= 0 (only :data:`NULLABLE` may be null); lengths and layer weights positive."""
     ok = isinstance(r, list) and len(r) == len(COLUMNS) \
         and all(type(x) is int for x in r[:6]) and 0 <= r[0] < n_settings \
-        and 0 <= r[1] < n_captures and _number(r[6]) and r[7] in PASSES \
-        and all(v is None or (_number(v) and math.isfinite(v)) for v in r[8:])
+        and 0 <= r[1] < n_captures and type(r[6]) in _NUMBERS and r[7] in PASSES \
+        and all(v is None or (type(v) in _NUMBERS and math.isfinite(v)) for v in r[8:])
     if not ok:
         raise KvsimError(f"{where}: a row does not match the profile's columns: {str(r)[:120]}")
     if not (r[2] > 0 and r[3] > 0 and r[4] >= 0 and r[5] >= 0 and 0 < r[6] <= 1e6):
         raise KvsimError(f"{where}: a row's target, context length and layer weight must be "
                          f"positive: {str(r)[:120]}")
+    stats = r[8:]  # (a copy) the ranges at C speed; the loop below only words a refusal
+    for i in _NULLABLE_AT:
+        if stats[i] is None:
+            stats[i] = 0.0
+    if None not in stats and min(stats) >= 0 and max(_SHARES(stats)) <= 1 and max(stats) <= 1e9:
+        return
     for stat, v in zip(STATS, r[8:]):
         if v is None and stat in NULLABLE:
             continue
@@ -421,6 +428,11 @@ def _check_row(r, n_settings: int, n_captures: int, where: str) -> None:
             what = "a number >= 0" if stat in UNBOUNDED else "a share in [0, 1]"
             raise KvsimError(f"{where}: {stat} must be {what}, got {v!r} (setting {r[0]}, "
                              f"capture {r[1]}, {r[3]} tokens, layer {r[5]}, {r[7]} pass)")
+
+
+_NUMBERS = (int, float)  # (by type: not bool)
+_NULLABLE_AT = [STATS.index(s) for s in NULLABLE]
+_SHARES = operator.itemgetter(*(i for i, s in enumerate(STATS) if s not in UNBOUNDED))
 
 
 def _number(v) -> bool:
