@@ -98,14 +98,15 @@ def test_shared_routing_reads_one_tokens_experts_and_gives_each_every_token_by_h
 
 
 def test_weight_only_fp8_reads_fp8_bytes_at_the_bf16_rate(tmp_path):
-    """fp8 weights dequantised for bf16 GEMMs (an engine with no fp8 kernel for the model):
-    the weight bytes of fp8, the compute rate of bf16; W8A8 takes the fp8 rate on an H100."""
+    """fp8 weights cast for bf16 GEMMs (an engine with no fp8 kernel for the model): the weight
+    bytes of fp8 at the bf16 rate; W8A8 takes the fp8 rate on an H100 (times the measured
+    fp8/bf16 efficiency ratio, 0.883)."""
     from kvsim.replay import with_dtypes
     m = with_dtypes(catalog.model("mixtral-8x7b"), None, "fp8")
     w8a16 = dataclasses.replace(m, weight_only=True)
     c = _costs()
-    assert c.gemm_flops(w8a16) == c.flops and c.gemm_flops(m) == pytest.approx(c.flops * 2.001,
-                                                                                rel=1e-3)
+    assert c.gemm_flops(w8a16) == c.flops
+    assert c.gemm_flops(m) == pytest.approx(c.flops * 2.001 * 0.883, rel=1e-3)
     assert float(w8a16.layer_weight_bytes(64.0)) == float(m.layer_weight_bytes(64.0))
     assert c.gemm_time(4096.0, w8a16) > c.gemm_time(4096.0, m)  # compute-bound: 2x slower
     path = tmp_path / "p.csv"

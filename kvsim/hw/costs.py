@@ -31,6 +31,39 @@ HBM_EFFICIENCY = 0.85  # achievable / spec HBM bandwidth (design note, public me
 FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-size GEMMs
 GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA (design note)
 
+# Weight-only matmuls (W4A16, W8A16): a Marlin-class kernel reads the narrow weights, dequantises
+# them in registers and runs bf16 mma.sync (m16n8k16) on 16-row blocks, at most four a pass: each
+# weight is dequantised once per 64 tokens (IST-DASLab/marlin, marlin_cuda_kernel.cu). Published
+# figures, each a ratio to the fp16 GEMM on the same GPU and matrix:
+# - memory-bound, H100, 8192x8192 channelwise, Marlin over torch fp16 at m = 1, 2, 4 (PR
+#   description) and 1, 2, 4, 8, 16 tokens (jinzhen-lin's 2026-03-30 table), inclusionAI/humming
+#   PR #2: int4 2.165 2.164 2.144 / 2.168 2.186 2.177 2.184 2.151, mean 2.167 of an ideal 4;
+#   int8 1.504 1.484 1.485 / 1.601 1.607 1.620 1.606 1.596, mean 1.563 of 2. The weight reads
+#   reach that share of the bf16 GEMM's rate (on every GPU: assumption; the share grows with the
+#   matrix: 1.0 on an A10's 72k x 18k, Marlin README peak.png).
+# - compute-bound: Marlin's bench.py at 1024, 2048, 4000 tokens runs at 0.66, 0.60, 0.61 of fp16
+#   (flat 141 TFLOP/s from 64 tokens on; a comment on vllm-project/vllm PR #2497, Ampere):
+#   mean 0.623. The gap, 1/0.623 - 1 = 0.61 of the MMA time of each 64-token pass (dequantising
+#   and staging every weight once a pass), is spread over the pass's tokens: a compute-rate
+#   share. (A fixed cost per pass would make 1-16 tokens compute-bound on Ampere, against the
+#   flat 3.1x the same comment measured there.) No compute-bound figure for Hopper or for int8
+#   was found: this one is used for both (assumption).
+WEIGHT_ONLY_READ_SHARE = 0.542  # W4A16: of the bf16 GEMM's weight-read rate (int8's 0.78: unused)
+WEIGHT_ONLY_COMPUTE_SHARE = 0.623  # compute-bound throughput over the bf16 GEMM's
+WEIGHT_ONLY_ROWS = 16  # tokens a weight-only kernel computes at least (Marlin's m16 blocks)
+WEIGHT_ONLY_SOURCE = (
+    "Marlin over torch fp16, H100 8192x8192 channelwise, 1-16 tokens: int4 2.14-2.19x (mean "
+    "2.167 of 4), int8 1.48-1.62x (mean 1.563 of 2) (https://github.com/inclusionAI/humming/"
+    "pull/2 tables); at 1024-4000 tokens 0.66, 0.60, 0.61x (https://github.com/vllm-project/"
+    "vllm/pull/2497 comment, Ampere; used on every GPU); 16-row blocks, dequantised once per "
+    "64 tokens (https://github.com/IST-DASLab/marlin marlin_cuda_kernel.cu)")
+# W8A8: fp8 reaches less of its peak than bf16 does. Maximum achievable matmul FLOP/s on an H100
+# SXM, bf16 794.5 of 989 (80.3%), fp8 1402.6 of 1979 (70.9%): stas00/ml-engineering,
+# compute/accelerator/README.md, MAMF table (one ratio for every GPU: assumption).
+FP8_EFFICIENCY_RATIO = 0.883  # 70.9% / 80.3%
+FP8_SOURCE = ("fp8/bf16 achievable-over-peak ratio 70.9%/80.3% (H100 SXM MAMF table, https://"
+              "github.com/stas00/ml-engineering compute/accelerator/README.md)")
+
 DECIDE_ESTIMATE = ("estimate: four passes over the policy's per-token decide state (a sketch, "
                    "page bounds) at achievable HBM bandwidth")
 
@@ -97,6 +130,9 @@ class Matmuls:
     :attr:`GPUSpec.mma_rows`: 64 on Hopper) still does ``tile`` tokens' compute, which the
     weight reads hide where the GPU's FLOP/s per byte allow (every GPU here but the H20): the
     time is at least that compute (for a mixture of experts, ``tile`` tokens through the layer).
+    Weights dequantised in the kernel (W4A16, W8A16) come with that kernel's figures
+    (:meth:`CostModel.matmuls`): ``rate`` its compute rate, ``hbm_bw`` its weight-read rate,
+    ``tile`` its 16 rows.
     ``time`` is vectorised; ``at`` is the same in floats (the simulator's hot path)."""
 
     def __init__(self, m: ModelSpec, rate: float, hbm_bw: float, overlap: float, half: float,
@@ -410,9 +446,15 @@ class CostModel:
         return self.matmuls(m).time(batch)
 
     def matmuls(self, m: ModelSpec) -> Matmuls:
-        """The layer GEMMs of ``m`` on this GPU under this engine."""
-        return Matmuls(m, self.gemm_flops(m), self.hbm_bw, self.gemm_overlap,
-                       self.gemm_half_tokens, self.moe_efficiency, self.mma_rows)
+        """The layer GEMMs of ``m`` on this GPU under this engine. A weight-only kernel
+        (:func:`weight_only_kernel`) reads the weights at its share of the HBM rate
+        (``WEIGHT_ONLY_READ_SHARE``) and computes at least its ``WEIGHT_ONLY_ROWS`` tokens, not
+        the GPU's tensor-core tile."""
+        bw, tile = self.hbm_bw, self.mma_rows
+        if weight_only_kernel(m):
+            bw, tile = bw * WEIGHT_ONLY_READ_SHARE, min(tile, WEIGHT_ONLY_ROWS)
+        return Matmuls(m, self.gemm_flops(m), bw, self.gemm_overlap, self.gemm_half_tokens,
+                       self.moe_efficiency, tile)
 
     def attention_reread(self, m: ModelSpec) -> float:
         """How many times decode attention reads each cached KV head from HBM: once with a
@@ -425,30 +467,37 @@ class CostModel:
 
     def gemm_flops(self, m: ModelSpec) -> float:
         """Achievable FLOP/s of ``m``'s layer GEMMs, by the type its weights are stored in:
-        1-byte (fp8) weights run W8A8 at the GPU's fp8 rate where it has one; any other weights
-        (bf16, or 4-bit weights dequantised to bf16, W4A16) at the bf16 rate. The same efficiency
-        applies to every rate. Said in ``provenance["compute_gemm"]``. Attention, the LM head and
-        the policies' work stay at the bf16 rate (``flops``)."""
+        1-byte (fp8) weights run W8A8 at the GPU's fp8 rate where it has one, times the bf16
+        efficiency and ``FP8_EFFICIENCY_RATIO``; weights a weight-only kernel dequantises
+        (W4A16, W8A16: :func:`weight_only_kernel`) at ``WEIGHT_ONLY_COMPUTE_SHARE`` of the bf16
+        rate; any other (bf16, fp8 on a GPU listing no fp8 rate) at the bf16 rate. Said in
+        ``provenance["compute_gemm"]``. Attention, the LM head and the policies' work stay at
+        the bf16 rate (``flops``)."""
         elem = m.weight_elem
         key = (elem, m.weight_only)
         if key in self._gemm_flops:
             return self._gemm_flops[key]
         g, rate, note = self.spec, self.flops, ""
         if elem == 1 and m.weight_only:
-            note = "fp8 weights dequantised for bf16 GEMMs (W8A16): the bf16 rate"
+            note = "fp8 weights cast for bf16 GEMMs (W8A16): fp8 bytes, the bf16 rate"
+        elif weight_only_kernel(m):
+            rate = self.flops * WEIGHT_ONLY_COMPUTE_SHARE
+            note = (f"{elem:g}-byte weights dequantised in bf16 matmuls "
+                    f"(W4A16): compute at {WEIGHT_ONLY_COMPUTE_SHARE} of the bf16 rate = "
+                    f"{rate / 1e12:.4g} TFLOP/s, weight reads at {WEIGHT_ONLY_READ_SHARE} of the "
+                    f"achievable HBM rate, at least {WEIGHT_ONLY_ROWS} tokens "
+                    f"({WEIGHT_ONLY_SOURCE})")
         elif elem == 1:
             fp8 = g.fp8_tflops if g is not None else 0.0
             if fp8:
-                rate = self.flops * fp8 / g.bf16_tflops
+                rate = self.flops * fp8 / g.bf16_tflops * FP8_EFFICIENCY_RATIO
                 note = (f"fp8 weights (W8A8): {fp8:.0f} TFLOP/s dense fp8 x the bf16 efficiency "
-                        f"= {rate / 1e12:.4g} TFLOP/s ({g.rates_source})")
+                        f"x {FP8_EFFICIENCY_RATIO} = {rate / 1e12:.4g} TFLOP/s ({g.rates_source};"
+                        f" {FP8_SOURCE})")
             else:
                 why = (f"{g.name} lists no fp8 rate ({g.rates_source or 'no fp8 tensor cores'})"
                        if g is not None else "the measured rate is the profile's")
                 note = f"fp8 weights at the bf16 rate: {why}"
-        elif elem < 1:
-            note = (f"{elem:g}-byte weights dequantised to bf16 (W4A16): the bf16 rate, "
-                    f"{rate / 1e12:.4g} TFLOP/s")
         if note:
             self.provenance["compute_gemm"] = note
         self._gemm_flops[key] = rate
@@ -551,6 +600,16 @@ class CostModel:
         if self.launches == "per-layer":
             return np.where(np.asarray(n_seq) > 0, per_layer, 0.0)
         return per_layer * np.asarray(n_seq, float)
+
+
+def weight_only_kernel(m: ModelSpec) -> bool:
+    """Whether ``m``'s layer weights are dequantised inside bf16 matmuls by an integer
+    weight-only kernel: 4-bit weights (W4A16). 1-byte weights marked ``weight_only`` (fp8
+    weights cast to bf16 where an engine has no fp8 kernel for the model, TensorRT-LLM before
+    0.10 for Mixtral) read fp8 bytes at the full rate and compute at the bf16 rate: a cast, not
+    an integer unpack and scale, and the published rows of that case fit it (the Marlin-style
+    W8A16 rates made them 16-17% slow, one prediction pass, 2026-12-07)."""
+    return m.weight_elem < 1
 
 
 def costs_for(gpu: str | None, hardware, engine=None, overrides: dict | None = None,
