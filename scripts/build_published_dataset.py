@@ -36,44 +36,16 @@ import csv
 import re
 from pathlib import Path
 
+from kvsim.hw.catalog import MODEL_IDS as MODELS  # Hugging Face id -> catalog name
+from kvsim.hw.engine import VLLM_GENERATIONS  # vLLM's generations, each a family
+
 ROOT = Path(__file__).resolve().parents[1]
 RAW = ROOT / "data" / "published"
 OUT = ROOT / "data" / "published.csv"
 
-MODELS = {  # Hugging Face id (lower case) -> catalog name
-    "meta-llama/llama-2-7b-hf": "llama-2-7b", "meta-llama/llama-2-7b-chat-hf": "llama-2-7b",
-    "meta-llama/llama-2-13b-hf": "llama-2-13b", "meta-llama/llama-2-13b-chat-hf": "llama-2-13b",
-    "meta-llama/llama-2-70b-hf": "llama-2-70b", "meta-llama/llama-2-70b-chat-hf": "llama-2-70b",
-    "meta-llama/meta-llama-3-8b": "llama-3-8b", "meta-llama/meta-llama-3-70b": "llama-3.1-70b",
-    "gradientai/llama-3-8b-instruct-gradient-1048k": "llama-3-8b-1048k",
-    "meta-llama/llama-3.1-8b": "llama-3.1-8b", "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
-    "meta-llama/meta-llama-3.1-8b-instruct": "llama-3.1-8b",
-    "neuralmagic/meta-llama-3.1-8b-fp8": "llama-3.1-8b",
-    "neuralmagic/meta-llama-3.1-8b-instruct-fp8": "llama-3.1-8b",
-    "neuralmagic/meta-llama-3-8b-instruct-fp8": "llama-3-8b",
-    "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
-    "meta-llama/llama-3.3-70b-instruct": "llama-3.1-70b",
-    "neuralmagic/meta-llama-3.1-70b-instruct-fp8": "llama-3.1-70b",
-    "meta-llama/llama-3.1-405b-instruct": "llama-3.1-405b",
-    "meta-llama/meta-llama-3.1-405b-instruct-fp8": "llama-3.1-405b",
-    "mistralai/mistral-7b-v0.1": "mistral-7b", "mistralai/mistral-7b-instruct-v0.3": "mistral-7b",
-    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
-    "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
-    "mistralai/mixtral-8x22b-v0.1": "mixtral-8x22b",
-    "mistralai/mixtral-8x22b-instruct-v0.1": "mixtral-8x22b",
-    "01-ai/yi-9b-200k": "yi-9b-200k", "01-ai/yi-34b": "yi-34b",
-    "qwen/qwen1.5-72b": "qwen1.5-72b", "qwen/qwen2-72b": "qwen2-72b",
-    "qwen/qwen2-72b-instruct": "qwen2-72b",
-    "qwen/qwen2.5-72b-instruct": "qwen2-72b",  # the same shapes as Qwen2-72B (80 x 8192, GQA 64/8)
-    "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
-    "qwen/qwen3-4b": "qwen3-4b", "qwen/qwen3-4b-fp8": "qwen3-4b",
-    "qwen/qwen3-8b": "qwen3-8b", "qwen/qwen3-8b-fp8": "qwen3-8b",
-}
 FAMILIES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "trtllm", "lmdeploy": "lmdeploy",
             "other:hf-transformers-fa2": "hf", "other:shadowkv-fullattn-baseline": "hf",
             "other:gpt-fast": "gpt-fast"}
-# vLLM's engine generations, each its own family: (first major.minor, family), newest first
-VLLM_GENERATIONS = (((0, 8), "vllm"), ((0, 4), "vllm-v0"), ((0, 0), "vllm-0.3"))
 # versions a source does not state but its harness shows, by (source, engine); data/published/*.md
 HARNESS_VERSION = {("llm-inference-bench-anl-2024", "vllm"): "0.5 (its script's API)"}
 DTYPES = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "": ""}
@@ -198,7 +170,7 @@ def main() -> None:
     ap.add_argument("--why", action="store_true", help="print what was left out and why")
     args = ap.parse_args()
     rows, left = [], collections.Counter()
-    for path in sorted(RAW.glob("*.csv")):
+    for path in sorted(p for p in RAW.glob("*.csv") if p.name != "serving.csv"):
         for r in csv.DictReader(path.open(newline="")):
             row, why = convert(r)
             if row is None:

@@ -93,8 +93,10 @@ def test_kv_and_weight_dtypes_change_bytes_everywhere(attn_trace):
     assert fp8["host_gib"] == pytest.approx(base["host_gib"] / 2, rel=1e-3)
     assert fp8["tpot_ms"] == pytest.approx(base["tpot_ms"] / 2, rel=0.05)  # half the bytes
     assert "--kv-dtype" in fp8["provenance"]["model"]
-    w4 = _replay(attn_trace, policy="dense-resident", model="qwen3-4b", weight_dtype="int4")
-    ref = _replay(attn_trace, policy="dense-resident", model="qwen3-4b")
+    # decoding alone (prefill-first): 4-bit weights read faster; mixed with 16K-token prefill
+    # chunks a W4A16 kernel's compute rate (0.623 of bf16's) would make the steps slower
+    kw = dict(policy="dense-resident", model="qwen3-4b", scheduler="prefill-first")
+    w4, ref = _replay(attn_trace, weight_dtype="int4", **kw), _replay(attn_trace, **kw)
     m = catalog.model("qwen3-4b")
     assert w4["memory"]["hbm_weights_gib"] == pytest.approx(
         (m.layers * m.layer_params * 0.5 + m.embed_params * 2) / 2**30)
@@ -118,8 +120,10 @@ def test_configs_kvsim_cannot_plan_get_one_line(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     code, _, err = run_cli("replay", "--policy", "dense", "--model", tmp_path / "bad.json")
     assert code == 2 and "not JSON" in err
-    code, _, err = run_cli("replay", "--policy", "dense", "--model", "Qwen/Qwen3-4B")
-    assert code == 2 and "local files only" in err
+    code, _, err = run_cli("replay", "--policy", "dense", "--model", "Qwen/Qwen3-32B")
+    assert code == 2 and "local files only" in err  # an id kvsim has no shape for
+    assert catalog.model("Qwen/Qwen3-4B") is catalog.model("qwen3-4b")  # a catalog shape's id
+    assert catalog.model("meta-llama/Llama-3.3-70B-Instruct").name == "llama-3.1-70b"
     code, _, err = run_cli("replay", "--policy", "dense", "--model", "qwen9")
     assert code == 2 and "config.json" in err
 

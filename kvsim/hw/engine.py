@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,14 +45,61 @@ LAUNCHES = ("per-sequence", "per-layer")
 FETCHES = ("policy", "serial", "overlap")
 ATTENTION = ("gqa", "per-query-head")  # decode attention reads each KV head once, or per query head
 ENGINES_DIR = Path(__file__).resolve().parent / "engines"
-BUILTIN = {"vllm": ENGINES_DIR / "vllm.json", "sglang": ENGINES_DIR / "sglang.json",
-           "trtllm": ENGINES_DIR / "trtllm.json",
+# the engine families fitted to data/published.csv (scripts/fit_published_engines.py), and the
+# shared fit of every engine's points, which stands in for an engine without points of its own
+FAMILIES = ("trtllm", "vllm", "vllm-v0", "vllm-0.3", "sglang", "lmdeploy", "gpt-fast", "hf")
+SHARED = "shared"
+BUILTIN = {**{f: ENGINES_DIR / f"{f}.json" for f in (*FAMILIES, SHARED)},
            "vllm-paper": ENGINES_DIR / "vllm-paper-h100.json"}
 CATALOG_DEFAULT = "trtllm"  # the default engine with a catalog GPU: the best-checked family
-# engine families that run on some vendors' GPUs only (TensorRT-LLM: NVIDIA's), and the default
-# engine where the best-checked one does not run (vLLM and SGLang run on AMD's ROCm too)
-RUNS_ON = {"trtllm": ("nvidia",)}
+# engine families that run on some vendors' GPUs only (TensorRT-LLM's and LMDeploy's TurboMind
+# kernels are CUDA), and the default engine where the best-checked one does not run (vLLM and
+# SGLang run on AMD's ROCm too)
+RUNS_ON = {"trtllm": ("nvidia",), "lmdeploy": ("nvidia",)}
 VENDOR_DEFAULT = {"amd": "vllm"}
+# other names of the families
+ALIASES = {"tensorrt-llm": "trtllm", "trt-llm": "trtllm", "tensorrt_llm": "trtllm",
+           "turbomind": "lmdeploy", "transformers": "hf", "hf-transformers": "hf",
+           "huggingface": "hf", "vllm-v1": "vllm", "gptfast": "gpt-fast"}
+# vLLM's engine generations, each its own family: (first major.minor, family), newest first;
+# data/published/README.md says why (scripts/build_published_dataset.py reads it too)
+VLLM_GENERATIONS = (((0, 8), "vllm"), ((0, 4), "vllm-v0"), ((0, 0), "vllm-0.3"))
+NAME = re.compile(r"[a-z][a-z0-9._+=@-]*")  # an engine's name, with a version (not a file)
+# vllm==0.6.3, sglang@0.4, vllm-0.5
+NAMED_VERSION = re.compile(r"(.+?)(?:==|@|-v?)(\d+\.\d+(?:\.\d+)?)$")
+
+
+def resolve(name: str) -> tuple[str, str | None]:
+    """(built-in engine, version asked for or None) for an engine named with an optional
+    version (``vllm==0.6.3``, ``vllm-0.6``, ``sglang@0.4``, ``tensorrt-llm``): vLLM's version
+    picks its generation's family; an engine without published points is the shared fit."""
+    text = name.strip().lower()
+    base, version = text, None
+    if text not in BUILTIN and (m := NAMED_VERSION.fullmatch(text)):
+        base, version = m.group(1), m.group(2)
+    family = ALIASES.get(base, base)
+    if family == "vllm" and version:
+        mm = tuple(int(x) for x in version.split(".")[:2])
+        family = next(f for first, f in VLLM_GENERATIONS if mm >= first)
+    return (family if family in BUILTIN else SHARED), version
+
+
+def _stand_in(engine: Engine, asked: str, version: str | None) -> Engine:
+    """``engine`` standing in for ``asked``, where ``asked`` (or its version) has no published
+    points of its own: said in ``fit["stand_in"]``, which widens its intervals by the spread
+    between families (``fit["between_families"]``, :func:`kvsim.replay.report.add_intervals`)."""
+    versions = engine.fit.get("versions") or []
+    if engine.name == SHARED:
+        why = (f"engine {asked} has no published points of its own: the shared fit of every "
+               f"engine's points stands in (families with points: {', '.join(FAMILIES)})")
+    elif version and versions and ".".join(version.split(".")[:2]) not in versions:
+        why = (f"engine {asked}: {engine.name} {version} has no published points of its own: "
+               f"the {engine.name} family's fit stands in (its points: "
+               f"{', '.join(versions)})")
+    else:
+        return engine
+    return dataclasses.replace(engine, name=asked, fit={**engine.fit, "stand_in": why})
+
 
 
 def default_for(vendor: str) -> str:
@@ -247,8 +295,10 @@ class Engine:
         logs = sorted(abs(float(v["log_err"])) for v in cv)
         s = float(np.quantile(logs, 0.9))
         n_src = len({v.get("source") for v in cv})
+        by = self.fit.get("cv_by", "source")
+        held = "each source" if by == "source" else f"each {by} held out and"
         return s, (f"engine {self.name}: the 90% quantile of {len(cv)} held-out {regime} errors "
-                   f"of published points ({n_src} sources, each predicted by a fit of the "
+                   f"of published points ({n_src} sources, {held} predicted by a fit of the "
                    f"others): x{math.exp(s):.3g} either way")
 
     def _spread_loo(self) -> tuple[float | None, str]:
@@ -384,6 +434,15 @@ def _record(fit, where: str) -> dict:
         if not isinstance(v.get("regime"), str):
             bad(f"cv[{i}].regime must be text, got {v.get('regime')!r}")
     items("cv_summary")
+    versions = fit.get("versions", [])
+    if not (isinstance(versions, list) and all(isinstance(v, str) for v in versions)):
+        bad("versions must be a list of engine versions (text)")
+    if not isinstance(fit.get("stand_in", ""), str):
+        bad("stand_in must be text")
+    between = fit.get("between_families", {})
+    if not (isinstance(between, dict) and all(
+            number(v) and 0 <= v <= 20 for v in between.values())):
+        bad("between_families must map each regime to a log ratio in [0, 20]")
     for key in ("checked", "checked_family"):
         got = fit.get(key)
         if got is None:
@@ -452,6 +511,10 @@ def load(name_or_path: str | Path | Engine | None) -> Engine | None:
     text = str(name_or_path)
     if text == "roofline":
         return ROOFLINE
+    if text not in BUILTIN and NAME.fullmatch(text.lower()) and not text.endswith(".json") \
+            and not Path(text).exists():
+        family, version = resolve(text)
+        return _stand_in(load(family), text.lower(), version)
     path = BUILTIN.get(text, Path(text))
     if not path.exists() and not path.is_symlink():
         raise KvsimError(f"engine {text!r}: no such file (built-in engines: roofline, "

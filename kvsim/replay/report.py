@@ -367,7 +367,10 @@ INTERVAL_RULE = (
     "measured)| (TPOT: decode, TTFT: prefill, throughput: throughput); an engine fitted on one "
     "setup: the largest of its out-of-sample TPOT errors, TTFT counting one more uncovered "
     "dimension. Times 1 + k for k dimensions of this configuration its points did not cover "
-    "(GPU, weight or KV type, TP size, MoE); an engine with no check: s = ln 2")
+    "(GPU, weight or KV type, TP size, MoE); an engine with no check: s = ln 2. An engine "
+    "standing in for one without published points of its own (a name or version not fitted): "
+    "s plus the spread between families, the 90% quantile over the published points of "
+    "|ln(a family's prediction / the shared fit's)|")
 
 
 def unchecked(costs, model, tp: int) -> list[str]:
@@ -419,10 +422,16 @@ def add_intervals(result: ReplayResult, costs, model, tp: int) -> None:
     missing = unchecked(costs, model, tp)
     k = 1 + len(missing)
     spreads, why = {}, ""
+    # an engine standing in for one without points: the spread between families on top
+    between = eng.fit.get("between_families", {}) if eng.fit.get("stand_in") else {}
     for regime in ("decode", "prefill", "throughput"):
         s0, w = eng.spread(regime)
         why = why or w
-        spreads[regime] = s0
+        spreads[regime] = s0 + between.get(regime, 0.0) if s0 is not None else None
+    if between:
+        result.warnings.append(
+            f"{eng.fit['stand_in']}: intervals widened by the spread between engine families "
+            f"({', '.join(f'{r} x{math.exp(s):.3g}' for r, s in between.items())})")
     s0 = spreads["decode"]
     if s0 is None:
         result.warnings.append(f"{why}: every interval is a factor of 2 either way")
