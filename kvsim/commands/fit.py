@@ -38,6 +38,14 @@ source with the errors, and how many of all the held-out predictions fall within
 engine families it prints the table per category and beside it the same values under the fit
 of every source ("fitted"): the gap between the two is what a publication's own rows teach its
 engine family and no other source does.
+
+--cv engine-version (engine families only): leave one engine version out. The version is the
+engine family and the first major.minor in the engine_version column ("0.9.0" and "~0.9 (main)"
+are trtllm 0.9), else its first word, else "unstated". An engine fitted on every other version's
+fit rows, the family's other versions included, predicts that version's rows: how well a fit
+carries to an engine version it never saw. A family with one version is predicted by the shared
+engine. Printed per category and per held-out version:
+  kvsim fit data/published.csv --family trtllm --out trtllm.json --cv engine-version --jobs 2
 """
 
 
@@ -63,10 +71,11 @@ def add_parser(sub) -> None:
     p.add_argument("--name", default=None, help="engine name [default: the output's stem]")
     p.add_argument("--describe", default="", metavar="TEXT", help="engine description")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
-    p.add_argument("--cv", choices=["source"],
-                   help="also cross-validate, leaving out one source (publication) at a time")
+    p.add_argument("--cv", choices=["source", "engine-version"],
+                   help="also cross-validate, leaving out one source (publication) at a time, "
+                        "or with engine families one engine version (see below)")
     p.add_argument("--jobs", type=int, default=1,
-                   help="with --cv and engine families: sources left out at once, in worker "
+                   help="with --cv and engine families: groups left out at once, in worker "
                         "processes (the same results) [default: 1]")
     p.add_argument("--family", metavar="ENGINE",
                    help="with an engine column: the engine family whose profile to write "
@@ -191,13 +200,20 @@ def _fittable(args, points: list) -> list:
     if not any(p.use == "fit" for p in points):
         raise KvsimError(f"{args.measured}: no rows to fit (every row has use=check)")
     if args.cv:
-        groups = {p.meta.get(args.cv) for p in points}
-        fitted = {p.meta.get(args.cv) for p in points if p.use == "fit"}
+        from kvsim.fit.families import group_of
+        if args.cv == "engine-version" and not any(p.engine for p in points):
+            raise KvsimError(f"--cv engine-version: {args.measured} has no engine column; it "
+                             f"holds out engine versions of engine families")
+        key = (lambda p: group_of(p, "engine-version")) if args.cv == "engine-version" \
+            else (lambda p: p.meta.get("source"))
+        noun = args.cv.replace("-", " ")
+        groups = {key(p) for p in points}
+        fitted = {key(p) for p in points if p.use == "fit"}
         if len(groups) < 2 or not any(fitted - {g} for g in groups):
             shown = ", ".join(sorted(str(g) for g in groups))
-            raise KvsimError(f"--cv {args.cv}: {args.measured} holds one {args.cv} ({shown}) "
+            raise KvsimError(f"--cv {args.cv}: {args.measured} holds one {noun} ({shown}) "
                              f"among its fit rows and the rest; leaving it out leaves nothing "
-                             f"to fit: give points of two {args.cv}s or more")
+                             f"to fit: give points of two {noun}s or more")
     return points
 
 
@@ -246,16 +262,17 @@ def _run_families(args, points) -> int:
     name = args.name or Path(args.out).stem
     cv = summary = fitted = None
     if args.cv:
-        cv = F.cross_validate(points, pred, base, progress=not args.json, jobs=args.jobs)
+        cv = F.cross_validate(points, pred, base, progress=not args.json, jobs=args.jobs,
+                              by=args.cv)
         summary = F.summary(cv)
         fitted = F.summary(F.fitted_values(points, pred, shared, engines))
     engine = dataclasses.replace(engine, name=name, description=args.describe or (
         f"{args.family or 'every engine'}, fitted by kvsim fit on {args.measured}"),
-        fit=F.record(points, rows, pred, engine, args.family, free, cv, summary))
+        fit=F.record(points, rows, pred, engine, args.family, free, cv, summary, args.cv))
     engine.save(args.out, args.force)
     if args.json:
         print_json({"engine": engine.to_json(), "out": args.out,
-                    **({"cv": {"by": "source", "values": cv, "summary": summary,
+                    **({"cv": {"by": args.cv, "values": cv, "summary": summary,
                                "fitted_summary": fitted}} if cv else {})})
         return 0
     print(f"shared: {', '.join(free['shared'])}; {args.family or 'shared'}: "
@@ -263,19 +280,31 @@ def _run_families(args, points) -> int:
     table([{"parameter": k, "shared": shared.get(k), "value": engine.get(k)}
            for k in (*free["shared"], *[f for f in free["family"] if f not in free["shared"]])])
     if summary:
-        print_cv_summary(summary, fitted)
+        print_cv_summary(summary, fitted, args.cv)
+        if args.cv == "engine-version":
+            print("\neach engine version held out in turn")
+            print_cv_rows(F.summary(cv, groups=lambda v: [v["held_out"]]), head="held out")
     print(f"\nwrote {args.out}")
     return 0
 
 
-def print_cv_summary(summary: list[dict], fitted: list[dict] | None = None) -> None:
-    """The leave-one-source-out table, per category and overall; with ``fitted`` (the same
+def print_cv_summary(summary: list[dict], fitted: list[dict] | None = None,
+                     by: str = "source") -> None:
+    """The leave-one-``by``-out table, per category and overall; with ``fitted`` (the same
     values predicted by the fit of every source) its share within 20% and median beside."""
-    print("\nleave-one-source-out: each source's values predicted by a fit of the others"
+    noun = by.replace("-", " ")
+    print(f"\nleave-one-{by}-out: each {noun}'s values predicted by a fit of the others"
           + ("; 'fitted': by the fit of every source, its own included" if fitted else ""))
+    print_cv_rows(summary, fitted)
+
+
+def print_cv_rows(summary: list[dict], fitted: list[dict] | None = None,
+                  head: str = "category") -> None:
+    """The rows of :func:`kvsim.fit.families.summary` as a table (``fitted`` beside), the
+    group's name under ``head``."""
     fit = {r["category"]: r for r in fitted or []}
     pct = lambda r, k, f: f.format(r[k]) if r and r["values"] else "-"  # noqa: E731
-    table([{"category": r["category"], "values": r["values"], "sources": r.get("sources", 0),
+    table([{head: r["category"], "values": r["values"], "sources": r.get("sources", 0),
             "within 20%": pct(r, "within_share", "{:.0%}"),
             "median |err|": pct(r, "median_abs_pct", "{:.1f}%"),
             "largest": pct(r, "max_abs_pct", "{:.0f}%"),

@@ -15,15 +15,18 @@ least-squares problem (:func:`fit_joint`) fits two levels at once:
 
 :func:`cross_validate` leaves one publication (``source``) out at a time: the joint fit of the
 other publications predicts every measured value of the held-out one (``tpot_ms``,
-``ttft_ms``, ``throughput_tok_s``, ``latency_s``). :func:`summary` groups the errors by category
+``ttft_ms``, ``throughput_tok_s``, ``latency_s``); with ``by="engine-version"`` it leaves one
+engine version out instead (:func:`version_key`: its family's other versions still teach the
+family's offsets). :func:`summary` groups the errors by category
 (:meth:`kvsim.fit.Point.categories`) and checks each value against the interval the other
-publications' errors give its regime (:func:`spread`).
+held-out groups' errors give its regime (:func:`spread`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import numpy as np
 
@@ -39,7 +42,8 @@ MIN_FAMILY_ROWS = 3
 COVERAGE = 0.9  # the interval is the 90% quantile of the regime's held-out |log errors|
 REGIMES = {"tpot_ms": "decode", "ttft_ms": "prefill", "throughput_tok_s": "throughput",
            "latency_s": "throughput"}
-CATEGORIES = ("decode", "prefill", "throughput", "tp", "fp8", "moe", "long-context", "offload")
+CATEGORIES = ("decode", "prefill", "throughput", "tp", "fp8", "moe", "long-context", "offload",
+              "serving")
 
 
 def _mode(values):
@@ -214,30 +218,53 @@ def held_values(p: Point, got: dict) -> list[dict]:
     return out
 
 
+CV_BY = ("source", "engine-version")  # what a cross-validation holds out at once
+
+
+def version_key(engine: str, version: str) -> str:
+    """An engine version, from the free-text ``engine_version`` cell: the family and the first
+    major.minor in the text (``vllm-0.3``, "~0.2.7 (PR #2542 branch)" -> "vllm-0.3 0.2"), else
+    the text's first token ("repo@a21f5a9"), else "unstated"."""
+    m = re.search(r"\d+\.\d+", version)
+    v = m.group() if m else (version.split() or ["unstated"])[0].rstrip(",;:")
+    return f"{engine or '(no engine)'} {v}"
+
+
+def group_of(p: Point, by: str = "source") -> str:
+    """The group of ``p`` a cross-validation ``by`` (:data:`CV_BY`) holds out with it."""
+    if by == "engine-version":
+        return version_key(p.engine, p.meta.get("engine_version", ""))
+    return p.meta.get("source", "(no source)")
+
+
 def cross_validate(points: list[Point], pred: Predictor, base: Engine,
-                   progress: bool = False, jobs: int = 1) -> list[dict]:
-    """Leave one source out (see the module docstring): one record per held-out measured value
-    (:func:`held_values`), with the family the prediction came from (its own, or the shared
-    engine where the other sources hold too few of its rows). ``jobs``: sources fitted at once
-    in worker processes (the records are the same, in the same order)."""
+                   progress: bool = False, jobs: int = 1, by: str = "source") -> list[dict]:
+    """Leave one group out (``by``: a ``source``, see the module docstring, or an
+    ``engine-version``, :func:`version_key`): one record per held-out measured value
+    (:func:`held_values`), with the group held out (``held_out``) and the family the prediction
+    came from (its own, or the shared engine where the other groups hold too few of its rows).
+    ``jobs``: groups fitted at once in worker processes (the records are the same, in the same
+    order)."""
     from tqdm import tqdm
+    if by not in CV_BY:
+        raise KvsimError(f"--cv {by!r}: one of {', '.join(CV_BY)}")
     rows = [p for p in points if p.meta.get("certainty") not in BOUNDS]
-    sources = list(dict.fromkeys(p.meta.get("source", "(no source)") for p in rows))
-    bar = tqdm(total=len(sources), desc="leave-one-source-out", unit="source", leave=False,
-               disable=None if progress else True)
-    _FOLD.update(points=points, rows=rows, pred=pred, base=base)
+    groups = list(dict.fromkeys(group_of(p, by) for p in rows))
+    bar = tqdm(total=len(groups), desc=f"leave-one-{by}-out", unit=by.split("-")[-1],
+               leave=False, disable=None if progress else True)
+    _FOLD.update(points=points, rows=rows, pred=pred, base=base, by=by)
     try:
-        if jobs <= 1 or len(sources) < 2:
+        if jobs <= 1 or len(groups) < 2:
             done = []
-            for s in sources:
-                done.append(_fold(s))
+            for g in groups:
+                done.append(_fold(g))
                 bar.update()
         else:
             import concurrent.futures as cf
             import multiprocessing as mp
-            with cf.ProcessPoolExecutor(min(jobs, len(sources)),
+            with cf.ProcessPoolExecutor(min(jobs, len(groups)),
                                         mp_context=mp.get_context("fork")) as pool:
-                futures = [pool.submit(_fold, s) for s in sources]
+                futures = [pool.submit(_fold, g) for g in groups]
                 for _ in cf.as_completed(futures):
                     bar.update()
                 done = [f.result() for f in futures]
@@ -250,12 +277,12 @@ def cross_validate(points: list[Point], pred: Predictor, base: Engine,
 _FOLD: dict = {}  # what every fold reads (inherited by forked workers)
 
 
-def _fold(source: str) -> list[dict]:
-    """The held-out records of ``source`` under the joint fit of the other sources (none where
-    nothing is left to fit, or the fit cannot be made)."""
-    pred = _FOLD["pred"]
-    held = [p for p in _FOLD["rows"] if p.meta.get("source", "(no source)") == source]
-    rest = [p for p in _FOLD["points"] if p.use == "fit" and p.meta.get("source") != source]
+def _fold(group: str) -> list[dict]:
+    """The held-out records of ``group`` (of ``_FOLD["by"]``) under the joint fit of the other
+    groups' fit rows (none where nothing is left to fit, or the fit cannot be made)."""
+    pred, by = _FOLD["pred"], _FOLD.get("by", "source")
+    held = [p for p in _FOLD["rows"] if group_of(p, by) == group]
+    rest = [p for p in _FOLD["points"] if p.use == "fit" and group_of(p, by) != group]
     if not rest:
         return []
     try:
@@ -268,6 +295,7 @@ def _fold(source: str) -> list[dict]:
         own = sum(q.engine == p.engine for q in rest) >= MIN_FAMILY_ROWS
         for v in held_values(p, pred.predict(p, eng)):
             v["fitted_as"] = p.engine if own else "shared"
+            v["held_out"] = group
             out.append(v)
     return out
 
@@ -281,12 +309,14 @@ def spread(values: list[dict], regime: str | None = None, q: float = COVERAGE) -
 
 def summary(values: list[dict], within: float = 20.0, groups=None) -> list[dict]:
     """Per group: held-out values, the share within ``within`` percent, the median and largest
-    absolute error, and the share inside the interval that the other sources' errors of the
-    same regime give (:func:`spread`, over every value). ``groups(v)``: the names of the groups
-    a value counts in (default: ``all`` and its categories, in :data:`CATEGORIES` order)."""
+    absolute error, and the share inside the interval that the other held-out groups' (else
+    sources') errors of the same regime give (:func:`spread`, over every value). ``groups(v)``:
+    the names of the groups a value counts in (default: ``all`` and its categories, in
+    :data:`CATEGORIES` order)."""
     cover = []
-    for v in values:
-        s = spread([w for w in values if w["source"] != v["source"]], v["regime"])
+    held = [v.get("held_out", v["source"]) for v in values]
+    for v, g in zip(values, held):
+        s = spread([w for w, h in zip(values, held) if h != g], v["regime"])
         cover.append(s is not None and abs(v["log_err"]) <= s)
     if groups is None:
         names = ("all", *CATEGORIES)
@@ -310,11 +340,11 @@ def summary(values: list[dict], within: float = 20.0, groups=None) -> list[dict]
 
 def record(points: list[Point], rows: list[Point], pred: Predictor, engine: Engine,
            family: str | None, free: dict, cv: list[dict] | None,
-           summary_rows: list[dict] | None) -> dict:
+           summary_rows: list[dict] | None, by: str = "source") -> dict:
     """What an engine file keeps of its fit: each fitted row's in-sample errors, what was free,
     the configurations its rows cover (``checked``: a plan outside them is warned and its
     interval widened) and, with a cross-validation, every held-out error (``cv``: the intervals'
-    spread per regime) and its summary."""
+    spread per regime) and its summary (``cv_by``: what it held out, where not a source)."""
     own = [p for p in rows if family is None or p.engine == family] or rows
     points_out = []
     for p in own:
@@ -328,6 +358,8 @@ def record(points: list[Point], rows: list[Point], pred: Predictor, engine: Engi
         out["cv"] = [{k: v[k] for k in ("source", "engine", "metric", "regime", "categories",
                                         "err_pct", "log_err")} for v in cv]
         out["cv_summary"] = summary_rows
+        if by != "source":
+            out["cv_by"] = by
     return out
 
 
