@@ -156,3 +156,24 @@ def test_a_config_is_named_by_its_model_never_its_folder(tmp_path):
     mm = _write(tmp_path, {"architectures": ["LlavaForConditionalGeneration"],
                            "text_config": QWEN3_4B}, name="h-mm")
     assert hfconfig.load(mm).name == "LlavaForConditionalGeneration"
+
+
+def test_a_plain_mlp_config_gpt_j_has_its_published_parameter_count(tmp_path):
+    """GPT-J-6B (GPT-2-style field names, n_inner null, fc_in/fc_out MLP): 6,053,381,344
+    parameters on its model card; kvsim counts the matrices and embeddings, not the biases and
+    norms (~3.4M), so it is within 0.1% below."""
+    m = catalog.model("gpt-j-6b")
+    assert (m.layers, m.q_heads, m.kv_heads, m.head_dim, m.intermediate, m.mlp_matrices) == \
+        (28, 16, 16, 256, 16384, 2)
+    assert 0 < 6_053_381_344 - m.params < 0.001 * 6_053_381_344
+    assert m.kv_bytes_per_token == 2 * 28 * 16 * 256 * 2
+    assert catalog.model("EleutherAI/gpt-j-6b") is m
+    neox = _write(tmp_path, {"model_type": "gpt_neox", "hidden_size": 512, "intermediate_size":
+                             2048, "num_attention_heads": 8, "num_hidden_layers": 2,
+                             "vocab_size": 1000}, name="neox")
+    plain = catalog.model(str(neox))
+    assert plain.mlp_matrices == 2 and plain.layer_params == 4 * 512**2 + 2 * 512 * 2048
+    gated = catalog.model(str(_write(tmp_path, {**json.loads((neox / "config.json")
+                                                            .read_text()), "model_type": "llama"},
+                                     name="llama")))
+    assert gated.layer_params - plain.layer_params == 512 * 2048

@@ -75,6 +75,17 @@ def _name(cfg: dict) -> str:
     return "unnamed model"
 
 
+# GPT-2-style field names (GPT-J, GPT-2, BLOOM, OPT's ffn_dim) -> the Llama-style ones
+OLD_NAMES = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+             "n_embd": "hidden_size", "n_inner": "intermediate_size",
+             "n_positions": "max_position_embeddings", "ffn_dim": "intermediate_size"}
+# model types whose MLP is not gated (up and down projections only): their modeling code in
+# Hugging Face transformers (GPTJMLP fc_in/fc_out, GPTNeoXMLP, OPT fc1/fc2, FalconMLP, GPT2MLP,
+# BloomMLP, PhiMLP, GPTBigCodeMLP, Starcoder2MLP)
+PLAIN_MLP = {"gptj", "gpt_neox", "opt", "falcon", "gpt2", "bloom", "phi", "gpt_bigcode",
+             "starcoder2"}
+
+
 def parse(cfg: dict, where: str) -> ModelSpec:
     """The shape a config's fields describe; an ``_kvsim`` entry (the catalog's own configs)
     names it and its source."""
@@ -82,6 +93,11 @@ def parse(cfg: dict, where: str) -> ModelSpec:
     top = cfg
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **cfg["text_config"]}
+    cfg = {**{new: cfg[old] for old, new in OLD_NAMES.items()
+              if old in cfg and new not in cfg}, **cfg}
+    plain = cfg.get("model_type") in PLAIN_MLP
+    if plain and cfg.get("intermediate_size") is None:  # GPT-J's n_inner null: 4 x hidden
+        cfg["intermediate_size"] = 4 * _int(cfg, "hidden_size", where)
     if cfg.get("kv_lora_rank"):
         raise KvsimError(f"{where}: multi-head latent attention (kv_lora_rank) is not modelled "
                          f"by kvsim; its KV cache is not K and V per head")
@@ -139,4 +155,5 @@ def parse(cfg: dict, where: str) -> ModelSpec:
     return ModelSpec(str(name), str(own.get("hf_id") or where), layers, heads, kv, head_dim,
                      hidden, inter, vocab,
                      bool(top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
-                     theta, max_pos, DTYPE_BYTES[dtype], note=note, **moe)
+                     theta, max_pos, DTYPE_BYTES[dtype], note=note,
+                     mlp_matrices=2 if plain else 3, **moe)

@@ -56,7 +56,7 @@ class ModelSpec:
     def _mlp_params(self, experts: float) -> float:
         """A layer's MLP parameters, averaged over the layers, with ``experts`` routed experts
         counted (all for the weights held, the active ones for FLOPs)."""
-        dense = 3 * self.hidden * self.intermediate  # gated MLP: gate, up, down
+        dense = self.mlp_matrices * self.hidden * self.intermediate
         if not self.experts:
             return dense
         moe = 3 * self.hidden * (experts * self.moe_intermediate + self.shared_intermediate) \
@@ -132,6 +132,9 @@ class ModelSpec:
         return self.layers * 4.0 * self.q_heads * self.head_dim
 
     note: str = ""
+    # the dense MLP's matrices: 3 for a gated MLP (gate, up, down: Llama, Qwen, Mistral), 2 for
+    # a plain one (up, down: GPT-J, GPT-NeoX, OPT, Falcon)
+    mlp_matrices: int = 3
     # mixture of experts (0 experts: a dense model)
     experts: int = 0  # routed experts per MoE layer
     experts_per_token: int = 0
