@@ -231,9 +231,11 @@ _RECORDS = [
                "bf16, Infinity Fabric 7 x 128 GB/s = 896 GB/s aggregate per GPU in an 8-GPU "
                "mesh); 191.5 GiB usable assumed; H2D assumed as H100 SXM (same Gen5 x16 link)",
         peer="Infinity Fabric", peer_gbps=448.0,
-        fp8_tflops=0.0, int8_tops=0.0, int4_tops=0.0,
-        rates_source="FP8/INT8 rates of the MI300X found only in conflicting secondary "
-                     "sources: left out (fp8 computes at the bf16 rate)",
+        fp8_tflops=2614.9, int8_tops=2614.9, int4_tops=0.0,
+        rates_source="AMD's ROCm documentation, MI300 series microarchitecture "
+                     "(docs/conceptual/gpu-arch/mi300.md, table 'Peak-performance capabilities "
+                     "of the MI300X'): matrix FP16/BF16 1,307.4, FP8 2,614.9, INT8 2,614.9 "
+                     "peak TFLOPS; https://github.com/ROCm/ROCm",
         mma_rows=16, mma_source="CDNA3 MFMA 16x16xK or 32x32xK (AMD CDNA3 ISA)",
         usd_per_hour=1.85, price_source="Vultr on-demand MI300X, as quoted by Cliff Center, 'AMD "
                                         "inference economics' research note (2026-05-18)",
