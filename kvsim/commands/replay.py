@@ -141,13 +141,9 @@ def add_engine_flags(p) -> None:
         "engine", "what the serving engine adds to the hardware (kvsim fit writes a profile); "
                   "each override below is recorded in provenance as such")
     g.add_argument("--engine", metavar="NAME|JSON",
-                   help="an engine family fitted to data/published.csv: trtllm, vllm (V1, "
-                        "0.8 on), vllm-v0 (0.4-0.7), vllm-0.3, sglang, lmdeploy, gpt-fast, hf "
-                        "(transformers), with a version where it matters (vllm==0.6.3); any "
-                        "other engine (tgi, llama.cpp) gets the shared fit of every engine, "
-                        "warned, its interval widened by the spread between families; or "
-                        "vllm-paper (the VerKV paper's), roofline, a kvsim fit file "
-                        "[default: trtllm, vllm on AMD GPUs; roofline with a profiled trace]")
+                   help="a fitted family (trtllm, vllm, vllm-v0, sglang, lmdeploy, gpt-fast, "
+                        "hf, ...), vllm==0.6.3; other names: the shared fit, warned; "
+                        "vllm-paper, roofline, a fit file [default: trtllm; AMD: vllm]")
     g.add_argument("--policy-profile", metavar="FILE|default|none",
                    help="policy statistics fitted to the context with a 90%% interval; "
                         "'none': the trace's [default: the shipped one without a trace]")
