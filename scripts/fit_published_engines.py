@@ -1,6 +1,7 @@
 """Fit the built-in engine families on the published points and check them on sources they
 never saw (each takes the VerKV paper's fitted decide model, the only measured one); writes
-``kvsim/hw/engines/{vllm,sglang,trtllm}.json`` and ``docs/published_check.md``.
+``kvsim/hw/engines/<family>.json`` (every family of ``kvsim.hw.engine.FAMILIES`` and the shared
+fit, ``shared.json``) and ``docs/published_check.md``.
 
 The same fits as ``kvsim fit data/published.csv --family NAME --out NAME.json --cv source``
 (one leave-one-source-out pass shared by the three files):
@@ -9,7 +10,11 @@ The same fits as ``kvsim fit data/published.csv --family NAME --out NAME.json --
     python scripts/fit_published_engines.py [--refit-cv [--jobs N]]   # N sources at once
 
 Without ``--refit-cv`` the leave-one-source-out errors of the last run
-(``data/published-cv.json``) are reused: the engines are refitted, the check is not.
+(``data/published-cv.json``) and the leave-one-engine-version-out ones
+(``data/published-cv-engine-version.json``) are reused: the engines are refitted, the checks
+are not. The serving runs' predictions (``data/published-serving.json``, made by
+``python scripts/serving_check.py`` with the engines written here) join the summary as the
+"serving" category.
 """
 
 from __future__ import annotations
@@ -23,13 +28,33 @@ import numpy as np
 
 from kvsim.fit import Predictor, read_points
 from kvsim.fit import families as F
-from kvsim.hw.engine import ENGINES_DIR, load
+from kvsim.hw.engine import ENGINES_DIR, FAMILIES, SHARED, load
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "published.csv"
 PAGE = ROOT / "docs" / "published_check.md"
 REUSE = ROOT / "data" / "published-cv.json"  # the last cross-validation (--refit-cv: redo)
-FAMILIES = ("vllm", "sglang", "trtllm")
+SERVING = ROOT / "data" / "published-serving.json"  # scripts/serving_check.py's predictions
+REUSE_EV = ROOT / "data" / "published-cv-engine-version.json"  # leave one engine version out
+REGIMES = ("decode", "prefill", "throughput")
+
+
+def between_families(points, pred, shared, engines) -> dict:
+    """Per regime, the 90% quantile over the published points of |ln(a family's prediction /
+    the shared fit's)|: how far the choice of engine family moves a prediction, the width an
+    engine without points of its own adds to its interval."""
+    logs = {r: [] for r in REGIMES}
+    for p in points:
+        if p.meta.get("certainty") in F.BOUNDS:
+            continue
+        base = pred.predict(p, shared)
+        for eng in engines.values():
+            got = pred.predict(p, eng)
+            for k in p.measured:
+                r = F.REGIMES.get(k)
+                if r in logs and got.get(k) and base.get(k):
+                    logs[r].append(abs(float(np.log(got[k] / base[k]))))
+    return {r: float(np.quantile(v, F.COVERAGE)) for r, v in logs.items() if v}
 
 
 def md_table(rows: list[dict], first: str, fitted: list[dict] | None = None) -> str:
@@ -51,6 +76,33 @@ def md_table(rows: list[dict], first: str, fitted: list[dict] | None = None) -> 
                      f"{100 * r['within_share']:.0f}% | {r['median_abs_pct']:.1f}% | "
                      f"{r['max_abs_pct']:.0f}% | {100 * r['covered_share']:.0f}% |{more}")
     return "\n".join(lines)
+
+
+OVERHEADS = ("step_overhead_ms", "layer_overhead_us", "token_overhead_us", "allreduce_us")
+
+
+def overhead_shares(rows, pred, engines) -> list[dict]:
+    """Per family and overhead: its fitted value and the share of the predicted time it makes
+    on the family's own fit rows (1 - the time with that overhead at zero / the time; TPOT,
+    batch latency, 1 / throughput), largest and median."""
+    out = []
+    for fam, eng in engines.items():
+        own = [p for p in rows if p.engine == fam]
+        full = [pred.predict(p, eng) for p in own]
+        for k in OVERHEADS:
+            bare = eng.with_fields(**{k: 0.0})
+            shares = []
+            for p, f in zip(own, full):
+                z = pred.predict(p, bare)
+                for m in p.measured:
+                    if m != "ttft_ms" and f.get(m) and z.get(m):
+                        t = (lambda d: 1 / d[m] if m == "throughput_tok_s" else d[m])  # noqa: E731
+                        shares.append(1 - t(z) / t(f))
+            if shares:
+                out.append({"family": fam, "overhead": k, "value": float(eng.get(k, 0.0)),
+                            "points": len(own), "max_share": max(shares),
+                            "median_share": float(np.median(shares))})
+    return out
 
 
 def with_paper_decide(eng):
@@ -76,30 +128,48 @@ def main() -> None:
         if not REUSE.exists() or "--refit-cv" in sys.argv \
         else json.loads(REUSE.read_text())["values"]
     summary = F.summary(cv)
+    cv_ev = F.cross_validate(points, pred, base, progress=True, jobs=jobs, by="engine-version") \
+        if not REUSE_EV.exists() or "--refit-cv" in sys.argv \
+        else json.loads(REUSE_EV.read_text())["values"]
+    REUSE_EV.write_text(json.dumps({"values": cv_ev}, indent=0) + "\n")
     shared, engines, free_all = F.fit_joint(rows, pred, base)  # every family in one fit
     fitted = F.fitted_values(points, pred, shared, engines)  # the same values, in-sample
-    for fam in FAMILIES:
+    between = between_families(points, pred, shared, engines)
+    for fam in (*FAMILIES, SHARED):
         eng = engines.get(fam, shared)
-        free = {"shared": free_all["shared"], "family": free_all.get(fam, [])}
+        free = {"shared": free_all["shared"],
+                "family": [] if fam == SHARED else free_all.get(fam, [])}
         n = sum(p.engine == fam for p in rows)
         how = (f"its {n} published points set offsets of {', '.join(free['family'])} from the "
                f"shared fit" if free["family"] else
+               "the shared fit of every engine's points, which stands in for an engine "
+               "without points of its own" if fam == SHARED else
                f"{n} published point(s) of its own: the shared fit of every engine's points")
+        record = F.record(points, rows, pred, eng, None if fam == SHARED else fam, free, cv,
+                          summary)
+        record["versions"] = sorted({F.version_key(p.engine, p.meta.get("engine_version", ""))
+                                     .split(" ", 1)[1] for p in rows if p.engine == fam})
+        record["between_families"] = between
         eng = dataclasses.replace(
             eng, name=fam, fitted_on={"gpus": sorted({p.gpu for p in rows}),
                                       "models": sorted({p.model for p in rows})},
             description=f"{fam}: kernel shapes and efficiencies shared by {len(rows)} published "
                         f"points of {len({p.engine for p in rows})} engines; {how} "
                         f"(data/published.csv, scripts/fit_published_engines.py)",
-            fit=F.record(points, rows, pred, eng, fam, free, cv, summary))
+            fit=record)
         eng = with_paper_decide(eng)
         path = ENGINES_DIR / f"{fam}.json"
         eng.save(path, force=True)
         print(f"wrote {path.relative_to(ROOT)}: {how}")
+    serving = json.loads(SERVING.read_text())["values"] if SERVING.exists() else []
+    both = F.summary(cv + serving)  # the static values and the serving runs' (held out too)
+    by_run = F.summary(serving, groups=lambda v: [f"{v['source']}: {v['metric']}"]) \
+        if serving else []
     by_engine, by_source = (lambda v: [v["engine"]]), (lambda v: [v["source"]])
     per_engine, per_source = F.summary(cv, groups=by_engine), F.summary(cv, groups=by_source)
     fitted_summary = F.summary(fitted)
     worst = sorted(cv, key=lambda v: -abs(v["log_err"]))[:12]
+    shares = overhead_shares(rows, pred, engines)
     spreads = {r: F.spread(cv, r) for r in ("decode", "prefill", "throughput")}
     page = f"""# Published-measurement check
 
@@ -125,7 +195,33 @@ on published figures, run on a 2-vCPU VM.
 A value counts in every category its row belongs to (a TP-4 FP8 decode row is in decode, tp
 and fp8).
 
-{md_table(summary, "category", fitted_summary)}
+{md_table(both, "category", fitted_summary)}
+
+The serving row: {len(serving)} values of {len({v['source'] for v in serving})} publications'
+serving benchmarks (`data/published/serving.csv`), each run replayed by `kvsim replay` with its
+arrivals, request count and length distribution and the family that ran it, fitted without the
+publication (`python scripts/serving_check.py`); none of them is fitted. Their intervals use
+the static values' spreads of the same regime (median TTFT: prefill, median ITL: decode,
+output tokens/s: throughput).
+
+## Serving runs, by publication and metric
+
+{md_table(by_run, "source: metric") if by_run else "(none: run scripts/serving_check.py)"}
+
+## Leave one engine version out
+
+The same values, each predicted by a fit without its engine version (`kvsim fit
+data/published.csv --family trtllm --out E.json --cv engine-version`): the engine family and
+the major.minor version its row states (`kvsim.fit.families.version_key`). A family with one
+version (LMDeploy, gpt-fast, vLLM V1) is then predicted by the shared fit alone: this is what a
+user of an engine or version without published points gets.
+
+{md_table([r for r in F.summary(cv_ev) if r["values"]], "category")}
+
+| version held out | values | sources | within 20% | median abs err | largest | in 90% interval |
+|---|---:|---:|---:|---:|---:|---:|
+""" + "\n".join(md_table(F.summary(cv_ev, groups=lambda v: [v["held_out"]]), "x")
+                .splitlines()[2:]) + f"""
 
 ## By engine family
 
@@ -134,6 +230,18 @@ and fp8).
 ## By source
 
 {md_table(per_source, "source", F.summary(fitted, groups=by_source))}
+
+## Overheads: each family's fitted value and its share of the time on its own points
+
+The share of a predicted step (TPOT, batch latency or 1 / throughput; not TTFT) that one
+overhead makes, on the fit rows of the family it belongs to: 1 - (the time with it at zero) /
+(the time). A share near half means the overhead, not the kernels, explains the measurement.
+
+| family | overhead | value | points | largest share | median share |
+|---|---|---:|---:|---:|---:|
+""" + "\n".join(f"| {s['family']} | {s['overhead']} | {s['value']:.4g} | {s['points']} | "
+                f"{100 * s['max_share']:.0f}% | {100 * s['median_share']:.0f}% |"
+                for s in shares) + """
 
 ## Interval half-widths (90% of held-out |log error|)
 
@@ -151,7 +259,7 @@ and fp8).
     (ROOT / "data" / "published-cv.json").write_text(json.dumps(
         {"summary": summary, "fitted_summary": fitted_summary, "values": cv}, indent=0) + "\n")
     print(f"wrote {PAGE.relative_to(ROOT)} and data/published-cv.json")
-    print(md_table(summary, "category", fitted_summary))
+    print(md_table(both, "category", fitted_summary))
 
 
 if __name__ == "__main__":

@@ -153,15 +153,16 @@ def test_an_itl_limit_binds_the_fleet_and_the_slo_line_says_what_each_limit_is_o
     code, stdout, err = run_cli(
         "plan", "--gpu", "h100-sxm", "--model", "qwen3-4b", "--context", "32768", "--output-len",
         "64", "--policy", "dense-resident", "--batch", "8", "--tp", "1", "--slo-tpot-ms",
-        "100", "--slo-itl-ms", "150", "--slo-requests", "100", "--target-qps", "1",
+        "150", "--slo-itl-ms", "300", "--slo-requests", "100", "--target-qps", "1",
         "--out", out, "--jobs", "1")
     assert code == 0, err
     a = json.loads((out / "answer.json").read_text())
-    assert "p99 ITL <= 150 ms" in a["slo"] and "ITL over tokens" in a["slo"]
+    assert "p99 ITL <= 300 ms" in a["slo"] and "ITL over tokens" in a["slo"]
     assert "TPOT over requests" in a["slo"]
-    assert a["latency_at_target"]["itl_p99_ms"] <= 150
-    if a["one_fewer"]:
-        assert a["one_fewer"]["why"]
+    got = a["latency_at_target"]
+    assert got["itl_p99_ms"] <= 300 and got["tpot_p99_ms"] <= 150
+    if a["one_fewer"]:  # one replica fewer: the 32K-token prompts' prefill chunks stall ITL
+        assert "ITL" in a["one_fewer"]["why"]
 
 
 def test_an_answer_on_the_edge_of_a_restricted_grid_names_the_neighbour():

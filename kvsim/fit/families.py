@@ -51,10 +51,17 @@ def _mode(values):
 
 
 def family_free(own: list[Point], pred: Predictor) -> list[str]:
-    """The family parameters an engine's own rows identify (overheads only with decode rows)."""
+    """The family parameters an engine's own rows identify: overheads only with decode rows;
+    the HBM efficiency only with rows on two or more GPUs (at least :data:`MIN_FAMILY_ROWS`
+    each): on one GPU, the bandwidth the engine reaches and the bandwidth that GPU delivers are
+    one number (SGLang's rows, 24 of 25 on an H20, made its family's HBM efficiency 0.51, which
+    predicted SGLang's own H200 and A100 serving runs 20-30% slow; docs/results/published.md)."""
     free = [k for k in identified(own, pred) if k in FAMILY_PARAMS]
     if not any({"tpot_ms", "latency_s", "throughput_tok_s"} & set(p.measured) for p in own):
         free = [k for k in free if not k.endswith("overhead_us") and k != "step_overhead_ms"]
+    gpus = [g for g in {p.gpu for p in own} if sum(p.gpu == g for p in own) >= MIN_FAMILY_ROWS]
+    if len(gpus) < 2:
+        free = [k for k in free if k != "hbm_efficiency"]
     return free
 
 

@@ -14,6 +14,10 @@ identify them (:func:`identified`):
 * ``attention_efficiency``: with resident decode rows of two or more models, whose KV cache is
   at most 10% of the bytes a step reads in some and at least 30% in others (decode attention's
   HBM rate as a share of the weight reads');
+* ``fp8_efficiency``: with three or more rows whose matmuls' compute shows (as for
+  ``flop_efficiency``) with fp8 weights on a GPU with an fp8 rate (W8A8), and three or more
+  without (the fp8 matmuls' share of their peak over the bf16 ones'; the start value and the
+  default, 0.883, is a measured ratio: ``kvsim.hw.costs.FP8_EFFICIENCY_RATIO``);
 * ``prefill_attention_efficiency``: with rows whose prefill is timed (TTFT, or a static batch's
   latency or throughput) at prompts where causal attention is at most 10% of the prefill's FLOPs
   and others where it is at least 30% (its compute rate as a share of the matmuls');
@@ -38,7 +42,7 @@ import numpy as np
 from kvsim.errors import KvsimError
 from kvsim.fit import Point, Predictor
 from kvsim.hw import catalog
-from kvsim.hw.costs import FLOP_EFFICIENCY, GATHER_EFFICIENCY, HBM_EFFICIENCY
+from kvsim.hw.costs import FLOP_EFFICIENCY, FP8_EFFICIENCY_RATIO, GATHER_EFFICIENCY, HBM_EFFICIENCY
 from kvsim.hw.engine import BOUNDS, DecideModel, Engine, Value
 
 # No engine streams weights faster than a bandwidth test reads HBM: H100 SXM copies peak at 87%
@@ -60,6 +64,7 @@ PARAMS = {
     "head_reread_share": (0.0, 1.0),
     "attention_efficiency": (0.2, 1.0),
     "prefill_attention_efficiency": (0.2, 1.0),
+    "fp8_efficiency": (0.3, 1.0),
     "hbm_efficiency": (0.05, HBM_CEILING),
     "flop_efficiency": (0.05, 1.0),
     **{f"link.{p}.gbps": (0.05, 2e3) for p in ("h2d", "d2h", "gather")},
@@ -118,6 +123,10 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
         p.output_len if {"latency_s", "throughput_tok_s"} & set(p.measured) else 1) >= 64]
     if len(compute) >= 3:  # prefills or large batches: the matmuls' compute side shows
         out += ["flop_efficiency", "gemm_overlap", "gemm_half_tokens"]
+    w8a8 = [p for p in compute if p.weight_dtype == "fp8" and not p.weight_only
+            and catalog.gpu(p.gpu).fp8_tflops]
+    if len(w8a8) >= 3 and len(compute) - len(w8a8) >= 3:  # fp8 GEMMs beside bf16 ones
+        out.append("fp8_efficiency")
     if sum(p.tp > 1 for p in decodes) >= 2:
         out.append("allreduce_us")
     if sum(bool(m[p.model].experts) for p in points) >= 2:
@@ -146,7 +155,7 @@ def start_values(gpu: str, kernels: list[str]) -> dict:
             "allreduce_us": 5.0,
             "gemm_overlap": 0.5, "gemm_half_tokens": 32.0, "moe_efficiency": 0.7,
             "head_reread_share": 0.5, "attention_efficiency": 0.8,
-            "prefill_attention_efficiency": 0.8,
+            "prefill_attention_efficiency": 0.8, "fp8_efficiency": FP8_EFFICIENCY_RATIO,
             "hbm_efficiency": HBM_EFFICIENCY, "flop_efficiency": FLOP_EFFICIENCY,
             "link.h2d.gbps": g.h2d_gbps,
             "link.d2h.gbps": g.h2d_gbps, "link.gather.gbps": g.h2d_gbps * GATHER_EFFICIENCY,

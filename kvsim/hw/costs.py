@@ -225,6 +225,7 @@ class CostModel:
         self.head_reread_share = 1.0  # per query head: share of the repeat reads that reach HBM
         self.attention_efficiency = 1.0  # decode attention's share of the weight reads' HBM rate
         self.prefill_attention_efficiency = 1.0  # prefill attention's share of the matmuls' rate
+        self.fp8_efficiency = FP8_EFFICIENCY_RATIO  # W8A8's share of peak over bf16's
         self.mma_rows = 0  # tokens a tensor-core matmul computes at least (GPUSpec.mma_rows)
 
     # ------------------------------------------------------------------------ construction
@@ -422,6 +423,7 @@ class CostModel:
         self.head_reread_share = engine.get("head_reread_share", 1.0)
         self.attention_efficiency = engine.get("attention_efficiency", 1.0)
         self.prefill_attention_efficiency = engine.get("prefill_attention_efficiency", 1.0)
+        self.fp8_efficiency = engine.get("fp8_efficiency", FP8_EFFICIENCY_RATIO)
 
     # ------------------------------------------------------------------------- cost functions
     def link_time(self, nbytes, path: str = "h2d", copies=1) -> np.ndarray:
@@ -468,9 +470,10 @@ class CostModel:
     def gemm_flops(self, m: ModelSpec) -> float:
         """Achievable FLOP/s of ``m``'s layer GEMMs, by the type its weights are stored in:
         1-byte (fp8) weights run W8A8 at the GPU's fp8 rate where it has one, times the bf16
-        efficiency and ``FP8_EFFICIENCY_RATIO``; weights a weight-only kernel dequantises
-        (W4A16, W8A16: :func:`weight_only_kernel`) at ``WEIGHT_ONLY_COMPUTE_SHARE`` of the bf16
-        rate; any other (bf16, fp8 on a GPU listing no fp8 rate) at the bf16 rate. Said in
+        efficiency and the engine's ``fp8_efficiency`` (default ``FP8_EFFICIENCY_RATIO``);
+        weights a weight-only kernel dequantises (W4A16: :func:`weight_only_kernel`) at
+        ``WEIGHT_ONLY_COMPUTE_SHARE`` of the bf16 rate; any other (bf16, fp8 cast to bf16, fp8
+        on a GPU listing no fp8 rate) at the bf16 rate. Said in
         ``provenance["compute_gemm"]``. Attention, the LM head and the policies' work stay at
         the bf16 rate (``flops``)."""
         elem = m.weight_elem
@@ -490,10 +493,12 @@ class CostModel:
         elif elem == 1:
             fp8 = g.fp8_tflops if g is not None else 0.0
             if fp8:
-                rate = self.flops * fp8 / g.bf16_tflops * FP8_EFFICIENCY_RATIO
+                r = self.fp8_efficiency
+                rate = self.flops * fp8 / g.bf16_tflops * r
+                why = ("the engine's fp8_efficiency, fitted" if r != FP8_EFFICIENCY_RATIO
+                       else FP8_SOURCE)
                 note = (f"fp8 weights (W8A8): {fp8:.0f} TFLOP/s dense fp8 x the bf16 efficiency "
-                        f"x {FP8_EFFICIENCY_RATIO} = {rate / 1e12:.4g} TFLOP/s ({g.rates_source};"
-                        f" {FP8_SOURCE})")
+                        f"x {r:.3g} = {rate / 1e12:.4g} TFLOP/s ({g.rates_source}; {why})")
             else:
                 why = (f"{g.name} lists no fp8 rate ({g.rates_source or 'no fp8 tensor cores'})"
                        if g is not None else "the measured rate is the profile's")

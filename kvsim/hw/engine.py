@@ -241,6 +241,8 @@ FIELDS = {
                              "rate of the weight reads that decode attention reaches on the KV"),
     "prefill_attention_efficiency": (_share_floor, f"a share in [{MIN_EFFICIENCY:g}, 1] of "
                                      "the matmuls' compute rate that prefill attention reaches"),
+    "fp8_efficiency": (_share_floor, f"a ratio in [{MIN_EFFICIENCY:g}, 1]: the share of the fp8 "
+                       "peak W8A8 matmuls reach over the share of the bf16 peak bf16 ones reach"),
     "link_launches": (lambda v: v in LAUNCHES, f"one of {', '.join(LAUNCHES)}"),
     "fetch": (lambda v: v in FETCHES, f"one of {', '.join(FETCHES)}"),
     **{f"link.{p}.gbps": (_gbps, f"GB/s in [{MIN_GBPS:g}, {MAX_GBPS:g}]") for p in PATHS},
