@@ -76,7 +76,7 @@ def workload(run: dict, path: Path, seed: int = 0) -> None:
 
 def replay_args(run: dict, engine: str, tmp: Path, key: int) -> list[str]:
     model = MODELS[run["model"].lower()]
-    args = ["kvsim", "replay", "--policy", "dense-resident", "--gpu", run["gpu"], "--model",
+    args = [sys.executable, "-m", "kvsim.cli", "replay", "--policy", "dense-resident", "--gpu", run["gpu"], "--model",
             model, "--tp", run["tp"], "--weight-dtype", run["weight_dtype"], "--kv-dtype",
             run["kv_dtype"], "--engine", engine, "--scheduler", "chunked",
             "--admission", ADMISSION.get(run["engine"], "grow"), "--json"]
