@@ -295,7 +295,7 @@ def print_cv_summary(summary: list[dict], fitted: list[dict] | None = None,
     noun = by.replace("-", " ")
     print(f"\nleave-one-{by}-out: each {noun}'s values predicted by a fit of the others"
           + ("; 'fitted': by the fit of every source, its own included" if fitted else ""))
-    print_cv_rows(summary, fitted)
+    print_cv_rows([r for r in summary if r["values"]], fitted)  # (no serving rows here)
 
 
 def print_cv_rows(summary: list[dict], fitted: list[dict] | None = None,

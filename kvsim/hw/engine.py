@@ -101,7 +101,6 @@ def _stand_in(engine: Engine, asked: str, version: str | None) -> Engine:
     return dataclasses.replace(engine, name=asked, fit={**engine.fit, "stand_in": why})
 
 
-
 def default_for(vendor: str) -> str:
     """The default engine for a catalog GPU of ``vendor``: the best-checked one that runs there."""
     return VENDOR_DEFAULT.get(vendor, CATALOG_DEFAULT)
@@ -511,7 +510,7 @@ def load(name_or_path: str | Path | Engine | None) -> Engine | None:
     if name_or_path is None or isinstance(name_or_path, Engine):
         return name_or_path
     text = str(name_or_path)
-    if text == "roofline":
+    if text.lower() == "roofline":
         return ROOFLINE
     if text not in BUILTIN and NAME.fullmatch(text.lower()) and not text.endswith(".json") \
             and not Path(text).exists():
