@@ -83,3 +83,13 @@ def test_an_nvidia_only_family_is_refused_on_amd():
     with pytest.raises(KvsimError, match="trtllm runs on nvidia GPUs only"):
         costs_for("mi300x", None, "tensorrt-llm")
     costs_for("mi300x", None, "gpt-fast")  # PyTorch runs on ROCm
+
+
+def test_a_plan_with_an_unknown_engine_says_so_once(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "kvsim.cli", "plan", "--engine", "tgi", "--gpu", "h100-sxm",
+         "--model", "llama-3.1-8b", "--context", "4096", "--output-len", "64", "--policy",
+         "dense-resident", "--batch", "8", "--tp", "1", "--out", str(tmp_path / "p"),
+         "--jobs", "1"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("engine tgi has no published points of its own") == 1

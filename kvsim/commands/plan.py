@@ -224,6 +224,12 @@ def run(args) -> int:
     from kvsim.plan.report import answer_lines, summary_columns
     spec = sweep_spec(args)
     spec.validate()
+    if spec.engine.get("engine") is not None:
+        from kvsim.hw.engine import load
+        eng = load(spec.engine["engine"])
+        if eng.fit.get("stand_in"):  # said once here; every row's interval is widened
+            print(f"warning: {eng.fit['stand_in']}: intervals widened by the spread between "
+                  f"engine families", file=sys.stderr)
     from kvsim.plan.cost import load_prices, parse_price, resolve
     prices = (load_prices(args.prices) if args.prices else {}) | \
         dict(parse_price(text) for text in args.price)
