@@ -76,9 +76,10 @@ def workload(run: dict, path: Path, seed: int = 0) -> None:
 
 def replay_args(run: dict, engine: str, tmp: Path, key: int) -> list[str]:
     model = MODELS[run["model"].lower()]
-    args = [sys.executable, "-m", "kvsim.cli", "replay", "--policy", "dense-resident", "--gpu", run["gpu"], "--model",
-            model, "--tp", run["tp"], "--weight-dtype", run["weight_dtype"], "--kv-dtype",
-            run["kv_dtype"], "--engine", engine, "--scheduler", "chunked",
+    args = [sys.executable, "-m", "kvsim.cli", "replay", "--policy", "dense-resident",
+            "--gpu", run["gpu"], "--model", model, "--tp", run["tp"], "--weight-dtype",
+            run["weight_dtype"], "--kv-dtype", run["kv_dtype"], "--engine", engine,
+            "--scheduler", "chunked",
             "--admission", ADMISSION.get(run["engine"], "grow"), "--json"]
     if run["arrivals"] == "closed":  # a closed loop at fixed lengths (the means of the run's)
         return args + ["--concurrency", run["concurrency"], "--batch", run["concurrency"],
