@@ -202,7 +202,8 @@ serving benchmarks (`data/published/serving.csv`), each run replayed by `kvsim r
 arrivals, request count and length distribution and the family that ran it, fitted without the
 publication (`python scripts/serving_check.py`); none of them is fitted. Their intervals use
 the static values' spreads of the same regime (median TTFT: prefill, median ITL: decode,
-output tokens/s: throughput).
+output tokens/s: throughput). The "fitted" columns are of the static values alone. Regenerate
+the serving values with `python scripts/serving_check.py` after a refit.
 
 ## Serving runs, by publication and metric
 
