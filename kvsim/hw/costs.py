@@ -31,7 +31,7 @@ HBM_EFFICIENCY = 0.85  # achievable / spec HBM bandwidth (design note, public me
 FLOP_EFFICIENCY = 0.6  # achieved / peak bf16 tensor-core throughput for decode-size GEMMs
 GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA (design note)
 
-# Weight-only matmuls (W4A16, W8A16): a Marlin-class kernel reads the narrow weights, dequantises
+# Weight-only matmuls (W4A16): a Marlin-class kernel reads the narrow weights, dequantises
 # them in registers and runs bf16 mma.sync (m16n8k16) on 16-row blocks, at most four a pass: each
 # weight is dequantised once per 64 tokens (IST-DASLab/marlin, marlin_cuda_kernel.cu). Published
 # figures, each a ratio to the fp16 GEMM on the same GPU and matrix:
@@ -46,8 +46,8 @@ GATHER_EFFICIENCY = 0.72  # scattered-row GPU gather over UVA vs contiguous DMA 
 #   mean 0.623. The gap, 1/0.623 - 1 = 0.61 of the MMA time of each 64-token pass (dequantising
 #   and staging every weight once a pass), is spread over the pass's tokens: a compute-rate
 #   share. (A fixed cost per pass would make 1-16 tokens compute-bound on Ampere, against the
-#   flat 3.1x the same comment measured there.) No compute-bound figure for Hopper or for int8
-#   was found: this one is used for both (assumption).
+#   flat 3.1x the same comment measured there.) No compute-bound figure for Hopper was found:
+#   this one is used there (assumption).
 WEIGHT_ONLY_READ_SHARE = 0.542  # W4A16: of the bf16 GEMM's weight-read rate (int8's 0.78: unused)
 WEIGHT_ONLY_COMPUTE_SHARE = 0.623  # compute-bound throughput over the bf16 GEMM's
 WEIGHT_ONLY_ROWS = 16  # tokens a weight-only kernel computes at least (Marlin's m16 blocks)
@@ -130,7 +130,7 @@ class Matmuls:
     :attr:`GPUSpec.mma_rows`: 64 on Hopper) still does ``tile`` tokens' compute, which the
     weight reads hide where the GPU's FLOP/s per byte allow (every GPU here but the H20): the
     time is at least that compute (for a mixture of experts, ``tile`` tokens through the layer).
-    Weights dequantised in the kernel (W4A16, W8A16) come with that kernel's figures
+    Weights dequantised in the kernel (W4A16) come with that kernel's figures
     (:meth:`CostModel.matmuls`): ``rate`` its compute rate, ``hbm_bw`` its weight-read rate,
     ``tile`` its 16 rows.
     ``time`` is vectorised; ``at`` is the same in floats (the simulator's hot path)."""
