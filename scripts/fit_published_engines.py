@@ -95,9 +95,9 @@ def overhead_shares(rows, pred, engines) -> list[dict]:
             for p, f in zip(own, full):
                 z = pred.predict(p, bare)
                 for m in p.measured:
-                    if m != "ttft_ms" and f.get(m) and z.get(m):
-                        t = (lambda d: 1 / d[m] if m == "throughput_tok_s" else d[m])  # noqa: E731
-                        shares.append(1 - t(z) / t(f))
+                    if m != "ttft_ms" and f.get(m) and z.get(m):  # time: 1 / throughput
+                        shares.append(1 - (f[m] / z[m] if m == "throughput_tok_s"
+                                           else z[m] / f[m]))
             if shares:
                 out.append({"family": fam, "overhead": k, "value": float(eng.get(k, 0.0)),
                             "points": len(own), "max_share": max(shares),
@@ -170,7 +170,7 @@ def main() -> None:
     fitted_summary = F.summary(fitted)
     worst = sorted(cv, key=lambda v: -abs(v["log_err"]))[:12]
     shares = overhead_shares(rows, pred, engines)
-    spreads = {r: F.spread(cv, r) for r in ("decode", "prefill", "throughput")}
+    spreads = {r: F.spread(cv, r) for r in REGIMES}
     page = f"""# Published-measurement check
 
 Every value below was predicted by an engine fitted **without** the source it comes from

@@ -29,11 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
+from kvsim.fit import read_points
+from kvsim.hw.catalog import MODEL_IDS as MODELS  # Hugging Face id -> catalog name
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "published" / "serving.csv"
 OUT = ROOT / "data" / "published-serving.json"
-sys.path.insert(0, str(ROOT / "scripts"))
-from build_published_dataset import MODELS  # noqa: E402
 
 # what kvsim replay reports for each measured metric (under "sim" in --json)
 METRICS = {"ttft_p50_ms": "ttft_p50_ms", "itl_p50_ms": "itl_p50_ms",
@@ -90,12 +91,12 @@ def replay_args(run: dict, engine: str, tmp: Path, key: int) -> list[str]:
     return args + ["--workload", str(path), "--batch", str(MAX_RUNNING)]
 
 
-def held_out_engine(source: str, family: str, tmp: Path) -> str:
-    """``family`` as shipped, or refitted without ``source`` where ``source`` has fit rows."""
-    from kvsim.fit import Predictor, read_points
+def held_out_engine(source: str, family: str, tmp: Path, points: list) -> str:
+    """``family`` as shipped, or refitted without ``source`` where ``source`` has fit rows of
+    ``points`` (the static dataset)."""
+    from kvsim.fit import Predictor
     from kvsim.fit import families as F
     from kvsim.hw.engine import load
-    points = read_points(ROOT / "data" / "published.csv")
     if not any(p.meta.get("source") == source and p.use == "fit" for p in points):
         return family
     rest = [p for p in points if p.use == "fit" and p.meta.get("source") != source]
@@ -134,12 +135,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         engines = {}
+        points = [] if args.engine or args.engines else read_points(ROOT / "data" /
+                                                                     "published.csv")
         for key in runs:
             src, fam = key[0], key[1]
             if (src, fam) not in engines:
                 engines[src, fam] = args.engine or (str(args.engines / f"{fam}.json")
                                                     if args.engines else
-                                                    held_out_engine(src, fam, tmp))
+                                                    held_out_engine(src, fam, tmp, points))
         calls = [replay_args(rs[0], engines[key[0], key[1]], tmp, i)
                  for i, (key, rs) in enumerate(runs.items())]
         with cf.ThreadPoolExecutor(jobs) as pool:
