@@ -103,8 +103,9 @@ def held_out_engine(source: str, family: str, tmp: Path, points: list) -> str:
     pred = Predictor(None)
     shared, engines, _ = F.fit_joint(rest, pred, load("roofline"))
     shipped = load(family)
-    eng = dataclasses.replace(engines.get(family, shared), name=f"{family}-without-{source}",
-                              fit=shipped.fit, fitted_on=shipped.fitted_on)
+    eng = dataclasses.replace(F.engine_for(family, shared, engines),
+                              name=f"{family}-without-{source}", fit=shipped.fit,
+                              fitted_on=shipped.fitted_on)
     path = tmp / f"{family}-without-{source}.json"
     eng.save(path, force=True)
     return str(path)

@@ -178,8 +178,8 @@ def test_scheduling_travels_through_a_sweep():
 def test_the_scalar_step_is_the_vectorised_step():
     """The engine's scalar hot path equals the vectorised steps it specialises, with and
     without decodes, for every kind of policy cost (resident, offloading with its KV write,
-    deciding), on the bare hardware, under an engine profile (overhead, batched launches) and
-    in a tensor-parallel group (all-reduces)."""
+    deciding), on the bare hardware, under an engine profile (overhead, batched launches), in
+    a tensor-parallel group (all-reduces) and under an eager engine whose host launches bind."""
     from kvsim.contract import DecodeCost, PrefillWork
     from kvsim.hw.costs import CostModel
     from kvsim.hw.engine import DecideModel, Engine, Value
@@ -193,7 +193,9 @@ def test_the_scalar_step_is_the_vectorised_step():
     work = PrefillWork(3e6, 12.0, 5e4)
     for c in (CostModel.from_spec(catalog.gpu("h100-sxm")),
               CostModel.from_spec(catalog.gpu("h100-sxm")).apply(eng),
-              CostModel.from_spec(catalog.gpu("h100-sxm")).apply(eng).set_tp(2)):
+              CostModel.from_spec(catalog.gpu("h100-sxm")).apply(eng).set_tp(2),
+              CostModel.from_spec(catalog.gpu("h100-sxm")).apply(eng.with_fields(
+                  launch="eager", launch_overhead_us=2000.0, layer_overhead_us=5.0))):
         for cost in (DecodeCost(1, 1, 0, 0, False), DecodeCost(0, 1, 1, 1, True, 2.0, "h2d", 2),
                      DecodeCost(0.1, 0.4, 0.3, 1, False, 2.0, "gather", 1, 4.25, 0.03,
                                 "verkv")):

@@ -8,6 +8,7 @@ import pytest
 from kvsim.contract import DecodeCost
 from kvsim.hw import catalog
 from kvsim.hw.costs import costs_for
+from kvsim.hw.engine import ROOFLINE
 from kvsim.sim import metrics
 from kvsim.sim.engine import Memory, Simulator
 from kvsim.sim.metrics import Quantiles, Requests
@@ -152,11 +153,14 @@ DENSE = DecodeCost(1.0, 1.0, 0.0, 0.0, False)
 OFFLOAD = DecodeCost(0.0, 0.0, 1.0, 1.0, True, copies_per_layer=2, staging_layers=2)
 DECIDING = DecodeCost(0.2, 0.1, 0.08, 1.0, False, copies_per_layer=2, path="gather",
                       decide_bytes_per_token=2.0, meta_frac=0.05, decide_kernel="verkv")
+# an eager engine whose host launches bind at small batches and contexts, not at large ones
+EAGER = ROOFLINE.with_fields(launch="eager", launch_overhead_us=300.0, step_overhead_ms=0.2)
 
 
 @pytest.mark.parametrize("policy, engine", [
     (DENSE, "roofline"), (DENSE, "vllm-paper"), (OFFLOAD, "roofline"),
-    (OFFLOAD, "vllm-paper"), (DECIDING, "vllm-paper"), (DECIDING, "roofline")])
+    (OFFLOAD, "vllm-paper"), (DECIDING, "vllm-paper"), (DECIDING, "roofline"), (DENSE, EAGER),
+    (OFFLOAD, EAGER)])
 def test_closed_form_decode_runs_equal_the_stepwise_sums(policy, engine):
     """``decode_run`` in closed form against the same steps costed one by one (numpy)."""
     steps = sim_for(policy, engine).steps

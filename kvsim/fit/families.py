@@ -11,7 +11,9 @@ least-squares problem (:func:`fit_joint`) fits two levels at once:
 2. **family**: for each engine with at least :data:`MIN_FAMILY_ROWS` rows, offsets from the
    shared values of what an engine's own code sets (:data:`FAMILY_PARAMS`, those its rows
    identify), pulled towards zero by a prior so that the shared engine stays the typical one.
-   An engine with fewer rows is the shared engine.
+   An engine with fewer rows is the shared engine. Each family launches as it is documented
+   to (:func:`with_launch`: CUDA graphs, or eagerly at a measured host cost per layer), and
+   so does the shared engine where it predicts a family held out.
 
 :func:`cross_validate` leaves one publication (``source``) out at a time: the joint fit of the
 other publications predicts every measured value of the held-out one (``tpot_ms``,
@@ -33,7 +35,7 @@ import numpy as np
 from kvsim.errors import KvsimError
 from kvsim.fit import HEADLINE, Point, Predictor
 from kvsim.fit.solve import identified, make_engine, start_values
-from kvsim.hw.engine import BOUNDS, Engine
+from kvsim.hw.engine import BOUNDS, FAMILY_LAUNCH, Engine, Value
 
 FAMILY_PARAMS = ("step_overhead_ms", "layer_overhead_us", "token_overhead_us", "hbm_efficiency",
                  "flop_efficiency", "allreduce_us")
@@ -95,6 +97,23 @@ def free_parameters(rows: list[Point], pred: Predictor) -> dict[str, list[str]]:
     return free
 
 
+def engine_for(family: str, shared: Engine, engines: dict) -> Engine:
+    """The engine that predicts ``family``'s points: its own fit where it has one, else the
+    shared fit launching as ``family`` is documented to (:func:`with_launch`)."""
+    return engines.get(family) or with_launch(shared, family)
+
+
+def with_launch(engine: Engine, family: str) -> Engine:
+    """``engine`` with ``family``'s documented launch mode (:data:`FAMILY_LAUNCH`)."""
+    if family not in FAMILY_LAUNCH:
+        return engine
+    mode, host_us, why = FAMILY_LAUNCH[family]
+    fields = {**engine.fields, "launch": Value(mode, "docs", why)}
+    if host_us:
+        fields["launch_overhead_us"] = Value(host_us, "docs", why)
+    return dataclasses.replace(engine, fields=fields)
+
+
 class JointProblem:
     """The least-squares problem of :func:`fit_joint`: parameters ``names`` (level, field),
     residuals (every measured value's relative error, then each family offset's prior term) and
@@ -128,7 +147,8 @@ class JointProblem:
             if fam != "shared":
                 own = {k: _offset(k, shared[k], v) for (lvl, k), v in zip(self.names, x)
                        if lvl == fam}
-                out[fam] = make_engine(out["shared"], own, "fit", "", self.gpu, self.model)
+                out[fam] = with_launch(make_engine(out["shared"], own, "fit", "", self.gpu,
+                                                   self.model), fam)
         return out
 
     def fit_part(self, x, idx) -> np.ndarray:
@@ -205,7 +225,7 @@ def fitted_values(points: list[Point], pred: Predictor, shared: Engine,
     for p in points:
         if p.meta.get("certainty") in BOUNDS:
             continue
-        for v in held_values(p, pred.predict(p, engines.get(p.engine, shared))):
+        for v in held_values(p, pred.predict(p, engine_for(p.engine, shared, engines))):
             v["fitted_as"] = p.engine if p.engine in engines else "shared"
             out.append(v)
     return out
@@ -298,12 +318,55 @@ def _fold(group: str) -> list[dict]:
         return []
     out = []
     for p in held:
-        eng = engines.get(p.engine, shared)
+        eng = engine_for(p.engine, shared, engines)
         own = sum(q.engine == p.engine for q in rest) >= MIN_FAMILY_ROWS
         for v in held_values(p, pred.predict(p, eng)):
             v["fitted_as"] = p.engine if own else "shared"
             v["held_out"] = group
             out.append(v)
+    return out
+
+
+# The overheads and what they may take. The host's (per step, per token and an eager engine's
+# launches) take together at most the share of a step that vLLM 0.5.3 was measured to spend on
+# its host, the largest published: Llama-3-8B on one H100, 33% in the HTTP API server and 29%
+# scheduling, 38% on the GPU (blog.vllm.ai/2024/09/05/perf-update.html). The per-layer
+# overhead, GPU time, has an absolute ceiling (:data:`kvsim.hw.engine.
+# LAYER_OVERHEAD_CEILING_US`, the fit's bound); the all-reduce's,
+# communication, none (NCCL's small all-reduce on 8 H100s takes 19-25 us, github.com/
+# ByteDance-Seed/Triton-distributed/issues/57, where kvsim's base latency is 6 us)
+OVERHEADS = ("step_overhead_ms", "layer_overhead_us", "token_overhead_us", "allreduce_us",
+             "launch_overhead_us")
+HOST_OVERHEADS = ("step_overhead_ms", "token_overhead_us", "launch_overhead_us")
+OVERHEAD_SHARE_CEILING = 0.62
+
+
+def overhead_shares(rows: list[Point], pred: Predictor, engines: dict) -> list[dict]:
+    """Per family and overhead (and ``host``: the :data:`HOST_OVERHEADS` at once), its value and
+    the share of the predicted time it makes on the family's own fit rows (1 - the time with it at
+    zero / the time: TPOT, batch latency, 1 / throughput; not TTFT, a prefill), largest and
+    median."""
+    out = []
+    for fam, eng in engines.items():
+        own = [p for p in rows if p.engine == fam]
+        full = [pred.predict(p, eng) for p in own]
+        for k in (*OVERHEADS, "host"):
+            if k != "host" and not eng.get(k):
+                continue
+            bare = eng.with_fields(**{o: 0.0 for o in (HOST_OVERHEADS if k == "host" else [k])
+                                      if o in eng.fields})
+            shares = []
+            for p, f in zip(own, full):
+                z = pred.predict(p, bare)
+                for m in p.measured:
+                    if m != "ttft_ms" and f.get(m) and z.get(m):
+                        shares.append(1 - (f[m] / z[m] if m == "throughput_tok_s"
+                                           else z[m] / f[m]))
+            if shares:
+                out.append({"family": fam, "overhead": k,
+                            "value": None if k == "host" else float(eng.get(k)),
+                            "points": len(own), "max_share": max(shares),
+                            "median_share": float(np.median(shares))})
     return out
 
 

@@ -43,7 +43,7 @@ from kvsim.errors import KvsimError
 from kvsim.fit import Point, Predictor
 from kvsim.hw import catalog
 from kvsim.hw.costs import FLOP_EFFICIENCY, FP8_EFFICIENCY_RATIO, GATHER_EFFICIENCY, HBM_EFFICIENCY
-from kvsim.hw.engine import BOUNDS, DecideModel, Engine, Value
+from kvsim.hw.engine import BOUNDS, LAYER_OVERHEAD_CEILING_US, DecideModel, Engine, Value
 
 # No engine streams weights faster than a bandwidth test reads HBM: H100 SXM copies peak at 87%
 # of spec at 13 MB, ~70% at 68 MB (Voltage Park's 8x H100 bandwidthTest,
@@ -55,7 +55,8 @@ HBM_CEILING = 0.92
 # name -> (lower, upper bound)
 PARAMS = {
     "step_overhead_ms": (0.0, 1e3),
-    "layer_overhead_us": (0.0, 1e3),
+    "layer_overhead_us": (0.0, LAYER_OVERHEAD_CEILING_US),
+    "launch_overhead_us": (0.0, 1e4),
     "token_overhead_us": (0.0, 1e3),
     "allreduce_us": (0.0, 1e3),
     "gemm_overlap": (0.0, 1.0),
@@ -151,7 +152,8 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
 def start_values(gpu: str, kernels: list[str]) -> dict:
     """Where the search starts: the catalog's roofline figures of the fitted GPU."""
     g = catalog.gpu(gpu)
-    return {"step_overhead_ms": 0.5, "layer_overhead_us": 5.0, "token_overhead_us": 5.0,
+    return {"step_overhead_ms": 0.5, "layer_overhead_us": 5.0, "launch_overhead_us": 30.0,
+            "token_overhead_us": 5.0,
             "allreduce_us": 5.0,
             "gemm_overlap": 0.5, "gemm_half_tokens": 32.0, "moe_efficiency": 0.7,
             "head_reread_share": 0.5, "attention_efficiency": 0.8,

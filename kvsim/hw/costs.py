@@ -215,7 +215,8 @@ class CostModel:
         self.allreduce: AllReduce | None = None
         self._gemm_flops: dict[tuple, float] = {}  # per (weight element size, weight-only)
         # engine fields of kernel shape (see :class:`Matmuls`, :meth:`attention_reread`)
-        self.layer_overhead = 0.0  # seconds per layer and step
+        self.layer_overhead = 0.0  # GPU seconds per layer and step (gaps around its kernels)
+        self.launch_overhead = 0.0  # host seconds per layer launching it (eager engines only)
         self.token_overhead = 0.0  # seconds per sequence that emits a token in a step
         self.allreduce_extra = 0.0  # seconds the engine adds to each all-reduce
         self.gemm_overlap = 1.0  # share of min(compute, weight reads) hidden under the max
@@ -414,6 +415,8 @@ class CostModel:
         """The engine's overheads and kernel-shape fields (absent: the roofline's)."""
         self.step_overhead = engine.get("step_overhead_ms", 0.0) / 1e3
         self.layer_overhead = engine.get("layer_overhead_us", 0.0) / 1e6
+        self.launch_overhead = engine.get("launch_overhead_us", 0.0) / 1e6 \
+            if engine.get("launch") == "eager" else 0.0
         self.token_overhead = engine.get("token_overhead_us", 0.0) / 1e6
         self.allreduce_extra = engine.get("allreduce_us", 0.0) / 1e6
         self.gemm_overlap = engine.get("gemm_overlap", 1.0)

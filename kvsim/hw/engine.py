@@ -4,7 +4,10 @@ A hardware profile (a catalog entry or ``kvsim profile``) says what the machine 
 profile says what a serving engine makes of it: a batch-independent overhead per step, the share
 of spec HBM and compute bandwidth its kernels reach, per-path link bandwidth and launch cost and
 whether a layer's copies are one batched launch or one per sequence, whether a policy's fetch is
-overlapped or serial, and a decide-kernel cost model per policy.
+overlapped or serial, a decide-kernel cost model per policy, and how it launches a step's
+kernels (``launch``: one CUDA graph, or eagerly from the host at ``launch_overhead_us`` a layer,
+overlapped with the GPU's work; :data:`FAMILY_LAUNCH` says each family's, from its
+documentation and published launch costs).
 
 An engine file is JSON (``FORMAT``, ``VERSION``) with one entry per field, each
 ``{"value": ..., "source": ..., "note": ...}``: ``source`` says where the value came from
@@ -39,9 +42,12 @@ from kvsim.errors import KvsimError
 
 FORMAT = "kvsim-engine"
 VERSION = 1
-SOURCES = ("catalog", "profile", "fit", "paper", "override", "default")
+SOURCES = ("catalog", "profile", "fit", "paper", "docs", "override", "default")
 PATHS = ("h2d", "d2h", "gather")
 LAUNCHES = ("per-sequence", "per-layer")
+# how an engine launches a decode step's kernels: one CUDA graph per step, or kernel by kernel
+# from the host while the GPU runs the ones launched before (``launch_overhead_us``)
+LAUNCH_MODES = ("cuda-graph", "eager")
 FETCHES = ("policy", "serial", "overlap")
 ATTENTION = ("gqa", "per-query-head")  # decode attention reads each KV head once, or per query head
 ENGINES_DIR = Path(__file__).resolve().parent / "engines"
@@ -57,6 +63,56 @@ CATALOG_DEFAULT = "trtllm"  # the default engine with a catalog GPU: the best-ch
 # SGLang run on AMD's ROCm too)
 RUNS_ON = {"trtllm": ("nvidia",), "lmdeploy": ("nvidia",)}
 VENDOR_DEFAULT = {"amd": "vllm"}
+# What launching a kernel costs, measured (NVIDIA's "Getting Started with CUDA Graphs",
+# developer.nvidia.com/blog/cuda-graphs, V100: 20 kernels of 2.9 us each take 3.8 us a kernel
+# launched from C++ into a stream, 3.4 us as one CUDA graph): the host issues a kernel every
+# 3.8 us; a graph's kernels follow each other 0.5 us apart on the GPU.
+HOST_LAUNCH_US = 3.8
+GRAPH_GAP_US = 0.5
+KERNEL_US = 2.9  # the blog's small kernel: about the shortest a layer's kernels run
+# kernels a decode step launches per Llama layer (our count, not a published one): RMSNorm,
+# QKV GEMM, attention with RoPE and the KV write, output GEMM, residual add with RMSNorm,
+# gate-up GEMM, SwiGLU, down GEMM, residual add: 9 in a fused C++ engine, about 10 with
+# TensorRT-LLM's plugins; torch.compile's Inductor splits the RoPE, the KV write and the
+# masking into kernels of their own, about 14
+LAYER_KERNELS = {"fused": 10, "compiled": 14}
+# PyTorch eager, measured: gpt-fast's Llama-2-7B before torch.compile decodes 25.5 tok/s at
+# batch 1 on an A100-80GB, "heavily CPU overhead bound" (pytorch.org/blog/accelerating-
+# generative-ai-2): 39.2 ms a token over 32 layers is 1,225 us of host time a layer. Not
+# applied to the hf family (FAMILY_LAUNCH says why); a what-if for eager PyTorch code
+EAGER_PYTORCH_LAYER_US = 1e3 / 25.5 / 32 * 1e3
+# A layer's GPU-side fixed time (its per-layer overhead: gaps and the shortest kernels' time
+# beyond the bytes they move) is at most its kernels at the blog's 3.8 us each, for the most
+# kernels any family launches: the physical ceiling a fit may not exceed (53.2 us)
+LAYER_OVERHEAD_CEILING_US = max(LAYER_KERNELS.values()) * HOST_LAUNCH_US
+_CPP = LAYER_KERNELS["fused"] * HOST_LAUNCH_US
+# how each family's published points launched decode, its host time per layer where it
+# launches eagerly (``launch_overhead_us``, :data:`HOST_LAUNCH_US` x its kernels; None: not
+# known), and where that is documented
+FAMILY_LAUNCH = {
+    "trtllm": ("eager", _CPP, "TensorRT-LLM's TensorRT backend (the published points' 0.5-0.9 "
+               "and trtllm-bench): the C++ runtime enqueues the engine's kernels each step; "
+               "CUDA graphs are opt-in (cuda_graph_mode, off by default); host time "
+               f"{LAYER_KERNELS['fused']} kernels x {HOST_LAUNCH_US} us a layer"),
+    "lmdeploy": ("eager", _CPP, "LMDeploy 0.1's TurboMind: a C++ runtime launching kernel by "
+                 f"kernel, no CUDA graphs; host time {LAYER_KERNELS['fused']} kernels x "
+                 f"{HOST_LAUNCH_US} us a layer"),
+    "hf": ("eager", None, "Hugging Face transformers' generate in PyTorch eager mode (no "
+           "static cache or torch.compile in the published harnesses); host time not applied: "
+           "the one published eager PyTorch figure, gpt-fast's 1,225 us a layer, is another "
+           "codebase's, and ShadowKV's own points (Yi-9B, 48 layers in 42.8 ms a step) "
+           "contradict it"),
+    "vllm": ("cuda-graph", 0.0, "vLLM V1 captures decode batches as (piecewise) CUDA graphs by "
+             "default (enforce_eager=False)"),
+    "vllm-v0": ("cuda-graph", 0.0, "vLLM 0.4-0.7 captures decode batches up to 256 as CUDA graphs "
+                "by default (enforce_eager=False)"),
+    "vllm-0.3": ("cuda-graph", 0.0, "vLLM 0.2.5 on captures decode batches as CUDA graphs by "
+                 "default (enforce_eager=False)"),
+    "sglang": ("cuda-graph", 0.0, "SGLang captures decode batches as CUDA graphs by default "
+               "(--disable-cuda-graph turns them off)"),
+    "gpt-fast": ("cuda-graph", 0.0, "gpt-fast compiles decode with torch.compile(mode="
+                 "'reduce-overhead'): CUDA graphs"),
+}
 # other names of the families
 ALIASES = {"tensorrt-llm": "trtllm", "trt-llm": "trtllm", "tensorrt_llm": "trtllm",
            "turbomind": "lmdeploy", "transformers": "hf", "hf-transformers": "hf",
@@ -219,8 +275,12 @@ FIELDS = {
                          "batch)"),
     "hbm_efficiency": (_share_floor, f"a share in [{MIN_EFFICIENCY:g}, 1] of spec HBM"),
     "flop_efficiency": (_share_floor, f"a share in [{MIN_EFFICIENCY:g}, 1] of spec compute"),
-    "layer_overhead_us": (_upto(1e5), "a number in [0, 1e5] (us per layer and step: launches "
-                          "no graph hides, whatever the batch)"),
+    "layer_overhead_us": (_upto(1e5), "a number in [0, 1e5] (us per layer and step of GPU "
+                          "time between and around its kernels, whatever the batch)"),
+    "launch": (lambda v: v in LAUNCH_MODES, f"one of {', '.join(LAUNCH_MODES)}"),
+    "launch_overhead_us": (_upto(1e5), "a number in [0, 1e5] (us of host time per layer to "
+                           "launch its kernels one by one, eager only: overlapped with the "
+                           "GPU's work, a step takes at least the launches)"),
     "token_overhead_us": (_upto(1e5), "a number in [0, 1e5] (us per sequence that emits a "
                           "token in a step: sampling, detokenising, the scheduler's bookkeeping)"),
     "allreduce_us": (_upto(1e5), "microseconds in [0, 1e5] an engine's all-reduce adds to the "

@@ -102,6 +102,9 @@ class StepCosts:
         w = self.prefill_work
         self.works = bool(w.flops_per_token or w.flops_per_token_sq or w.bytes_per_token)
         self.overhead = c.step_overhead + m.layers * c.layer_overhead
+        # an eager engine's host launches a step's kernels while the GPU runs those launched
+        # before: the layers take at least the launches (``floor``, beside their GPU overhead)
+        self.floor = max(0.0, m.layers * (c.launch_overhead - c.layer_overhead))
         self.attn_rate = c.flops * c.prefill_attention_efficiency  # prefill attention FLOP/s
         self.matmuls = c.matmuls(m)
         self.reread = c.attention_reread(m)  # KV heads read once per query head, or once
@@ -206,8 +209,8 @@ class StepCosts:
         if D.any():
             compute, decide, link = self.layer_costs(D, tokens, read, fetch)
             head = np.where(D > 0, c.head_time(D, m), 0.0)
-            alone = np.where(D > 0, step_time(compute, decide, link, L, self.overlap) + head
-                             + ovh, 0.0)
+            alone = np.where(D > 0, np.maximum(step_time(compute, decide, link, L, self.overlap)
+                                               + head, self.floor) + ovh, 0.0)
         else:  # prefill only: no decode work at all
             compute = decide = link = head = alone = np.zeros_like(D)
         if chunks is None:
@@ -223,7 +226,8 @@ class StepCosts:
         write = c.link_time(self.host_bytes(chunks.tokens, chunks.written), "d2h",
                             copies=2 * L * c.copies(1.0, chunks.count)) \
             if self.writes else np.zeros_like(layers)
-        return (np.maximum(layers + extra, write) + ovh, L * (compute + decide) + extra,
+        return (np.maximum(np.maximum(layers + extra, write), self.floor) + ovh,
+                L * (compute + decide) + extra,
                 L * link + write, alone)
 
     def step(self, D: int, tokens: float, chunk_tokens: float, attn_flops: float, count: int,
@@ -237,7 +241,7 @@ class StepCosts:
         holds the two equal. (``b if b > a else a`` is ``max(a, b)``, the same float, without
         the call: a tenth of its time.)"""
         m, c, p = self.model, self.costs, self.policy
-        L, ovh, overlap = m.layers, self.overhead, self.overlap
+        L, ovh, overlap, floor = m.layers, self.overhead, self.overlap, self.floor
         gemm_d = attn = link = decide = alone = 0.0
         dec = self._decoding.get(D, 0) if D and tokens > 0 else None
         if dec == 0:
@@ -250,16 +254,18 @@ class StepCosts:
             if overlap:  # (_step_time, inlined)
                 compute_d = c0 + attn + decide
                 alone = link + compute_d + (L - 1) * (link if link > compute_d else compute_d) \
-                    + head_d + ovh
+                    + head_d
             else:
-                alone = L * (c0 + attn + decide + link) + head_d + ovh
+                alone = L * (c0 + attn + decide + link) + head_d
+            alone = (alone if alone > floor else floor) + ovh
         elif D and self.fixed:
             gemm_d, head_d = self.per_batch(D)
             compute, decide, link = (float(x[0]) for x in self.layer_costs(
                 D, np.array([tokens]), None if read is None else [read],
                 None if fetch is None else [fetch]))
             attn = compute - gemm_d - float(c.allreduce_time(D, m))
-            alone = float(step_time(compute, decide, link, L, self.overlap)) + head_d + ovh
+            alone = float(step_time(compute, decide, link, L, self.overlap)) + head_d
+            alone = (alone if alone > floor else floor) + ovh
         elif D:
             gemm_d, head_d = self.per_batch(D)
             kv_layer = m.kv_bytes_per_token / L * tokens
@@ -271,7 +277,8 @@ class StepCosts:
             if self.decide is not None:
                 decide = float(self.decide.seconds(D, tokens, p.host_read_frac))
             alone = float(step_time(gemm_d + attn + float(c.allreduce_time(D, m)), decide, link, L,
-                                    self.overlap)) + head_d + ovh
+                                    self.overlap)) + head_d
+            alone = (alone if alone > floor else floor) + ovh
         n = D + chunk_tokens
         got = self._gemm_at.get(n)
         if got is None:  # (tensor parallel: the all-reduces)
@@ -292,7 +299,8 @@ class StepCosts:
             extra += sum(max(work.flops(x) / c.flops, work.bytes(x) / c.hbm_bw) for x in done)
         write = self._write(chunk_tokens, written, count) if self.writes and count else 0.0
         busy = layers + extra
-        return ((write if write > busy else busy) + ovh, L * (compute + decide) + extra,
+        took = write if write > busy else busy
+        return ((took if took > floor else floor) + ovh, L * (compute + decide) + extra,
                 L * link + write, alone)
 
     def _write(self, chunk_tokens: float, written: float | None, count: int) -> float:
@@ -321,7 +329,8 @@ class StepCosts:
         read, fetch = (None, None) if held is None else self.charged_steps(held, k)
         compute, decide, link = self.layer_costs(B, tokens + B * j, read, fetch)
         head = self.per_batch(B)[1]
-        return (step_time(compute, decide, link, L, self.overlap) + head + self.overhead,
+        return (np.maximum(step_time(compute, decide, link, L, self.overlap) + head, self.floor)
+                + self.overhead,
                 L * (compute + decide) + head, L * link)
 
     def _line(self, B: int) -> tuple | None:
@@ -391,6 +400,12 @@ class StepCosts:
                     s0, s1 = gpu_side if lo + hi >= 0 else link_side
         else:
             form = None
+        launched = False  # the host's launches set the pace (a floor under each step)
+        if form is not None and self.floor > 0:
+            if s0 + s1 * (T0 + B * (k - 1)) + head <= self.floor:
+                launched = True  # throughout the run
+            elif s0 + s1 * T0 + head < self.floor:
+                form = None  # for the first steps only
         if form is None:
             steps, gpu, link = self._decode(B, T0, k, held)
             ends = np.cumsum(steps)
@@ -401,6 +416,8 @@ class StepCosts:
             return k, float(ends[k - 1]), float(gpu[:k].sum()), float(link[:k].sum())
         L = self.model.layers
         u, v = s0 + s1 * T0 + head + self.overhead, s1 * B  # step j takes u + v j
+        if launched:
+            u, v = self.floor + self.overhead, 0.0
         # step j ends at (j + 1) u + v j (j + 1) / 2; a run that ends before ``until`` is whole,
         # else it ends with the first step that ends at or after it
         if until <= k * u + v * (k - 1) * k / 2:

@@ -39,10 +39,15 @@ def step_events(sim: Simulator, start: float, compute: float, decide: float, lin
     t = start + float(step_time(compute, decide, link, L, overlap))
     head = float(sim.costs.head_time(batch, sim.model))  # once per step
     ev.append(_event("LM head", GPU, t, head, step=step, batch=batch))
+    t += head
+    wait = sim.steps.floor - (t - start)
+    if wait > 0:  # an eager engine's host still launching the step's kernels
+        ev.append(_event("waiting for host launches", GPU, t, wait, step=step))
+        t += wait
     ovh = sim.steps.overhead
     if ovh > 0:  # the engine's own work between steps (scheduling, sampling, launches)
-        ev.append(_event("engine overhead", GPU, t + head, ovh, step=step))
-    return ev, t + head + ovh
+        ev.append(_event("engine overhead", GPU, t, ovh, step=step))
+    return ev, t + ovh
 
 
 def build(sim: Simulator, res: SimResult, max_steps: int = 16) -> dict:
