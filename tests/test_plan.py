@@ -293,3 +293,23 @@ def test_a_plan_where_everything_fails_exits_2_after_writing_why(attn_trace, tmp
     assert rc == 2 and "every configuration failed" in err, err
     assert len(err.strip().splitlines()) == 1
     assert pd.read_csv(out / "results.csv").status.eq("failed").all()
+
+
+def test_a_plan_on_a_refitted_built_in_engine_is_not_resumed(attn_trace, tmp_path, monkeypatch):
+    """A plan's rows name the built-in engine they ran on (the GPU's default here, trtllm) by
+    its file's hash: after a refit of that file the plan is refused, and --force runs it
+    again, rather than mixing rows of two engines."""
+    from kvsim.errors import KvsimError
+    from kvsim.hw import engine as E
+    out, small = tmp_path / "plan", dict(gpus=["h100-sxm"], contexts=[8192],
+                                         policies=["dense-resident"], batches=[1])
+    plan(spec(attn_trace, **small), out, LocalExecutor(1), progress=False)
+    refit = tmp_path / "trtllm.json"
+    doc = json.loads(E.BUILTIN["trtllm"].read_text())
+    doc["fields"]["step_overhead_ms"]["value"] += 0.5
+    refit.write_text(json.dumps(doc))
+    monkeypatch.setitem(E.BUILTIN, "trtllm", refit)
+    with pytest.raises(KvsimError, match="engine trtllm changed since"):
+        plan(spec(attn_trace, **small), out, LocalExecutor(1), progress=False)
+    again = plan(spec(attn_trace, **small), out, LocalExecutor(1), progress=False, force=True)
+    assert again.summary["new_runs"] == 1

@@ -239,9 +239,9 @@ def _input_hashes(spec: SweepSpec) -> dict[str, str]:
     """SHA-256 of each file the plan reads, by its path."""
     import hashlib
     out = {}
-    for p in spec.input_files():
+    for name, p in spec.input_files().items():
         try:
-            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+            out[name] = hashlib.sha256(p.read_bytes()).hexdigest()[:16]
         except OSError as e:
             raise KvsimError(f"{p}: cannot read ({e.strerror})") from None
     return out

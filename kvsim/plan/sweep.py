@@ -88,15 +88,25 @@ class SweepSpec:
                    if self.caching else {}),
                 "keys": KEYS}
 
-    def input_files(self) -> list[Path]:
-        """The files the plan reads (model configs, profiled GPUs, the trace, the workload, an
-        engine or policy profile): a resumed plan checks they are what its rows were run on."""
+    def input_files(self) -> dict[str, Path]:
+        """The files the plan reads, by the name a resumed plan records them under (model
+        configs, profiled GPUs, the trace, the workload, an engine or policy profile, and the
+        built-in engine a name or the GPUs' default picks: ``engine trtllm``): a resumed plan
+        checks they are what its rows were run on (a refitted built-in engine included)."""
+        from kvsim.hw import catalog
+        from kvsim.hw.engine import BUILTIN, default_for, resolve
         from kvsim.hw.hfconfig import looks_like_path
+        named = self.engine.get("engine")
         names = [n for n in (*self.models, *self.gpus) if looks_like_path(n)] + [
-            self.trace, self.workload, self.engine.get("engine"),
-            self.engine.get("policy_profile")]
+            self.trace, self.workload, named, self.engine.get("policy_profile")]
         paths = [Path(n) / "config.json" if Path(n).is_dir() else Path(n) for n in names if n]
-        return [p for p in paths if p.is_file()]
+        out = {str(p): p for p in paths if p.is_file()}
+        engines = [named] if named else [default_for(catalog.gpu(g).vendor)
+                                         for g in self.gpus if g.lower() in catalog.GPUS]
+        for e in engines:
+            if not Path(e).is_file() and resolve(e)[0] in BUILTIN:
+                out[f"engine {resolve(e)[0]}"] = BUILTIN[resolve(e)[0]]
+        return out
 
     def file_contexts(self) -> list[int]:
         """The contexts swept: the workload file's mean prompt where there is one."""
