@@ -162,3 +162,25 @@ def test_chunked_prefill_timeline_shows_mixed_steps_without_overlap(attn_trace, 
         spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e["tid"] == tid)
         assert all(b[0] >= a[1] - 1e-6 for a, b in zip(spans, spans[1:])), tid
     assert any(e["name"].startswith("step: ") and "prefill tokens" in e["name"] for e in ev)
+
+
+def test_an_eager_engines_steps_wait_for_its_host_launches(attn_trace, tmp_path):
+    """An engine that launches eagerly at 400 us a layer: Qwen3-4B's decode layers take less
+    on an H100, so each step waits for its launches, shown as such, and the steps are as
+    long as the engine says (the layers' launches plus the per-step overhead)."""
+    from kvsim.hw.engine import ROOFLINE
+    eng = tmp_path / "eager.json"
+    ROOFLINE.with_fields(launch="eager", launch_overhead_us=400.0,
+                         step_overhead_ms=0.5).save(eng)
+    out = tmp_path / "tl.json"
+    r = replay_json(trace=attn_trace, policy="dense-resident", gpu="h100-sxm", model="qwen3-4b",
+                    context=8192, batch=2, output_len=4, timeline=out, timeline_steps=3,
+                    scheduler="prefill-first", engine=str(eng))
+    ev = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    waits = [e for e in ev if e["name"] == "waiting for host launches"]
+    assert len(waits) == 3
+    assert r["tpot_ms"] == pytest.approx(36 * 0.4 + 0.5, rel=1e-9)  # 36 layers x 400 us
+    end = max(e["ts"] + e["dur"] for e in ev)
+    prefill = [e for e in ev if e["name"].startswith("prefill")][0]
+    assert (end - prefill["ts"] - prefill["dur"]) / 1e3 / 3 == pytest.approx(r["tpot_ms"],
+                                                                              rel=1e-6)
