@@ -95,6 +95,18 @@ def test_every_family_launches_as_documented():
     assert F.engine_for("unknown-engine", shared, {}) is shared
 
 
+def test_what_a_familys_code_fixes_stands_in_where_it_has_no_fit():
+    """gpt-fast decodes in a bare loop around one compiled step: no per-step host work where
+    the shared fit stands in for it (a fold that holds it out); its own points agree (its fit
+    is within 0.2 ms of it)."""
+    assert E.FAMILY_FIELDS["gpt-fast"]["step_overhead_ms"][0] == 0.0
+    eng = E.load("gpt-fast")
+    assert eng.get("step_overhead_ms") < 0.2 and eng.fields["step_overhead_ms"].source == "fit"
+    stand_in = F.engine_for("gpt-fast", E.load(E.SHARED), {})
+    assert stand_in.get("step_overhead_ms") == 0.0 and stand_in.get("launch") == "cuda-graph"
+    assert E.load(E.SHARED).get("step_overhead_ms") > 0.5  # the serving engines' typical step
+
+
 def test_no_fitted_per_layer_overhead_passes_its_physical_ceiling():
     """The per-layer overhead is GPU time around a layer's kernels: at most its kernels (14,
     the most any family launches) at the measured 3.8 us a small kernel takes from launch to

@@ -12,8 +12,9 @@ least-squares problem (:func:`fit_joint`) fits two levels at once:
    shared values of what an engine's own code sets (:data:`FAMILY_PARAMS`, those its rows
    identify), pulled towards zero by a prior so that the shared engine stays the typical one.
    An engine with fewer rows is the shared engine. Each family launches as it is documented
-   to (:func:`with_launch`: CUDA graphs, or eagerly at a measured host cost per layer), and
-   so does the shared engine where it predicts a family held out.
+   to (:func:`as_documented`: CUDA graphs, or eagerly at a measured host cost per layer, and
+   the overheads its code fixes), and so does the shared engine where it predicts a family
+   held out.
 
 :func:`cross_validate` leaves one publication (``source``) out at a time: the joint fit of the
 other publications predicts every measured value of the held-out one (``tpot_ms``,
@@ -35,7 +36,7 @@ import numpy as np
 from kvsim.errors import KvsimError
 from kvsim.fit import HEADLINE, Point, Predictor
 from kvsim.fit.solve import identified, make_engine, start_values
-from kvsim.hw.engine import BOUNDS, FAMILY_LAUNCH, Engine, Value
+from kvsim.hw.engine import BOUNDS, FAMILY_FIELDS, FAMILY_LAUNCH, Engine, Value
 
 FAMILY_PARAMS = ("step_overhead_ms", "layer_overhead_us", "token_overhead_us", "hbm_efficiency",
                  "flop_efficiency", "allreduce_us")
@@ -99,19 +100,23 @@ def free_parameters(rows: list[Point], pred: Predictor) -> dict[str, list[str]]:
 
 def engine_for(family: str, shared: Engine, engines: dict) -> Engine:
     """The engine that predicts ``family``'s points: its own fit where it has one, else the
-    shared fit launching as ``family`` is documented to (:func:`with_launch`)."""
-    return engines.get(family) or with_launch(shared, family)
+    shared fit as ``family`` is documented to run (:func:`as_documented`, with the overheads
+    its code fixes: where a family has points of its own, they set those)."""
+    return engines.get(family) or as_documented(shared, family, fixed=True)
 
 
-def with_launch(engine: Engine, family: str) -> Engine:
-    """``engine`` with ``family``'s documented launch mode (:data:`FAMILY_LAUNCH`)."""
-    if family not in FAMILY_LAUNCH:
-        return engine
-    mode, host_us, why = FAMILY_LAUNCH[family]
-    fields = {**engine.fields, "launch": Value(mode, "docs", why)}
-    if host_us:
-        fields["launch_overhead_us"] = Value(host_us, "docs", why)
-    return dataclasses.replace(engine, fields=fields)
+def as_documented(engine: Engine, family: str, fixed: bool = False) -> Engine:
+    """``engine`` with ``family``'s documented launch mode (:data:`FAMILY_LAUNCH`) and, with
+    ``fixed``, the overheads its code fixes (:data:`FAMILY_FIELDS`), each with source ``docs``."""
+    fields = dict(engine.fields)
+    if family in FAMILY_LAUNCH:
+        mode, host_us, why = FAMILY_LAUNCH[family]
+        fields["launch"] = Value(mode, "docs", why)
+        if host_us:
+            fields["launch_overhead_us"] = Value(host_us, "docs", why)
+    for k, (v, why) in (FAMILY_FIELDS.get(family, {}) if fixed else {}).items():
+        fields[k] = Value(v, "docs", why)
+    return dataclasses.replace(engine, fields=fields) if fields != engine.fields else engine
 
 
 class JointProblem:
@@ -147,8 +152,8 @@ class JointProblem:
             if fam != "shared":
                 own = {k: _offset(k, shared[k], v) for (lvl, k), v in zip(self.names, x)
                        if lvl == fam}
-                out[fam] = with_launch(make_engine(out["shared"], own, "fit", "", self.gpu,
-                                                   self.model), fam)
+                out[fam] = as_documented(make_engine(out["shared"], own, "fit", "", self.gpu,
+                                                     self.model), fam)
         return out
 
     def fit_part(self, x, idx) -> np.ndarray:
