@@ -1,7 +1,7 @@
 """How an engine launches a step's kernels: a CUDA graph per step, or kernel by kernel from
 the host while the GPU runs the ones before (``launch``, ``launch_overhead_us``), each against
-a hand computation; the families' documented modes; and the physical ceiling of the per-layer
-overhead that no fit may pass."""
+a hand computation; the families' documented modes and what their code fixes; and the stated
+physical limits of the fitted overheads (the per-layer ceiling, the host's share of a step)."""
 
 from __future__ import annotations
 
