@@ -56,7 +56,6 @@ HBM_CEILING = 0.92
 PARAMS = {
     "step_overhead_ms": (0.0, 1e3),
     "layer_overhead_us": (0.0, LAYER_OVERHEAD_CEILING_US),
-    "launch_overhead_us": (0.0, 1e4),
     "token_overhead_us": (0.0, 1e3),
     "allreduce_us": (0.0, 1e3),
     "gemm_overlap": (0.0, 1.0),
@@ -152,8 +151,7 @@ def identified(points: list[Point], pred: Predictor) -> list[str]:
 def start_values(gpu: str, kernels: list[str]) -> dict:
     """Where the search starts: the catalog's roofline figures of the fitted GPU."""
     g = catalog.gpu(gpu)
-    return {"step_overhead_ms": 0.5, "layer_overhead_us": 5.0, "launch_overhead_us": 30.0,
-            "token_overhead_us": 5.0,
+    return {"step_overhead_ms": 0.5, "layer_overhead_us": 5.0, "token_overhead_us": 5.0,
             "allreduce_us": 5.0,
             "gemm_overlap": 0.5, "gemm_half_tokens": 32.0, "moe_efficiency": 0.7,
             "head_reread_share": 0.5, "attention_efficiency": 0.8,

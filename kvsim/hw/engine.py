@@ -68,8 +68,6 @@ VENDOR_DEFAULT = {"amd": "vllm"}
 # launched from C++ into a stream, 3.4 us as one CUDA graph): the host issues a kernel every
 # 3.8 us; a graph's kernels follow each other 0.5 us apart on the GPU.
 HOST_LAUNCH_US = 3.8
-GRAPH_GAP_US = 0.5
-KERNEL_US = 2.9  # the blog's small kernel: about the shortest a layer's kernels run
 # kernels a decode step launches per Llama layer (our count, not a published one): RMSNorm,
 # QKV GEMM, attention with RoPE and the KV write, output GEMM, residual add with RMSNorm,
 # gate-up GEMM, SwiGLU, down GEMM, residual add: 9 in a fused C++ engine, about 10 with
