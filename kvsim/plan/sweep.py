@@ -103,9 +103,8 @@ class SweepSpec:
         out = {str(p): p for p in paths if p.is_file()}
         engines = [named] if named else [default_for(catalog.gpu(g).vendor)
                                          for g in self.gpus if g.lower() in catalog.GPUS]
-        for e in engines:
-            if not Path(e).is_file() and resolve(e)[0] in BUILTIN:
-                out[f"engine {resolve(e)[0]}"] = BUILTIN[resolve(e)[0]]
+        for family in {resolve(e)[0] for e in engines if not Path(e).is_file()} & set(BUILTIN):
+            out[f"engine {family}"] = BUILTIN[family]
         return out
 
     def file_contexts(self) -> list[int]:
