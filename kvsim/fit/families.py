@@ -36,7 +36,14 @@ import numpy as np
 from kvsim.errors import KvsimError
 from kvsim.fit import HEADLINE, Point, Predictor
 from kvsim.fit.solve import identified, make_engine, start_values
-from kvsim.hw.engine import BOUNDS, FAMILY_FIELDS, FAMILY_LAUNCH, Engine, Value
+from kvsim.hw.engine import (
+    BOUNDS,
+    FAMILY_ALLREDUCE,
+    FAMILY_FIELDS,
+    FAMILY_LAUNCH,
+    Engine,
+    Value,
+)
 
 FAMILY_PARAMS = ("step_overhead_ms", "layer_overhead_us", "token_overhead_us", "hbm_efficiency",
                  "flop_efficiency", "allreduce_us")
@@ -114,6 +121,9 @@ def as_documented(engine: Engine, family: str, fixed: bool = False) -> Engine:
         fields["launch"] = Value(mode, "docs", why)
         if host_us:
             fields["launch_overhead_us"] = Value(host_us, "docs", why)
+    if family in FAMILY_ALLREDUCE:
+        fields["allreduce_kernel"] = Value(*FAMILY_ALLREDUCE[family][:1], "docs",
+                                           FAMILY_ALLREDUCE[family][1])
     for k, (v, why) in (FAMILY_FIELDS.get(family, {}) if fixed else {}).items():
         fields[k] = Value(v, "docs", why)
     return dataclasses.replace(engine, fields=fields) if fields != engine.fields else engine
@@ -337,9 +347,8 @@ def _fold(group: str) -> list[dict]:
 # its host, the largest published: Llama-3-8B on one H100, 33% in the HTTP API server and 29%
 # scheduling, 38% on the GPU (blog.vllm.ai/2024/09/05/perf-update.html). The per-layer
 # overhead, GPU time, has an absolute ceiling (:data:`kvsim.hw.engine.
-# LAYER_OVERHEAD_CEILING_US`, the fit's bound); the all-reduce's,
-# communication, none (NCCL's small all-reduce on 8 H100s takes 19-25 us, github.com/
-# ByteDance-Seed/Triton-distributed/issues/57, where kvsim's base latency is 6 us)
+# LAYER_OVERHEAD_CEILING_US`, the fit's bound); the all-reduce's, communication on top of
+# the kernel's measured time (kvsim.hw.collectives: the engine's NCCL or custom kernel), none
 OVERHEADS = ("step_overhead_ms", "layer_overhead_us", "token_overhead_us", "allreduce_us",
              "launch_overhead_us")
 HOST_OVERHEADS = ("step_overhead_ms", "token_overhead_us", "launch_overhead_us")

@@ -219,6 +219,7 @@ class CostModel:
         self.launch_overhead = 0.0  # host seconds per layer launching it (eager engines only)
         self.token_overhead = 0.0  # seconds per sequence that emits a token in a step
         self.allreduce_extra = 0.0  # seconds the engine adds to each all-reduce
+        self.allreduce_kernel = "nccl"  # which all-reduce kernel (collectives.KERNELS)
         self.gemm_overlap = 1.0  # share of min(compute, weight reads) hidden under the max
         self.gemm_half_tokens = 0.0  # tokens per matmul at half its large-shape efficiency
         self.moe_efficiency = 1.0  # grouped expert matmuls' efficiency over the dense ones'
@@ -419,6 +420,7 @@ class CostModel:
             if engine.get("launch") == "eager" else 0.0
         self.token_overhead = engine.get("token_overhead_us", 0.0) / 1e6
         self.allreduce_extra = engine.get("allreduce_us", 0.0) / 1e6
+        self.allreduce_kernel = engine.get("allreduce_kernel", "nccl")
         self.gemm_overlap = engine.get("gemm_overlap", 1.0)
         self.gemm_half_tokens = engine.get("gemm_half_tokens", 0.0)
         self.moe_efficiency = engine.get("moe_efficiency", 1.0)
@@ -570,7 +572,8 @@ class CostModel:
 
     def set_tp(self, tp: int, shared_link: bool = False) -> CostModel:
         """One GPU of a tensor-parallel group of ``tp``: the group's all-reduces priced from
-        published NCCL measurements of the catalog's peer link (:mod:`kvsim.hw.collectives`);
+        published measurements of the engine's all-reduce kernel (``allreduce_kernel``: NCCL or
+        custom) over the catalog's peer link (:mod:`kvsim.hw.collectives`);
         with ``shared_link`` the group's GPUs share one host link."""
         self.tp = tp
         if tp == 1:
@@ -578,7 +581,7 @@ class CostModel:
         g = self.spec
         if g is None or not g.peer_gbps:
             raise KvsimError(f"--tp {tp} needs the GPU-to-GPU bandwidth of a catalog GPU (--gpu)")
-        self.allreduce = AllReduce(g.peer, g.peer_gbps, tp)
+        self.allreduce = AllReduce(g.peer, g.peer_gbps, tp, self.allreduce_kernel)
         self.provenance["tensor_parallel"] = (
             f"{tp} GPUs: 2 all-reduces per layer, latency + bytes x 2 (N - 1) / N / bus "
             f"bandwidth over {self.allreduce.source}")

@@ -39,6 +39,7 @@ import numpy as np
 
 from kvsim.checks import MAX_GBPS, MIN_GBPS
 from kvsim.errors import KvsimError
+from kvsim.hw.collectives import KERNELS
 
 FORMAT = "kvsim-engine"
 VERSION = 1
@@ -110,6 +111,26 @@ FAMILY_LAUNCH = {
                "(--disable-cuda-graph turns them off)"),
     "gpt-fast": ("cuda-graph", 0.0, "gpt-fast compiles decode with torch.compile(mode="
                  "'reduce-overhead'): CUDA graphs"),
+}
+# which all-reduce kernel each family's published points ran (kvsim.hw.collectives prices
+# each from its own measurements), and where that is documented; a family not named runs NCCL
+FAMILY_ALLREDUCE = {
+    "trtllm": ("custom", "TensorRT-LLM's AllReduce plugin: use_custom_all_reduce on by default in "
+               "its PluginConfig and its benchmarks' build configs ('gives better performance "
+               "with NVLink'), 0.7-0.9"),
+    "vllm": ("custom", "vLLM's custom all-reduce (vllm/distributed/device_communicators/"
+             "custom_all_reduce.py), on by default since PR 2192 (0.3.0) over NVLink"),
+    "vllm-v0": ("custom", "vLLM 0.4-0.7: custom all-reduce on by default over NVLink "
+                "(disable_custom_all_reduce=False)"),
+    "vllm-0.3": ("custom", "vLLM 0.3: custom all-reduce from PR 2192 (0.3.0) on; the 0.2 rows of "
+                 "the family (PR 2542's branch) ran NCCL"),
+    "sglang": ("custom", "SGLang: vLLM's custom all-reduce, then sgl-kernel's (TensorRT-LLM's "
+               "kernel, PR 2904)"),
+    "lmdeploy": ("nccl", "LMDeploy 0.1's TurboMind: ftNcclAllReduceSum after attention and the "
+                 "MLP (its FasterTransformer custom all-reduce is built but not enabled)"),
+    "gpt-fast": ("nccl", "gpt-fast: torch.distributed's functional all_reduce (NCCL) inside the "
+                 "compiled graph"),
+    "hf": ("nccl", "transformers' tensor parallelism: torch.distributed (NCCL)"),
 }
 # what a family's code fixes of its overheads, with where, for the shared fit where it stands
 # in for the family (a fold that holds the family out; where the family has points, they set
@@ -291,8 +312,10 @@ FIELDS = {
     "token_overhead_us": (_upto(1e5), "a number in [0, 1e5] (us per sequence that emits a "
                           "token in a step: sampling, detokenising, the scheduler's bookkeeping)"),
     "allreduce_us": (_upto(1e5), "microseconds in [0, 1e5] an engine's all-reduce adds to the "
-                     "NCCL measurement per call (its launch, synchronisation, no custom "
-                     "kernel)"),
+                     "measured kernel time per call (its launch, synchronisation, skew between "
+                     "the GPUs)"),
+    "allreduce_kernel": (lambda v: v in KERNELS, f"one of {', '.join(KERNELS)} (the all-reduce "
+                         "kernel: NCCL, or a custom one-kernel all-reduce over NVLink)"),
     "gemm_overlap": (lambda v: _nonneg(v) and v <= 1, "a share in [0, 1] of the smaller of a "
                      "matmul's compute and weight-read times hidden under the larger"),
     "gemm_half_tokens": (_upto(1e7), "tokens in [0, 1e7] per matmul at which it reaches half its "
@@ -403,9 +426,16 @@ class Engine:
         """A copy with what-if values (source ``override``): ``step_overhead_ms``,
         ``link_gbps`` (every path; the gather path keeps its ratio to H2D), ``decide_ms`` (per
         request and decode step, all layers: the field ``decide_layer_us``, which replaces the
-        decide model of the policy being planned, keeping its serial share; needs ``layers``)."""
+        decide model of the policy being planned, keeping its serial share; needs ``layers``),
+        ``allreduce_kernel`` (``nccl`` or ``custom``: the engine's own extra stays)."""
         fields = dict(self.fields)
         layers = over.pop("layers", None)
+        if over.get("allreduce_kernel") is not None:
+            k = over["allreduce_kernel"]
+            if k not in KERNELS:
+                raise KvsimError(f"--allreduce-kernel must be one of {', '.join(KERNELS)}, "
+                                 f"got {k!r}")
+            fields["allreduce_kernel"] = Value(k, "override", f"--allreduce-kernel {k}")
         if over.get("step_overhead_ms") is not None:
             fields["step_overhead_ms"] = Value(float(over["step_overhead_ms"]), "override")
             try:
@@ -450,8 +480,9 @@ def check(key: str, val: Value) -> None:
         DecideModel(**val.value)
         return
     if key not in FIELDS:
-        raise KvsimError(f"unknown engine field {key!r}; known: {', '.join(FIELDS)}, "
-                         f"decide.<policy>")
+        known = [k for k in FIELDS if not k.startswith("link.")]
+        raise KvsimError(f"unknown engine field {key!r}; known: {', '.join(known)}, "
+                         f"link.<{'|'.join(PATHS)}>.<gbps|launch_us>, decide.<policy>")
     ok, what = FIELDS[key]
     if not ok(val.value):
         raise KvsimError(f"engine field {key}: {val.value!r} is not {what}")
