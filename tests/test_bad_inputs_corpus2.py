@@ -215,6 +215,7 @@ REPLAY_FLAGS = [
     (["--link-gbps", "-1"], "--link-gbps"),
     (["--decide-ms", "-1"], "--decide-ms"), (["--decide-ms", "inf"], "finite"),
     (["--step-overhead-ms", "nan"], "finite"), (["--step-overhead-ms", "-0.5"], "overhead"),
+    (["--allreduce-kernel", "ring"], "--allreduce-kernel must be one of nccl, custom"),
     (["--kv-read-frac", "1.5"], "share"), (["--kv-read-frac", "-0.1"], "share"),
     (["--kv-read-frac", "nan"], "finite"),
     (["--qps", "0"], "--qps"), (["--qps", "-2"], "--qps"), (["--qps", "inf"], "finite"),

@@ -156,11 +156,16 @@ def add_engine_flags(p) -> None:
                    help="engine overhead per step, whatever its batch")
     g.add_argument("--link-gbps", type=float, metavar="GBPS",
                    help="host-link bandwidth of every path (the gather path keeps its ratio)")
+    g.add_argument("--allreduce-kernel", metavar="nccl|custom",
+                   help="the tensor-parallel all-reduce: NCCL, or a custom kernel over NVLink "
+                        "(vLLM's --disable-custom-all-reduce runs NCCL) [default: the "
+                        "engine's]")
 
 
 def engine_options(args) -> dict:
     return {k: getattr(args, k) for k in ("engine", "policy_profile", "kv_read_frac",
-                                          "decide_ms", "step_overhead_ms", "link_gbps")
+                                          "decide_ms", "step_overhead_ms", "link_gbps",
+                                          "allreduce_kernel")
             if getattr(args, k) is not None}
 
 

@@ -133,6 +133,7 @@ class EngineChoice:
     decide_ms: float | None = None  # decide per request and decode step, all layers
     step_overhead_ms: float | None = None
     link_gbps: float | None = None
+    allreduce_kernel: str | None = None  # nccl or custom (kvsim.hw.collectives.KERNELS)
 
     def check(self) -> None:
         for name in ("decide_ms", "step_overhead_ms"):
@@ -140,9 +141,14 @@ class EngineChoice:
                 real(getattr(self, name), f"--{name.replace('_', '-')}", least=0)
         if self.link_gbps is not None:
             positive(self.link_gbps, "--link-gbps")
+        from kvsim.hw.collectives import KERNELS
+        if self.allreduce_kernel is not None and self.allreduce_kernel not in KERNELS:
+            raise KvsimError(f"--allreduce-kernel must be one of {', '.join(KERNELS)}, got "
+                             f"{self.allreduce_kernel!r}")
 
     def overrides(self) -> dict:
-        return {k: getattr(self, k) for k in ("decide_ms", "step_overhead_ms", "link_gbps")
+        return {k: getattr(self, k) for k in ("decide_ms", "step_overhead_ms", "link_gbps",
+                                              "allreduce_kernel")
                 if getattr(self, k) is not None}
 
 
@@ -265,7 +271,7 @@ TRAFFIC = {"context": "context", "output_len": "output_len", "qps": "qps",
            "workload_format": "workload_format", "time_scale": "time_scale",
            "workload_limit": "limit", "reuse": "reuse", "block_tokens": "block_tokens"}
 ENGINE = {"engine": "name", "decide_ms": "decide_ms", "step_overhead_ms": "step_overhead_ms",
-          "link_gbps": "link_gbps"}
+          "link_gbps": "link_gbps", "allreduce_kernel": "allreduce_kernel"}
 
 
 def configure(policy: str | PolicySpec = "dense-offload", policy_options: dict | None = None,
@@ -276,7 +282,8 @@ def configure(policy: str | PolicySpec = "dense-offload", policy_options: dict |
     ``policy_options``, ``model`` (a catalog name, a config.json path or a ModelSpec), ``gpu``,
     ``batch``, the traffic's (``context``, ``output_len``, ``qps``, ``concurrency``,
     ``requests``, ``workload_csv``, ``workload_format``, ``time_scale``, ``workload_limit``),
-    the engine's (``engine``, ``decide_ms``, ``step_overhead_ms``, ``link_gbps``), every field
+    the engine's (``engine``, ``decide_ms``, ``step_overhead_ms``, ``link_gbps``,
+    ``allreduce_kernel``), every field
     of :class:`~kvsim.sim.rules.Scheduling`, :class:`~kvsim.sim.records.Deployment` and
     :class:`~kvsim.sim.records.PrefixCaching`,
     ``trace``, ``policy_profile``, ``kv_read_frac``, ``kv_read_everywhere``, ``seed`` and
