@@ -81,7 +81,8 @@ def md_table(rows: list[dict], first: str, fitted: list[dict] | None = None) -> 
             lines.append(f"| {r['category']} | 0 | | | | | |{more}")
             continue
         lines.append(f"| {r['category']} | {r['values']} | {r['sources']} | "
-                     f"{100 * r['within_share']:.0f}% | {r['median_abs_pct']:.1f}% | "
+                     f"{100 * r['within_share']:.1f}% ({round(r['within_share'] * r['values'])})"
+                     f" | {r['median_abs_pct']:.1f}% | "
                      f"{r['max_abs_pct']:.0f}% | {100 * r['covered_share']:.0f}% |{more}")
     return "\n".join(lines)
 
@@ -226,8 +227,9 @@ measured host share of a Llama-3-8B step on an H100, the largest published: 33% 
 29% scheduling, blog.vllm.ai/2024/09/05/perf-update.html), and the per-layer overhead at most
 {LAYER_OVERHEAD_CEILING_US:.1f} us (the fit's bound: {max(LAYER_KERNELS.values())} kernels at
 the {HOST_LAUNCH_US} us a small kernel takes launch to launch, NVIDIA's CUDA-graphs blog); the
-all-reduce's none, it is communication (NCCL's small all-reduce on 8 H100s takes 19-25 us,
-Triton-distributed issue 57, beside kvsim's 6 us base latency). An
+all-reduce's none, it is communication: what an engine adds to its kernel's measured time
+(`kvsim/hw/collectives.py`: NCCL, 6 us at 2 H100s and 19.2 us at 8; a custom kernel, 3.7-5.9
+us). An
 eager family's `launch_overhead_us` is documented, not fitted (`kvsim.hw.engine.FAMILY_LAUNCH`).
 
 | family | overhead | value | points | largest share | median share |
