@@ -74,6 +74,7 @@ def test_each_family_runs_its_documented_kernel():
     for fam, (kernel, why) in FAMILY_ALLREDUCE.items():
         field = as_documented(shared, fam).fields["allreduce_kernel"]
         assert (field.value, field.source, field.note) == (kernel, "docs", why)
+        assert load(fam).get("allreduce_kernel") == kernel, fam  # the shipped file carries it
     h100 = catalog.gpu("h100-sxm")
     trt = CostModel.from_spec(h100).apply(as_documented(shared, "trtllm")).set_tp(8)
     assert "custom kernel" in trt.provenance["tensor_parallel"]
