@@ -98,10 +98,11 @@ def test_every_family_launches_as_documented():
 def test_what_a_familys_code_fixes_stands_in_where_it_has_no_fit():
     """gpt-fast decodes in a bare loop around one compiled step: no per-step host work where
     the shared fit stands in for it (a fold that holds it out); its own points agree (its fit
-    is within 0.2 ms of it)."""
+    is under a sixth of the shared fit's, the serving engines' typical step)."""
     assert E.FAMILY_FIELDS["gpt-fast"]["step_overhead_ms"][0] == 0.0
     eng = E.load("gpt-fast")
-    assert eng.get("step_overhead_ms") < 0.2 and eng.fields["step_overhead_ms"].source == "fit"
+    assert eng.get("step_overhead_ms") < E.load(E.SHARED).get("step_overhead_ms") / 6
+    assert eng.fields["step_overhead_ms"].source == "fit"
     stand_in = F.engine_for("gpt-fast", E.load(E.SHARED), {})
     assert stand_in.get("step_overhead_ms") == 0.0 and stand_in.get("launch") == "cuda-graph"
     assert E.load(E.SHARED).get("step_overhead_ms") > 0.5  # the serving engines' typical step

@@ -148,18 +148,16 @@ def add_engine_flags(p) -> None:
                    help="policy statistics fitted to the context with a 90%% interval; "
                         "'none': the trace's [default: the shipped one without a trace]")
     g.add_argument("--kv-read-frac", type=float, metavar="F",
-                   help="the policy's KV read per decode step, a share of the cache "
-                        "(replaces the trace's; plan: policies that fetch)")
+                   help="KV read per decode step, a share of the cache (replaces "
+                        "the trace's; plan: fetching policies)")
     g.add_argument("--decide-ms", type=float, metavar="MS",
                    help="decide time per request and decode step, all layers")
     g.add_argument("--step-overhead-ms", type=float, metavar="MS",
                    help="engine overhead per step, whatever its batch")
     g.add_argument("--link-gbps", type=float, metavar="GBPS",
-                   help="host-link bandwidth of every path (the gather path keeps its ratio)")
+                   help="host-link GB/s of every path (gather keeps its ratio)")
     g.add_argument("--allreduce-kernel", metavar="nccl|custom",
-                   help="the tensor-parallel all-reduce: NCCL, or a custom kernel over NVLink "
-                        "(vLLM's --disable-custom-all-reduce runs NCCL) [default: the "
-                        "engine's]")
+                   help="what-if all-reduce kernel [default: the engine's]")
 
 
 def engine_options(args) -> dict:
