@@ -67,7 +67,7 @@ LINKS: dict[str, Measured] = {
 # a custom all-reduce kernel on H100 NVLink 4 (SGLang PR 2904's unit test, TensorRT-LLM's kernel
 # in sgl-kernel, no CUDA graph): 3.7 / 4.8 / 5.9 us at 512 elements for 2 / 4 / 8 GPUs, 19.9 /
 # 31.1 / 33.8 us at 1,048,576 float32 elements (the harness's inputs, sgl-kernel/tests/
-# test_custom_allreduce.py): a bus bandwidth of 258 / 239 / 263 GB/s. vLLM's kernel measured
+# test_custom_allreduce.py): a bus bandwidth of 259 / 239 / 263 GB/s. vLLM's kernel measured
 # 9-10 us at small sizes in the same table, for a copy into its buffer that CUDA graphs remove
 _PR_2904 = ("custom all-reduce on H100 NVLink 4, SGLang PR 2904 (github.com/sgl-project/sglang/"
             "pull/2904, 'unit test performance in H100'): 3.7/4.8/5.9 us at 512 elements for "
