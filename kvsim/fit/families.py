@@ -122,8 +122,8 @@ def as_documented(engine: Engine, family: str, fixed: bool = False) -> Engine:
         if host_us:
             fields["launch_overhead_us"] = Value(host_us, "docs", why)
     if family in FAMILY_ALLREDUCE:
-        fields["allreduce_kernel"] = Value(*FAMILY_ALLREDUCE[family][:1], "docs",
-                                           FAMILY_ALLREDUCE[family][1])
+        kernel, why = FAMILY_ALLREDUCE[family]
+        fields["allreduce_kernel"] = Value(kernel, "docs", why)
     for k, (v, why) in (FAMILY_FIELDS.get(family, {}) if fixed else {}).items():
         fields[k] = Value(v, "docs", why)
     return dataclasses.replace(engine, fields=fields) if fields != engine.fields else engine

@@ -145,7 +145,7 @@ class _Custom:
 
     def __init__(self, link: str, n: int):
         lat, lat_n = _nearest(CUSTOM.latency_us, n)
-        bw, bw_n = _nearest(CUSTOM.busbw_gbps, n)
+        bw, _ = _nearest(CUSTOM.busbw_gbps, n)  # (measured at the latencies' group sizes)
         self.latency, self.busbw = lat * 1e-6, bw * GB
         at = "" if lat_n == n else f", measured at {lat_n} GPUs, not {n}"
         on = "" if link == "NVLink 4" else f", measured on NVLink 4, not {link}"

@@ -432,10 +432,11 @@ class Engine:
         layers = over.pop("layers", None)
         if over.get("allreduce_kernel") is not None:
             k = over["allreduce_kernel"]
-            if k not in KERNELS:
-                raise KvsimError(f"--allreduce-kernel must be one of {', '.join(KERNELS)}, "
-                                 f"got {k!r}")
             fields["allreduce_kernel"] = Value(k, "override", f"--allreduce-kernel {k}")
+            try:
+                check("allreduce_kernel", fields["allreduce_kernel"])
+            except KvsimError as e:
+                raise KvsimError(f"--allreduce-kernel: {e}") from None
         if over.get("step_overhead_ms") is not None:
             fields["step_overhead_ms"] = Value(float(over["step_overhead_ms"]), "override")
             try:
